@@ -1,0 +1,40 @@
+"""mpilossy: loss-tolerant, deadline-bound collectives over MPI.
+
+    from mpi4py import MPI
+    import mpilossy
+    with mpilossy.Communicator(MPI.COMM_WORLD, timeout=0.05,
+                               loss=mpilossy.loss.Bernoulli(0.1, seed=0)) as lc:
+        stats = lc.allreduce(sendbuf, recvbuf, op="avg")
+"""
+
+from mpi4py import MPI as _MPI  # loads libmpi before the compiled core
+
+from . import _core
+from . import loss
+from .communicator import AllreduceStats, Communicator, allreduce, default_communicator
+from .errors import MismatchError, MPILossyError
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AllreduceStats",
+    "Communicator",
+    "MPILossyError",
+    "MismatchError",
+    "allreduce",
+    "default_communicator",
+    "loss",
+]
+
+
+def _check_single_mpi() -> None:
+    """Two MPI libraries in one process crash or hang: refuse early."""
+    ours, theirs = _core.library_version(), _MPI.Get_library_version()
+    if ours.split("\n", 1)[0].strip() != theirs.split("\n", 1)[0].strip():
+        raise ImportError(
+            "mpilossy was built against a different MPI than the one mpi4py loaded:\n"
+            f"  mpilossy: {ours.splitlines()[0]}\n  mpi4py:   {theirs.splitlines()[0]}\n"
+            "Rebuild mpilossy against mpi4py's MPI (see README, 'Site MPI').")
+
+
+_check_single_mpi()

@@ -1,0 +1,370 @@
+"""The lossy communicator: validation, lifetime, defaults and statistics
+around the compiled core."""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import math
+import os
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Sequence, Union
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _buffers, _core, loss as _loss
+from .errors import MismatchError, MPILossyError
+
+__all__ = ["Communicator", "AllreduceStats", "allreduce", "default_communicator"]
+
+OPS = {"sum": _core.SUM, "avg": _core.AVG}
+ALGORITHMS = {"ring": _core.RING, "tree": _core.TREE}
+ALGORITHM_NAMES = {code: name for name, code in ALGORITHMS.items()}
+CHANNELS = ("rma", "auto")
+SCALINGS = ("unbiased", "zero-fill")
+
+DEFAULT_BLOCK_BYTES = 256 * 1024
+DEFAULT_TREE_RADIX = 4
+# Largest message for which algorithm="auto" picks the tree, by rank count.
+# Measured with `python -m mpilossy.bench.crossover` (docs/performance.md).
+TREE_MAX_BYTES = {2: 64 * 1024, 3: 64 * 1024, 4: 64 * 1024}
+TREE_MAX_BYTES_LARGE = 32 * 1024
+
+_EXCEPTIONS = {
+    _core.ERRORS["type"]: TypeError,
+    _core.ERRORS["value"]: ValueError,
+    _core.ERRORS["buffer"]: BufferError,
+    _core.ERRORS["mismatch"]: MismatchError,
+    _core.ERRORS["protocol"]: MPILossyError,
+    _core.ERRORS["mpi"]: MPILossyError,
+}
+_KINDS = {TypeError: "type", ValueError: "value", BufferError: "buffer"}
+_serials = itertools.count()
+
+
+@dataclass(frozen=True)
+class AllreduceStats:
+    """What one call delivered, as this rank saw it."""
+
+    delivered: float
+    """Fraction of all contributions (ranks x elements) in this rank's result, 0..1."""
+    elapsed: float
+    """Seconds spent in the call on this rank."""
+    deadline_hit: bool
+    """True if this rank gave up waiting for something."""
+    fallback: float
+    """Fraction of elements for which the reduced value did not arrive and this
+    rank used its own partial sum instead (its deviation from the other ranks)."""
+    min_contributors: int
+    """Fewest contributions in any block of this rank's result."""
+    algorithm: str
+    nbytes: int
+    seq: int
+    """Call number on this communicator (1 for the first call)."""
+    lost_blocks: tuple = (0, 0, 0, 0)
+    """Blocks this rank did not receive, by cause: (injected, late, gone,
+    torn).  'late' missed its deadline, 'gone' was already replaced by the
+    producer's next call, 'torn' changed while being read."""
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<from environment>"
+
+
+_UNSET: Any = _Unset()
+
+
+def _env_timeout() -> Optional[float]:
+    text = os.environ.get("MPILOSSY_TIMEOUT", "").strip().lower()
+    if text in ("", "none", "inf"):
+        return None
+    return float(text)
+
+
+def _check_timeout(timeout: Any) -> float:
+    """The core's timeout: seconds, or -1 for none.  Raises for bad values."""
+    if timeout is None:
+        return -1.0
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+    if math.isinf(timeout) and timeout > 0:
+        return -1.0
+    if not math.isfinite(timeout) or timeout <= 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None, got {timeout!r}")
+    return float(timeout)
+
+
+def _models(loss: Any) -> list:
+    if loss is None:
+        return []
+    if isinstance(loss, str):
+        return _loss.parse(loss)
+    if isinstance(loss, (list, tuple)):
+        return list(loss)
+    return [loss]
+
+
+class Communicator:
+    """Lossy collectives over a private duplicate of `comm`.
+
+    Parameters
+    ----------
+    comm:
+        The MPI communicator whose ranks take part (default COMM_WORLD).  It is
+        duplicated: mpilossy's traffic never mixes with the caller's.
+    channel:
+        "rma" (MPI one-sided windows) or "auto".
+    timeout:
+        Deadline of every call in seconds, or None to wait for everything
+        (the result is then exact).  Default: $MPILOSSY_TIMEOUT, else None.
+    loss:
+        Injected loss: a model of mpilossy.loss, a list of them, or a string
+        in MPILOSSY_LOSS syntax.  Default: $MPILOSSY_LOSS, else none.
+    algorithm:
+        Default algorithm of allreduce: "ring", "tree" or "auto".
+    block_bytes:
+        Pipelining and loss unit (default 256 KiB, $MPILOSSY_BLOCK_BYTES).
+    capacity:
+        Bytes of window to allocate now; windows grow on demand otherwise
+        (growing is a synchronisation point of all ranks).
+    tree_radix:
+        Fan-out of the k-nomial tree (2 = binomial; default 4).
+    scaling, rotate:
+        Ablations, for experiments only.  scaling="zero-fill" counts missing
+        contributions as zeros instead of dividing by what arrived, and
+        rotate=False keeps every chain start and tree root in place: both
+        bias the result (docs/unbiasedness.md).
+
+    Construction and free() are collective over `comm`.
+    """
+
+    def __init__(self, comm: Optional[MPI.Comm] = None, *, channel: str = "rma",
+                 timeout: Optional[float] = _UNSET, loss: Any = _UNSET,
+                 algorithm: str = "auto", block_bytes: Optional[int] = None,
+                 capacity: int = 0, tree_radix: Optional[int] = None,
+                 scaling: str = "unbiased", rotate: bool = True) -> None:
+        if comm is None:
+            comm = MPI.COMM_WORLD
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError("comm must be an mpi4py intracommunicator")
+        self._core: Optional[_core.Core] = None
+        self._serial = next(_serials)
+        self._comm = comm.Dup()
+        error = None
+        try:
+            self._timeout = _check_timeout(_env_timeout() if timeout is _UNSET else timeout)
+            self._loss_models = _models(os.environ.get("MPILOSSY_LOSS") if loss is _UNSET else loss)
+            loss_spec = _loss.to_spec(self._loss_models)
+            if channel not in CHANNELS:
+                raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
+            self._algorithm = self._check_algorithm(algorithm)
+            block = int(os.environ.get("MPILOSSY_BLOCK_BYTES", DEFAULT_BLOCK_BYTES)) \
+                if block_bytes is None else block_bytes
+            radix = int(os.environ.get("MPILOSSY_TREE_RADIX", DEFAULT_TREE_RADIX)) \
+                if tree_radix is None else tree_radix
+            if isinstance(block, bool) or not isinstance(block, int) or block < 64:
+                raise ValueError(f"block_bytes must be an int >= 64, got {block!r}")
+            if isinstance(radix, bool) or not isinstance(radix, int) or radix < 2:
+                raise ValueError(f"tree_radix must be an int >= 2, got {radix!r}")
+            if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
+                raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
+            if scaling not in SCALINGS:
+                raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
+            if not isinstance(rotate, bool):
+                raise TypeError(f"rotate must be a bool, not {type(rotate).__name__}")
+        except (TypeError, ValueError) as exc:
+            error = exc
+        # Construction is collective: every rank learns of any rank's bad argument.
+        config = (0, 0, "", True) if error else (block, radix, scaling, rotate)
+        configs = self._comm.allgather((error is not None, config))
+        failed = [r for r, (bad, _) in enumerate(configs) if bad]
+        if not failed and len({c for _, c in configs}) > 1:
+            error = error or MismatchError(
+                f"ranks disagree on (block_bytes, tree_radix, scaling, rotate): "
+                f"{[c for _, c in configs]}")
+            failed = [-1]
+        if failed:
+            self._comm.Free()
+            if error is not None and failed != [-1]:
+                raise error
+            raise error if error is not None else ValueError(
+                f"Communicator arguments rejected on rank(s) {failed}")
+        use_shared = os.environ.get("MPILOSSY_RMA_SHM", "1") != "0"
+        self._core = _core.Core(self._comm, capacity, block, radix, use_shared,
+                                scaling == "zero-fill", rotate)
+        self._core.configure_loss(loss_spec)
+        _live.add(self)
+        self._block_bytes = block
+        self._radix = radix
+        self._channel = "rma"
+
+    # -- properties ----------------------------------------------------------
+    @property
+    def comm(self) -> MPI.Comm:
+        """The private duplicate that carries mpilossy's traffic."""
+        self._alive()
+        return self._comm
+
+    @property
+    def rank(self) -> int:
+        return self._comm.Get_rank()
+
+    @property
+    def size(self) -> int:
+        return self._comm.Get_size()
+
+    @property
+    def channel(self) -> str:
+        return self._channel
+
+    @property
+    def timeout(self) -> Optional[float]:
+        return None if self._timeout < 0 else self._timeout
+
+    @property
+    def loss(self) -> list:
+        return list(self._loss_models)
+
+    @property
+    def calls(self) -> int:
+        """Calls made so far (the sequence number of the last one)."""
+        self._alive()
+        return self._core.seq
+
+    @property
+    def shared_memory_peers(self) -> int:
+        """Peers read through shared memory; the others through MPI_Rget."""
+        self._alive()
+        return self._core.shared_peers
+
+    # -- lifetime ------------------------------------------------------------
+    def free(self) -> None:
+        """Release windows and the duplicate communicator (collective)."""
+        if self._core is None:
+            return
+        core, self._core = self._core, None
+        core.close()
+        self._comm.Free()
+
+    def __enter__(self) -> "Communicator":
+        self._alive()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.free()
+
+    def __repr__(self) -> str:
+        state = "freed" if self._core is None else f"size={self.size}"
+        return (f"<mpilossy.Communicator {state} channel={self._channel!r} "
+                f"timeout={self.timeout!r} loss={self._loss_models!r}>")
+
+    def _alive(self) -> None:
+        if self._core is None:
+            raise MPILossyError("this mpilossy.Communicator was freed")
+
+    # -- collectives -----------------------------------------------------------
+    def allreduce(self, sendbuf: Any, recvbuf: Any = None, *, op: str = "sum",
+                  algorithm: Optional[str] = None, timeout: Any = _UNSET) -> AllreduceStats:
+        """Lossy all-reduce of `sendbuf` into `recvbuf` (in place without recvbuf).
+
+        With op="avg" the result is sum / count; with op="sum" it is
+        sum * size / count, where count is the number of ranks whose data
+        reached each block in time.  Returns this rank's statistics.
+        """
+        self._alive()
+        try:
+            args = self._prepare(sendbuf, recvbuf, op, algorithm, timeout)
+        except (TypeError, ValueError, BufferError) as exc:
+            tmo = self._timeout if timeout is _UNSET or not isinstance(timeout, (int, float)) \
+                else (timeout if timeout > 0 else self._timeout)
+            result = self._core.fail(_core.ERRORS[_KINDS.get(type(exc), "value")], str(exc),
+                                     float(tmo))
+            raise self._error(result, type(exc)) from None
+        send, recv, dtype, opcode, algo, tmo = args
+        result = self._core.allreduce(send, recv, dtype, opcode, algo, tmo)
+        if result[0]:
+            raise self._error(result)
+        return AllreduceStats(result[3], result[4], result[5], result[6], result[7],
+                              ALGORITHM_NAMES[algo], send.nbytes, result[8], result[9])
+
+    def _prepare(self, sendbuf: Any, recvbuf: Any, op: str, algorithm: Optional[str],
+                 timeout: Any) -> tuple:
+        send = _buffers.as_array(sendbuf, "sendbuf")
+        dtype = _buffers.dtype_code(send, "sendbuf")
+        _buffers.check_contiguous(send, "sendbuf")
+        if recvbuf is None:
+            recv = send
+            _buffers.check_writable(send, "sendbuf (in place, no recvbuf)")
+        else:
+            recv = _buffers.as_array(recvbuf, "recvbuf")
+            if recv.dtype != send.dtype:
+                raise TypeError(f"recvbuf has dtype {recv.dtype}, sendbuf {send.dtype}")
+            _buffers.check_contiguous(recv, "recvbuf")
+            _buffers.check_writable(recv, "recvbuf")
+            if recv.size != send.size:
+                raise ValueError(f"recvbuf has {recv.size} elements, sendbuf {send.size}")
+            if (_buffers.address(recv) != _buffers.address(send)
+                    and np.may_share_memory(send, recv)):
+                raise ValueError("sendbuf and recvbuf overlap without being the same buffer")
+        opcode = OPS.get(op) if isinstance(op, str) else None
+        if opcode is None:
+            raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
+        if opcode == _core.AVG and dtype not in _buffers.FLOAT_CODES:
+            raise TypeError(f"op='avg' needs a floating-point dtype, got {send.dtype}")
+        algo = self._resolve_algorithm(
+            self._algorithm if algorithm is None else self._check_algorithm(algorithm),
+            send.nbytes)
+        tmo = self._timeout if timeout is _UNSET else _check_timeout(timeout)
+        return send, recv, dtype, opcode, algo, tmo
+
+    @staticmethod
+    def _check_algorithm(algorithm: Any) -> str:
+        if algorithm not in ("ring", "tree", "auto"):
+            raise ValueError(f"algorithm must be 'ring', 'tree' or 'auto', got {algorithm!r}")
+        return algorithm
+
+    def _resolve_algorithm(self, algorithm: str, nbytes: int) -> int:
+        if algorithm == "auto":
+            limit = TREE_MAX_BYTES.get(self.size, TREE_MAX_BYTES_LARGE)
+            algorithm = "tree" if nbytes <= limit else "ring"
+        return ALGORITHMS[algorithm]
+
+    def _error(self, result: tuple, local: Optional[type] = None) -> Exception:
+        kind, rank, message, *_, seq, _lost = result
+        cls = _EXCEPTIONS.get(kind, MPILossyError)
+        if local is not None and kind != _core.ERRORS["mismatch"]:
+            cls = local
+        return cls(f"allreduce call {seq}: rank {rank}: {message}")
+
+
+# -- module level -----------------------------------------------------------
+_default: Optional[Communicator] = None
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _free_at_exit() -> None:
+    """Free what the program left open before mpi4py finalizes MPI (every
+    rank built the same communicators, so this is collective as it must be)."""
+    for lc in sorted(_live, key=lambda c: -c._serial):
+        lc.free()
+
+
+def default_communicator() -> Communicator:
+    """The communicator behind mpilossy.allreduce(): COMM_WORLD, settings
+    from the environment (MPILOSSY_TIMEOUT, MPILOSSY_LOSS, ...).  Created on
+    first use, which is collective."""
+    global _default
+    if _default is None or _default._core is None:
+        _default = Communicator(MPI.COMM_WORLD)
+    return _default
+
+
+def allreduce(sendbuf: Any, recvbuf: Any = None, *, op: str = "sum",
+              algorithm: Optional[str] = None, timeout: Any = _UNSET) -> AllreduceStats:
+    """mpilossy.Communicator.allreduce on default_communicator()."""
+    return default_communicator().allreduce(sendbuf, recvbuf, op=op, algorithm=algorithm,
+                                            timeout=timeout)

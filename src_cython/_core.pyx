@@ -1,0 +1,50 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: initializedcheck=False, embedsignature=True
+"""mpilossy's compiled core: kernels, the one-sided channel, ring and tree.
+
+One module, one concern per included file (the layout of mpi4py's MPI.pyx):
+  kernels.pxi    accumulate and unbiased scaling, per dtype, outside the GIL
+  channel.pxi    the interface between algorithms and channels
+  rma.pxi        the one-sided (MPI window) channel
+  schedule.pxi   the engine: streams, deadlines, the polling loop
+  ring.pxi       ring all-reduce
+  tree.pxi       k-nomial tree all-reduce
+  lossmodel.pxi  injected loss, decided from counters
+  core.pxi       per-communicator state and the entry points
+"""
+
+from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
+from libc.stdlib cimport malloc, calloc, realloc, free
+from libc.string cimport memcpy, memset
+from libc.stdio cimport snprintf
+from libc.math cimport llround
+from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
+
+from mpi4py cimport MPI
+from mpi4py.libmpi cimport *
+from mpi4py.MPI import Exception as MPIException
+
+from native cimport *
+
+include "kernels.pxi"
+include "channel.pxi"
+include "rma.pxi"
+include "schedule.pxi"
+include "ring.pxi"
+include "tree.pxi"
+include "lossmodel.pxi"
+include "core.pxi"
+
+DTYPE_F16 = DT_F16
+DTYPE_F32 = DT_F32
+DTYPE_F64 = DT_F64
+DTYPE_I32 = DT_I32
+DTYPE_I64 = DT_I64
+SUM = OP_SUM
+AVG = OP_AVG
+RING = ALGO_RING
+TREE = ALGO_TREE
+ERRORS = {
+    "type": ERR_TYPE, "value": ERR_VALUE, "buffer": ERR_BUFFER,
+    "mismatch": ERR_MISMATCH, "protocol": ERR_PROTOCOL, "mpi": ERR_MPI,
+}

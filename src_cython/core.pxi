@@ -1,0 +1,193 @@
+# The compiled state of one lossy communicator and the entry points that the
+# Python layer calls: one call = layout, begin, plan, run, end.
+
+cdef int chk(int ierr) except -1:
+    """Raise mpi4py's exception (it carries MPI's error string)."""
+    if ierr != MPI_SUCCESS:
+        raise MPIException(ierr)
+    return 0
+
+
+def library_version() -> str:
+    """MPI_Get_library_version of the libmpi this extension is linked to."""
+    cdef char text[8192]
+    cdef int length = 0
+    chk(MPI_Get_library_version(text, &length))
+    return text[:length].decode(errors="replace")
+
+
+# A call's stages get BUDGET_FACTOR times the recent lossless duration (a
+# decaying maximum that forgets a spike by BUDGET_DECAY per call).
+cdef double BUDGET_FACTOR = 4.0
+cdef double BUDGET_DECAY = 0.95
+
+
+cdef inline int bit_length(Py_ssize_t x) noexcept nogil:
+    cdef int k = 0
+    while x > 0 and k < 63:
+        x >>= 1
+        k += 1
+    return k
+
+
+cdef class Core:
+    """Channel, algorithms and call counter of one mpilossy.Communicator."""
+    cdef MPI.Comm comm           # the communicator's private duplicate
+    cdef int rank, size
+    cdef RmaChannel chan
+    cdef Ring ring
+    cdef Tree tree
+    cdef LossState loss
+    cdef uint64_t seq
+    cdef CallInfo call
+    cdef ErrorInfo err
+    cdef Py_ssize_t block_bytes
+    cdef bint closed
+    cdef int scaling
+    cdef bint rotate
+    # Decaying maximum of (finish - anchor) of recent calls that lost nothing,
+    # per algorithm and size (bit length of the byte count): the stage budget.
+    cdef double lossless[2][64]
+
+    def __cinit__(self, MPI.Comm comm not None, Py_ssize_t capacity, Py_ssize_t block_bytes,
+                  int radix, bint use_shared, bint zero_fill=False, bint rotate=True):
+        self.comm = comm
+        self.scaling = SCALE_ZERO_FILL if zero_fill else SCALE_UNBIASED
+        self.rotate = rotate
+        chk(MPI_Comm_rank(comm.ob_mpi, &self.rank))
+        chk(MPI_Comm_size(comm.ob_mpi, &self.size))
+        self.block_bytes = block_bytes
+        self.ring = Ring(self.rank, self.size)
+        self.tree = Tree(self.rank, self.size)
+        self.tree.set_radix(radix)
+        self.loss = LossState(self.size)
+        self.chan = RmaChannel()
+        self.chan.setup(comm.ob_mpi, capacity, use_shared)
+
+    @property
+    def seq(self) -> int:
+        """Number of calls made so far."""
+        return self.seq
+
+    @property
+    def capacity(self) -> int:
+        """Bytes of this rank's window."""
+        return self.chan.capacity
+
+    @property
+    def shared_peers(self) -> int:
+        """Peers read through shared memory (the others through MPI_Rget)."""
+        cdef int p, k = 0
+        for p in range(self.size):
+            if p != self.rank and self.chan.peer_base[p] != NULL:
+                k += 1
+        return k
+
+    def configure_loss(self, dict spec):
+        self.loss.configure(spec)
+
+    def close(self):
+        if not self.closed:
+            self.closed = True
+            self.chan.close()
+
+    def allreduce(self, sendbuf, recvbuf, int dtype, int op, int algo, double timeout):
+        """Run one call.  `timeout` < 0 waits for everything.  Returns
+        (err_kind, err_rank, err_msg, delivered, elapsed, deadline_hit,
+        fallback_fraction, min_contributors, seq)."""
+        cdef Py_buffer sb, rb
+        PyObject_GetBuffer(sendbuf, &sb, PyBUF_SIMPLE)
+        try:
+            PyObject_GetBuffer(recvbuf, &rb, PyBUF_SIMPLE | PyBUF_WRITABLE)
+        except BaseException:
+            PyBuffer_Release(&sb)
+            raise
+        try:
+            return self.run(<char*>sb.buf, <char*>rb.buf, sb.len, dtype, op, algo, timeout)
+        finally:
+            PyBuffer_Release(&rb)
+            PyBuffer_Release(&sb)
+
+    cdef tuple run(self, char* send, char* recv, Py_ssize_t nbytes, int dtype, int op,
+                   int algo, double timeout):
+        cdef CallInfo* call = &self.call
+        cdef Algorithm alg = self.ring if algo == ALGO_RING else self.tree
+        cdef double t0 = mpl_now(), pause
+        cdef int failed = 0, i
+        cdef bint lossy = self.loss.drops()
+        self.seq += 1
+        memset(call, 0, sizeof(CallInfo))
+        call.seq = self.seq
+        call.dtype = dtype
+        call.op = op
+        call.algo = algo
+        call.itemsize = ITEMSIZE[dtype]
+        call.count = nbytes // call.itemsize
+        call.timeout = timeout
+        call.scaling = self.scaling
+        call.rotate = self.rotate
+        cdef int bucket = bit_length(nbytes)
+        call.budget = BUDGET_FACTOR * self.lossless[algo][bucket]
+        pause = self.loss.delay(call.seq, self.rank)
+        with nogil:
+            mpl_sleep(pause)
+        call.start = mpl_now()
+        if self.size == 1:
+            k_scale(dtype, 1.0, recv, send, call.count)
+            return (ERR_NONE, -1, "", 1.0, mpl_now() - t0, False, 0.0, 1, call.seq, (0, 0, 0, 0))
+        call.block_elems = max(1, self.block_bytes // call.itemsize)
+        alg.layout(call)
+        call.sig = mpl_hash4(<uint64_t>call.count,
+                             <uint64_t>(dtype | op << 8 | algo << 16 | self.tree.radix << 24),
+                             <uint64_t>call.block_elems,
+                             <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)) | 1
+        if self.chan.begin(call):
+            memcpy(&self.err, &self.chan.error, sizeof(ErrorInfo))
+            failed = 1
+        else:
+            alg.bind(self.chan, call, send, recv)
+            if lossy:
+                self.loss.fill(alg, call.seq)
+            with nogil:
+                failed = run_streams(alg, self.chan, call, lossy, &self.err)
+                for i in range(alg.nstreams):
+                    self.chan.abandon(&alg.streams[i])
+            if not failed:
+                self.learn(alg, algo, bucket)
+        with nogil:
+            self.chan.end(call, failed)
+        if failed:
+            return (self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
+                    0.0, mpl_now() - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0))
+        return (ERR_NONE, -1, "", alg.delivered(), mpl_now() - t0, alg.deadline_hit,
+                alg.fallback_elems / <double>call.count if call.count else 0.0,
+                alg.min_count, call.seq,
+                (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn))
+
+    cdef void learn(self, Algorithm alg, int algo, int bucket) noexcept:
+        """Track how long a call of this kind takes when nothing is lost."""
+        cdef double* slot = &self.lossless[algo][bucket]
+        if self.call.anchor < 0 or alg.deadline_hit or alg.min_count < <uint32_t>self.size:
+            return
+        cdef double took = mpl_now() - self.call.anchor
+        slot[0] = max(took, slot[0] * BUDGET_DECAY)
+
+    def fail(self, int kind, str message, double timeout):
+        """This rank cannot take part in the next call (bad input): count the
+        call, tell the peers why, and return the error tuple to raise."""
+        cdef CallInfo* call = &self.call
+        self.seq += 1
+        memset(call, 0, sizeof(CallInfo))
+        call.seq = self.seq
+        call.timeout = timeout
+        call.start = mpl_now()
+        self.err.kind = kind
+        self.err.rank = self.rank
+        encoded = message.encode()[:MPL_MSG_LEN - 1]
+        memset(self.err.msg, 0, MPL_MSG_LEN)
+        memcpy(self.err.msg, <char*>encoded, len(encoded))
+        if self.size > 1:
+            with nogil:
+                self.chan.fail(call, &self.err)
+                self.chan.end(call, True)
+        return (kind, self.rank, message, 0.0, 0.0, False, 0.0, 0, call.seq, (0, 0, 0, 0))

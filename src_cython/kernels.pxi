@@ -1,0 +1,150 @@
+# Reduction kernels: add, accumulate and unbiased scaling, outside the GIL.
+#
+# The kernels know nothing of ops: `finalize` multiplies by the factor that
+# the call derives from the contributor count (scale_factor in channel.pxi).
+# Integers are summed in unsigned arithmetic (wrap-around, like MPI) and,
+# only when the factor is not 1 (data was lost), rescaled in double and
+# rounded to nearest.
+
+cdef enum:
+    DT_F16 = 0
+    DT_F32 = 1
+    DT_F64 = 2
+    DT_I32 = 3
+    DT_I64 = 4
+    NUM_DTYPES = 5
+
+cdef enum:
+    OP_SUM = 0
+    OP_AVG = 1
+
+# How a partial sum of `count` contributions becomes the result.  UNBIASED
+# divides by what arrived; ZERO_FILL counts what is missing as zeros (the
+# biased baseline, kept for ablations).
+cdef enum:
+    SCALE_UNBIASED = 0
+    SCALE_ZERO_FILL = 1
+
+cdef Py_ssize_t ITEMSIZE[5]
+ITEMSIZE[:] = [2, 4, 8, 4, 8]
+
+ctypedef fused wide_t:
+    float
+    double
+    uint32_t
+    uint64_t
+
+
+cdef inline void _add(wide_t* dst, const wide_t* a, const wide_t* b, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        dst[i] = a[i] + b[i]
+
+
+cdef inline void _acc(wide_t* dst, const wide_t* src, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        dst[i] = dst[i] + src[i]
+
+
+cdef inline void _scale_float(wide_t* dst, const wide_t* src, wide_t s, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        dst[i] = src[i] * s
+
+
+cdef inline void _add_scale_float(wide_t* dst, const wide_t* a, const wide_t* b, wide_t s, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        dst[i] = (a[i] + b[i]) * s
+
+
+cdef void _add_f16(uint16_t* dst, const uint16_t* a, const uint16_t* b, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        dst[i] = mpl_f2h(mpl_h2f(a[i]) + mpl_h2f(b[i]))
+
+
+cdef void _scale_f16(uint16_t* dst, const uint16_t* src, float s, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        dst[i] = mpl_f2h(mpl_h2f(src[i]) * s)
+
+
+cdef void _rescale_i32(int32_t* dst, const int32_t* src, double s, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        dst[i] = <int32_t>llround(<double>src[i] * s)
+
+
+cdef void _rescale_i64(int64_t* dst, const int64_t* src, double s, Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        dst[i] = <int64_t>llround(<double>src[i] * s)
+
+
+cdef inline double scale_factor(int scaling, int op, uint32_t count, int nranks) noexcept nogil:
+    """Multiplier that turns a sum of `count` of `nranks` contributions into
+    the result: avg = sum / count, sum = sum * nranks / count (unbiased)."""
+    if scaling == SCALE_ZERO_FILL:
+        return 1.0 / nranks if op == OP_AVG else 1.0
+    if op == OP_AVG:
+        return 1.0 / count
+    return <double>nranks / count
+
+
+cdef void k_add(int dt, void* dst, const void* a, const void* b, Py_ssize_t n) noexcept nogil:
+    """dst = a + b"""
+    if dt == DT_F32:
+        _add(<float*>dst, <const float*>a, <const float*>b, n)
+    elif dt == DT_F64:
+        _add(<double*>dst, <const double*>a, <const double*>b, n)
+    elif dt == DT_I32:
+        _add(<uint32_t*>dst, <const uint32_t*>a, <const uint32_t*>b, n)
+    elif dt == DT_I64:
+        _add(<uint64_t*>dst, <const uint64_t*>a, <const uint64_t*>b, n)
+    else:
+        _add_f16(<uint16_t*>dst, <const uint16_t*>a, <const uint16_t*>b, n)
+
+
+cdef void k_acc(int dt, void* dst, const void* src, Py_ssize_t n) noexcept nogil:
+    """dst += src"""
+    if dt == DT_F32:
+        _acc(<float*>dst, <const float*>src, n)
+    elif dt == DT_F64:
+        _acc(<double*>dst, <const double*>src, n)
+    elif dt == DT_I32:
+        _acc(<uint32_t*>dst, <const uint32_t*>src, n)
+    elif dt == DT_I64:
+        _acc(<uint64_t*>dst, <const uint64_t*>src, n)
+    else:
+        _add_f16(<uint16_t*>dst, <const uint16_t*>dst, <const uint16_t*>src, n)
+
+
+cdef void k_scale(int dt, double s, void* dst, const void* src, Py_ssize_t n) noexcept nogil:
+    """dst = src * s (dst may be src)."""
+    if s == 1.0:
+        if dst != src:
+            memcpy(dst, src, n * ITEMSIZE[dt])
+    elif dt == DT_F32:
+        _scale_float(<float*>dst, <const float*>src, <float>s, n)
+    elif dt == DT_F64:
+        _scale_float(<double*>dst, <const double*>src, s, n)
+    elif dt == DT_I32:
+        _rescale_i32(<int32_t*>dst, <const int32_t*>src, s, n)
+    elif dt == DT_I64:
+        _rescale_i64(<int64_t*>dst, <const int64_t*>src, s, n)
+    else:
+        _scale_f16(<uint16_t*>dst, <const uint16_t*>src, <float>s, n)
+
+
+cdef void k_add_scale(int dt, double s, void* dst, const void* a, const void* b,
+                      Py_ssize_t n) noexcept nogil:
+    """dst = (a + b) * s, in one pass for floats."""
+    if s != 1.0 and dt == DT_F32:
+        _add_scale_float(<float*>dst, <const float*>a, <const float*>b, <float>s, n)
+    elif s != 1.0 and dt == DT_F64:
+        _add_scale_float(<double*>dst, <const double*>a, <const double*>b, s, n)
+    else:
+        k_add(dt, dst, a, b, n)
+        k_scale(dt, s, dst, dst, n)

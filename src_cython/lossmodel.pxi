@@ -1,0 +1,85 @@
+# Injected loss, decided at the receiver before a call starts, from counters
+# only (seed, call, link, block): the same seed gives the same losses however
+# the ranks are scheduled.  The Python classes in mpilossy.loss describe the
+# models; this is their compiled form.
+
+cdef struct LossParams:
+    bint bernoulli
+    double p
+    uint64_t bernoulli_seed
+    bint gilbert
+    double p_good_to_bad, p_bad_to_good, loss_good, loss_bad
+    uint64_t gilbert_seed
+    bint straggler
+    int straggler_rank
+    double straggler_delay, straggler_prob
+    uint64_t straggler_seed
+
+
+cdef class LossState:
+    cdef LossParams params
+    cdef unsigned char* bad        # Gilbert-Elliott state of each incoming link
+    cdef int size
+
+    def __cinit__(self, int size):
+        self.size = size
+        self.bad = <unsigned char*>calloc(size, 1)
+        if self.bad == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.bad)
+
+    def configure(self, dict spec):
+        """spec: {'bernoulli': (p, seed), 'gilbert': (pgb, pbg, lgood, lbad, seed),
+        'straggler': (rank, delay, prob, seed)}; missing keys are off."""
+        memset(&self.params, 0, sizeof(LossParams))
+        memset(self.bad, 0, self.size)
+        if 'bernoulli' in spec:
+            self.params.bernoulli = True
+            self.params.p, self.params.bernoulli_seed = spec['bernoulli']
+        if 'gilbert' in spec:
+            self.params.gilbert = True
+            (self.params.p_good_to_bad, self.params.p_bad_to_good, self.params.loss_good,
+             self.params.loss_bad, self.params.gilbert_seed) = spec['gilbert']
+        if 'straggler' in spec:
+            self.params.straggler = True
+            (self.params.straggler_rank, self.params.straggler_delay,
+             self.params.straggler_prob, self.params.straggler_seed) = spec['straggler']
+
+    cdef inline bint drops(self) noexcept nogil:
+        return self.params.bernoulli or self.params.gilbert
+
+    cdef void fill(self, Algorithm alg, uint64_t seq) noexcept nogil:
+        """Mark the blocks that this call loses, stream by stream, block by
+        block, in plan order (the order a Gilbert-Elliott link walks)."""
+        cdef int i, b
+        cdef Stream* s
+        cdef uint64_t link, index = 0
+        cdef bint bad
+        cdef double loss
+        for i in range(alg.nstreams):
+            s = &alg.streams[i]
+            link = (<uint64_t>s.peer << 32) | <uint64_t>alg.rank
+            for b in range(s.nblocks):
+                index += 1
+                if self.params.bernoulli and mpl_unit(mpl_hash4(
+                        self.params.bernoulli_seed, seq, link, index)) < self.params.p:
+                    s.drop[b] = 1
+                if self.params.gilbert:
+                    bad = self.bad[s.peer]
+                    if mpl_unit(mpl_hash4(self.params.gilbert_seed, seq, link, 2 * index)) < (
+                            self.params.p_bad_to_good if bad else self.params.p_good_to_bad):
+                        bad = not bad
+                    self.bad[s.peer] = bad
+                    loss = self.params.loss_bad if bad else self.params.loss_good
+                    if mpl_unit(mpl_hash4(self.params.gilbert_seed, seq, link, 2 * index + 1)) < loss:
+                        s.drop[b] = 1
+
+    cdef double delay(self, uint64_t seq, int rank) noexcept nogil:
+        """Seconds this rank sleeps before the call (straggler model)."""
+        if (self.params.straggler and rank == self.params.straggler_rank
+                and mpl_unit(mpl_hash4(self.params.straggler_seed, seq, 0x5354524147ull, 0))
+                < self.params.straggler_prob):
+            return self.params.straggler_delay
+        return 0.0

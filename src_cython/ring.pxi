@@ -1,0 +1,211 @@
+# Ring all-reduce: reduce-scatter along the ring, then every rank reads each
+# owner's reduced chunk (an all-gather in ring order), block by block so that
+# the steps pipeline.
+#
+# The vector is cut into `size` chunks.  Chunk c is owned by rank
+# (c + rotation) % size and reduced along the chain owner+1 -> owner+2 ->
+# ... -> owner: the rank at position j of a chain adds its own data to the
+# partial sum of position j-1 (read from its left neighbour) and publishes it
+# as its record of slot j; the owner (position size-1) scales the sum and
+# publishes the final chunk in slot size-1.  A partial sum carries its
+# contributor count; when a block does not arrive in time the chain restarts
+# from the rank that waited for it.  The rotation changes with every call,
+# so that every rank is equally likely to sit at every position (docs/
+# unbiasedness.md has the proof that this makes the average unbiased).
+#
+# Stages: reduce-scatter position j gives up at (j / (2 (size-1))) of the
+# timeout, the gather at the full timeout.
+
+cdef class Ring(Algorithm):
+    cdef Py_ssize_t* chunk_lo
+    cdef Py_ssize_t* chunk_len
+    cdef uint32_t* rs_count        # my record's count, per (position, block)
+    cdef Py_ssize_t rs_cap
+    cdef int* others               # every rank but me: readers of my final chunk
+    cdef int left, right, rotation
+    cdef double* stage_end
+
+    def __cinit__(self, int rank, int size):
+        self.chunk_lo = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
+        self.chunk_len = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
+        self.others = <int*>calloc(size, sizeof(int))
+        self.stage_end = <double*>calloc(size + 1, sizeof(double))
+        if not (self.chunk_lo and self.chunk_len and self.others and self.stage_end):
+            raise MemoryError()
+        self.left = (rank - 1 + size) % size
+        self.right = (rank + 1) % size
+        cdef int p, k = 0
+        for p in range(size):
+            if p != rank:
+                self.others[k] = p
+                k += 1
+
+    def __dealloc__(self):
+        free(self.chunk_lo)
+        free(self.chunk_len)
+        free(self.rs_count)
+        free(self.others)
+        free(self.stage_end)
+
+    cdef int layout(self, CallInfo* call) except -1:
+        cdef int n = self.size, c, k
+        cdef Py_ssize_t base = call.count // n, extra = call.count % n
+        for c in range(n):
+            self.chunk_lo[c] = c * base + min(c, extra)
+            self.chunk_len[c] = base + (1 if c < extra else 0)
+        cdef Py_ssize_t longest = base + (1 if extra else 0)
+        call.block_elems = max(1, min(call.block_elems, longest))
+        call.nblocks = <int>max(1, (longest + call.block_elems - 1) // call.block_elems)
+        call.block_bytes = call.block_elems * call.itemsize
+        call.nslots = n
+        call.nstages = n
+        for k in range(n - 1):
+            self.stage_end[k] = (k + 1) / (2.0 * (n - 1))
+        self.stage_end[n - 1] = 1.0
+        call.stage_end = self.stage_end
+        return 0
+
+    cdef int plan(self) except -1:
+        cdef int n = self.size, j, k
+        cdef Py_ssize_t need = <Py_ssize_t>n * self.call.nblocks
+        if need > self.rs_cap:
+            free(self.rs_count)
+            self.rs_count = <uint32_t*>malloc(need * sizeof(uint32_t))
+            if self.rs_count == NULL:
+                raise MemoryError()
+            self.rs_cap = need
+        self.rotation = <int>(mpl_mix64(self.call.seq ^ 0x52494E47ull) % <uint64_t>n) \
+            if self.call.rotate else 0
+        # Reduce-scatter: position j (1..n-1) reads the left neighbour's slot j-1.
+        for j in range(1, n):
+            self.add_stream(self.left, j - 1, j - 1, j, False)
+        # Gather: every other owner's final chunk, nearest first.
+        for k in range(1, n):
+            self.add_stream((self.rank - k + n) % n, n - 1, n - 1, (self.rank - k + n) % n, False)
+        return 0
+
+    # -- geometry --------------------------------------------------------------
+    cdef inline int chunk_at(self, int position) noexcept nogil:
+        """Chunk whose chain has this rank at `position`."""
+        cdef int n = self.size
+        cdef int owner = (self.rank - position - 1 + 2 * n) % n
+        return (owner - self.rotation + n) % n
+
+    cdef inline int chunk_of_owner(self, int owner) noexcept nogil:
+        return (owner - self.rotation + self.size) % self.size
+
+    cdef inline Py_ssize_t block_first(self, int chunk, int block) noexcept nogil:
+        return self.chunk_lo[chunk] + <Py_ssize_t>block * self.call.block_elems
+
+    cdef inline Py_ssize_t block_len(self, int chunk, int block) noexcept nogil:
+        cdef Py_ssize_t rest = self.chunk_len[chunk] - <Py_ssize_t>block * self.call.block_elems
+        if rest <= 0:
+            return 0
+        return min(rest, self.call.block_elems)
+
+    cdef inline bint is_gather(self, Stream* s) noexcept nogil:
+        return s.stage == self.size - 1
+
+    # -- reactions --------------------------------------------------------------
+    cdef void start(self) noexcept nogil:
+        cdef int chunk = self.chunk_at(0), b
+        cdef Py_ssize_t isz = self.call.itemsize, n
+        cdef char* dst
+        for b in range(self.call.nblocks):
+            n = self.block_len(chunk, b)
+            dst = self.chan.claim(0, b)
+            memcpy(dst, self.send + self.block_first(chunk, b) * isz, n * isz)
+            self.rs_count[b] = 1
+            self.chan.publish(0, b, 1, <uint32_t>(n * isz), &self.right, 1)
+
+    cdef bint ready(self, Stream* s, int block) noexcept nogil:
+        if not self.is_gather(s):
+            return True
+        # My own part of this chunk must be reduced before the gather may
+        # overwrite it (in place) or fall back on it (lost).
+        cdef int position = (self.rank - s.tag - 1 + self.size) % self.size
+        return position == 0 or self.streams[position - 1].cursor > block
+
+    cdef bint take(self, Stream* s, int block, Incoming* inc) noexcept nogil:
+        cdef CallInfo* c = self.call
+        cdef int chunk, position
+        cdef Py_ssize_t n, first
+        cdef char* dst
+        if inc.count == 0:
+            return False
+        if self.is_gather(s):
+            chunk = self.chunk_of_owner(s.tag)
+            n = self.block_len(chunk, block)
+            if inc.nbytes != n * c.itemsize:
+                return False
+            memcpy(self.recv + self.block_first(chunk, block) * c.itemsize, inc.data, inc.nbytes)
+            return True
+        position = s.tag
+        chunk = self.chunk_at(position)
+        n = self.block_len(chunk, block)
+        if inc.nbytes != n * c.itemsize or inc.count >= <uint32_t>self.size:
+            return False
+        first = self.block_first(chunk, block)
+        dst = self.chan.claim(position, block)
+        if position < self.size - 1:
+            k_add(c.dtype, dst, self.send + first * c.itemsize, inc.data, n)
+        else:
+            k_add_scale(c.dtype, call_scale(c, inc.count + 1, self.size), dst,
+                        self.send + first * c.itemsize, inc.data, n)
+        return True
+
+    cdef void commit(self, Stream* s, int block, Incoming* inc) noexcept nogil:
+        cdef int chunk
+        if self.is_gather(s):
+            chunk = self.chunk_of_owner(s.tag)
+            self.add_result(inc.count, self.block_len(chunk, block))
+        else:
+            self.publish_partial(s.tag, block, inc.count + 1)
+
+    cdef void lose(self, Stream* s, int block) noexcept nogil:
+        cdef CallInfo* c = self.call
+        cdef int chunk, position
+        cdef Py_ssize_t n, first
+        cdef char* dst
+        if self.is_gather(s):
+            # Fall back on my own partial sum of this chunk: the contributions
+            # of my chain up to and including me (zero-fill: nothing).
+            chunk = self.chunk_of_owner(s.tag)
+            position = (self.rank - s.tag - 1 + self.size) % self.size
+            n = self.block_len(chunk, block)
+            dst = self.recv + self.block_first(chunk, block) * c.itemsize
+            self.fallback_elems += n
+            if c.scaling == SCALE_ZERO_FILL:
+                memset(dst, 0, n * c.itemsize)
+                self.add_result(0, n)
+                return
+            k_scale(c.dtype, call_scale(c, self.rs_count[position * c.nblocks + block], self.size),
+                    dst, self.chan.mine(position, block), n)
+            self.add_result(self.rs_count[position * c.nblocks + block], n)
+            return
+        # The chain broke before me: it restarts with my own data.
+        position = s.tag
+        chunk = self.chunk_at(position)
+        n = self.block_len(chunk, block)
+        first = self.block_first(chunk, block)
+        dst = self.chan.claim(position, block)
+        if position < self.size - 1:
+            memcpy(dst, self.send + first * c.itemsize, n * c.itemsize)
+        else:
+            k_scale(c.dtype, call_scale(c, 1, self.size), dst, self.send + first * c.itemsize, n)
+        self.publish_partial(position, block, 1)
+
+    cdef void publish_partial(self, int position, int block, uint32_t count) noexcept nogil:
+        cdef CallInfo* c = self.call
+        cdef int chunk = self.chunk_at(position)
+        cdef Py_ssize_t n = self.block_len(chunk, block)
+        self.rs_count[position * c.nblocks + block] = count
+        if position < self.size - 1:
+            self.chan.publish(position, block, count, <uint32_t>(n * c.itemsize), &self.right, 1)
+            return
+        # Owner: the final chunk goes to every other rank and into my result.
+        self.chan.publish(position, block, count, <uint32_t>(n * c.itemsize),
+                          self.others, self.size - 1)
+        memcpy(self.recv + self.block_first(chunk, block) * c.itemsize,
+               self.chan.mine(position, block), n * c.itemsize)
+        self.add_result(count, n)

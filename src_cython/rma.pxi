@@ -1,0 +1,580 @@
+# One-sided channel: every rank publishes its records in its own MPI window
+# and peers read them (pull).  Nobody ever writes into another rank's
+# records, so a straggler several calls behind cannot corrupt a later call:
+# at worst it reads a record that was already rewritten, which the record's
+# sequence number and check word reveal (seqlock).
+#
+# Peers whose window memory MPI can share (MPI_Win_shared_query: same node)
+# are read with plain loads, without copies and without MPI progress.  Other
+# peers are read with MPI_Rget, polled with MPI_Test, which also drives MPI
+# progress for the peers that read us.
+
+cdef enum:
+    GET_IDLE = 0
+    GET_HDR = 1
+    GET_PAYLOAD = 2
+    GET_CONFIRM = 3
+    GET_STATUS = 4
+    GET_HDR_LAST = 5
+
+cdef enum:
+    RECORD_HEADER = 64        # sizeof(mpl_record_t), padded
+    MAX_LINGER_EXACT = 5      # seconds a failed call waits for peers without deadline
+
+
+cdef inline Py_ssize_t round_up(Py_ssize_t x, Py_ssize_t to) noexcept nogil:
+    return ((x + to - 1) // to) * to
+
+
+cdef const char* DTYPE_NAMES[5]
+DTYPE_NAMES[:] = [b"float16", b"float32", b"float64", b"int32", b"int64"]
+cdef const char* OP_NAMES[2]
+OP_NAMES[:] = [b"sum", b"avg"]
+cdef const char* ALGO_NAMES[2]
+ALGO_NAMES[:] = [b"ring", b"tree"]
+
+
+cdef class RmaChannel(Channel):
+    cdef MPI_Comm comm
+    cdef MPI_Win win
+    cdef bint has_win
+    cdef char* base
+    cdef Py_ssize_t capacity
+    cdef char** peer_base          # a peer's window in my address space, or NULL
+    cdef bint all_shared
+    cdef bint use_shared
+    cdef Py_ssize_t rec_offset     # where records start in every window
+    cdef Py_ssize_t region         # bytes of records per call parity
+    cdef Py_ssize_t stride         # bytes from one record to the next
+    cdef CallInfo* call
+    cdef unsigned char* consumed_from
+    cdef unsigned char* seen          # peers known to be in this call
+    cdef int nseen
+    cdef int seen_next                # network path: next peer whose status to get
+    cdef MPI_Request seen_req
+    cdef GetBuffers* seen_gb
+    cdef unsigned char* published_to
+    cdef uint64_t* done_out        # origin buffers of the done signals
+    cdef MPI_Request* done_req
+    cdef MPI_Request* zreq         # gets that outlived their call
+    cdef GetBuffers** zbuf
+    cdef int nzombies, zcap
+
+    def __cinit__(self):
+        self.has_win = False
+        self.peer_base = NULL
+
+    cdef int setup(self, MPI_Comm comm, Py_ssize_t capacity, bint use_shared) except -1:
+        cdef int rank, size, p, disp_unit
+        MPI_Comm_rank(comm, &rank)
+        MPI_Comm_size(comm, &size)
+        self.comm = comm
+        self.rank = rank
+        self.size = size
+        self.use_shared = use_shared
+        self.rec_offset = round_up(MPL_STATUS_BYTES + 8 * size, MPL_CACHELINE)
+        self.peer_base = <char**>calloc(size, sizeof(char*))
+        self.consumed_from = <unsigned char*>calloc(size, 1)
+        self.seen = <unsigned char*>calloc(size, 1)
+        self.seen_req = MPI_REQUEST_NULL
+        self.published_to = <unsigned char*>calloc(size, 1)
+        self.done_out = <uint64_t*>calloc(size, sizeof(uint64_t))
+        self.done_req = <MPI_Request*>malloc(size * sizeof(MPI_Request))
+        if not (self.peer_base and self.consumed_from and self.seen and self.published_to
+                and self.done_out and self.done_req):
+            raise MemoryError()
+        for p in range(size):
+            self.done_req[p] = MPI_REQUEST_NULL
+        self.allocate(max(capacity, 4096))
+        return 0
+
+    cdef int allocate(self, Py_ssize_t region) except -1:
+        """Collective: a zeroed window on every rank, with two regions of
+        `region` bytes of records.  Calls alternate between the regions, so
+        that a rank that starts call s+1 never rewrites a record of call s
+        that a slower peer may still read (even when the layout changes)."""
+        cdef Py_ssize_t capacity = self.rec_offset + 2 * round_up(region, MPL_CACHELINE)
+        cdef MPI_Info info
+        cdef MPI_Aint size
+        cdef int disp_unit, p
+        cdef void* ptr
+        chk(MPI_Info_create(&info))
+        MPI_Info_set(info, b"same_size", b"true")
+        MPI_Info_set(info, b"same_disp_unit", b"true")
+        MPI_Info_set(info, b"accumulate_ordering", b"none")
+        ierr = MPI_Win_allocate(capacity, 1, info, self.comm, &self.base, &self.win)
+        MPI_Info_free(&info)
+        chk(ierr)
+        self.has_win = True
+        self.capacity = capacity
+        self.region = round_up(region, MPL_CACHELINE)
+        chk(MPI_Win_set_errhandler(self.win, MPI_ERRORS_RETURN))
+        memset(self.base, 0, capacity)
+        chk(MPI_Win_lock_all(MPI_MODE_NOCHECK, self.win))
+        self.all_shared = True
+        for p in range(self.size):
+            self.peer_base[p] = NULL
+            if p == self.rank:
+                self.peer_base[p] = self.base
+                continue
+            if self.use_shared:
+                chk(MPI_Win_shared_query(self.win, p, &size, &disp_unit, &ptr))
+                if size >= capacity:
+                    self.peer_base[p] = <char*>ptr
+            if self.peer_base[p] == NULL:
+                self.all_shared = False
+        # Nobody reads a peer's status before the peer has zeroed it.
+        chk(MPI_Barrier(self.comm))
+        return 0
+
+    cdef void release_window(self):
+        cdef int i
+        for i in range(self.nzombies):
+            MPI_Wait(&self.zreq[i], MPI_STATUS_IGNORE)
+            free_getbuffers(self.zbuf[i])
+        self.nzombies = 0
+        for i in range(self.size):
+            if self.done_req[i] != MPI_REQUEST_NULL:
+                MPI_Wait(&self.done_req[i], MPI_STATUS_IGNORE)
+        if self.has_win:
+            MPI_Win_unlock_all(self.win)
+            MPI_Win_free(&self.win)
+            self.has_win = False
+
+    cdef void close(self):
+        self.release_window()
+
+    def __dealloc__(self):
+        free(self.peer_base)
+        free(self.consumed_from)
+        free(self.seen)
+        free_getbuffers(self.seen_gb)
+        free(self.published_to)
+        free(self.done_out)
+        free(self.done_req)
+        free(self.zreq)
+        free(self.zbuf)
+
+    # -- addresses ---------------------------------------------------------
+    cdef inline Py_ssize_t record_offset(self, int slot, int block) noexcept nogil:
+        return (self.rec_offset + (<Py_ssize_t>(self.call.seq & 1)) * self.region
+                + (<Py_ssize_t>slot * self.call.nblocks + block) * self.stride)
+
+    cdef inline mpl_status_t* my_status(self) noexcept nogil:
+        return <mpl_status_t*>self.base
+
+    cdef inline uint64_t* done_words(self) noexcept nogil:
+        return <uint64_t*>(self.base + MPL_STATUS_BYTES)
+
+    # -- per call ------------------------------------------------------------
+    cdef int begin(self, CallInfo* call) except -1:
+        self.call = call
+        self.stride = RECORD_HEADER + round_up(call.block_bytes, MPL_CACHELINE)
+        self.reap_zombies()
+        memset(self.consumed_from, 0, self.size)
+        memset(self.published_to, 0, self.size)
+        memset(self.seen, 0, self.size)
+        self.seen[self.rank] = 1
+        self.nseen = 1
+        self.seen_next = 0
+        if self.seen_gb == NULL and not self.all_shared:
+            self.seen_gb = new_getbuffers(0)
+        cdef Py_ssize_t need = <Py_ssize_t>call.nslots * call.nblocks * self.stride
+        if need > self.region:
+            if self.grow(call, need):
+                return 1
+        self.announce(call, 0)
+        return 0
+
+    cdef void announce(self, CallInfo* call, uint64_t grow) noexcept nogil:
+        cdef mpl_status_t* st = self.my_status()
+        mpl_store_relaxed(&st.seq, 0)
+        mpl_fence_release()
+        st.sig = call.sig
+        st.count = call.count
+        st.dtype = call.dtype
+        st.op = call.op
+        st.algo = call.algo
+        st.block = <uint32_t>call.block_bytes
+        st.grow = grow
+        mpl_store_release(&st.seq, call.seq)
+
+    cdef char* claim(self, int slot, int block) noexcept nogil:
+        cdef char* rec = self.base + self.record_offset(slot, block)
+        mpl_store_relaxed(&(<mpl_record_t*>rec).seq, 0)
+        mpl_fence_release()
+        return rec + RECORD_HEADER
+
+    cdef char* mine(self, int slot, int block) noexcept nogil:
+        return self.base + self.record_offset(slot, block) + RECORD_HEADER
+
+    cdef void publish(self, int slot, int block, uint32_t count, uint32_t nbytes,
+                      const int* dests, int ndests) noexcept nogil:
+        cdef mpl_record_t* hdr = <mpl_record_t*>(self.base + self.record_offset(slot, block))
+        cdef int i
+        hdr.count = count
+        hdr.nbytes = nbytes
+        hdr.check = mpl_record_check(self.call.seq, self.call.sig, slot, block)
+        mpl_store_release(&hdr.seq, self.call.seq)
+        for i in range(ndests):
+            self.published_to[dests[i]] = 1
+
+    # -- reading peers -------------------------------------------------------
+    cdef inline bint record_valid(self, const mpl_record_t* hdr, uint64_t seq, int slot, int block) noexcept nogil:
+        return (seq == self.call.seq
+                and hdr.check == mpl_record_check(seq, self.call.sig, slot, block)
+                and hdr.count <= <uint32_t>self.size
+                and hdr.nbytes <= <uint32_t>self.call.block_bytes)
+
+    cdef int poll(self, Stream* s, Incoming* inc) noexcept nogil:
+        self.consumed_from[s.peer] = 1
+        if self.peer_base[s.peer] != NULL:
+            return self.poll_shared(s, inc)
+        return self.poll_get(s, inc)
+
+    cdef int poll_shared(self, Stream* s, Incoming* inc) noexcept nogil:
+        cdef char* rec = self.peer_base[s.peer] + self.record_offset(s.slot, s.cursor)
+        cdef mpl_record_t* hdr = <mpl_record_t*>rec
+        cdef uint64_t seq1 = mpl_load_acquire(&hdr.seq)
+        cdef int verdict
+        if not self.record_valid(hdr, seq1, s.slot, s.cursor):
+            verdict = self.judge(s.peer, <mpl_status_t*>self.peer_base[s.peer])
+            if verdict != POLL_READY:
+                return verdict
+            # The producer moved on: its record is now final, look once more.
+            seq1 = mpl_load_acquire(&hdr.seq)
+            if not self.record_valid(hdr, seq1, s.slot, s.cursor):
+                return POLL_GONE
+        inc.count = hdr.count
+        inc.nbytes = hdr.nbytes
+        if s.stable:
+            memcpy(s.gb.payload, rec + RECORD_HEADER, inc.nbytes)
+            mpl_fence_acquire()
+            if mpl_load_relaxed(&hdr.seq) != seq1:
+                return POLL_GONE
+            inc.data = s.gb.payload
+        else:
+            inc.data = rec + RECORD_HEADER
+        return POLL_READY
+
+    cdef bint confirm(self, Stream* s) noexcept nogil:
+        if s.stable or self.peer_base[s.peer] == NULL:
+            return True     # already validated when it was copied
+        cdef mpl_record_t* hdr = <mpl_record_t*>(
+            self.peer_base[s.peer] + self.record_offset(s.slot, s.cursor))
+        mpl_fence_acquire()
+        return mpl_load_relaxed(&hdr.seq) == self.call.seq
+
+    cdef int judge(self, int peer, const mpl_status_t* st) noexcept nogil:
+        """Why is the record not there?  WAIT, FAIL, or READY meaning 'the
+        producer is past this call: read the record one last time, and if it
+        is still not valid it never will be'.  (A header that fails its check
+        may be payload of an older call with another layout: its seq means
+        nothing, so only the producer's status is believed.)"""
+        cdef uint64_t cur = self.call.seq
+        cdef uint64_t seq = mpl_load_acquire(&st.seq)    # before err_seq: see fail()
+        if mpl_load_acquire(&st.err_seq) == cur:
+            self.error.kind = st.err_kind
+            self.error.rank = st.err_rank
+            memcpy(self.error.msg, st.err_msg, MPL_MSG_LEN)
+            self.error.msg[MPL_MSG_LEN - 1] = 0
+            return POLL_FAIL
+        if seq == cur and st.sig != 0:
+            if st.sig != self.call.sig or st.grow != 0:
+                self.describe_mismatch(peer, st)
+                mpl_fence_acquire()
+                if mpl_load_relaxed(&st.seq) == cur:
+                    return POLL_FAIL
+            return POLL_WAIT
+        if seq > cur:
+            return POLL_READY
+        return POLL_WAIT
+
+    cdef void describe_mismatch(self, int peer, const mpl_status_t* st) noexcept nogil:
+        cdef CallInfo* c = self.call
+        self.error.kind = ERR_MISMATCH
+        self.error.rank = self.rank
+        snprintf(self.error.msg, MPL_MSG_LEN,
+                 b"ranks disagree on call %llu: rank %d has %llu x %s op=%s algorithm=%s, "
+                 b"rank %d has %llu x %s op=%s algorithm=%s",
+                 <unsigned long long>c.seq,
+                 peer, <unsigned long long>st.count, DTYPE_NAMES[st.dtype % 5],
+                 OP_NAMES[st.op % 2], ALGO_NAMES[st.algo % 2],
+                 self.rank, <unsigned long long>c.count, DTYPE_NAMES[c.dtype],
+                 OP_NAMES[c.op], ALGO_NAMES[c.algo])
+
+    cdef int poll_get(self, Stream* s, Incoming* inc) noexcept nogil:
+        """Network path: a small state machine of MPI_Rget, never blocking."""
+        cdef GetBuffers* gb = s.gb
+        cdef int flag, verdict
+        cdef Py_ssize_t off = self.record_offset(s.slot, s.cursor)
+        while True:
+            if s.cstate != GET_IDLE:
+                if MPI_Test(&s.req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS:
+                    return self.mpi_failure(b"MPI_Test")
+                if not flag:
+                    return POLL_WAIT
+            if s.cstate == GET_IDLE:
+                if self.rget(&gb.hdr, RECORD_HEADER, s.peer, off, &s.req):
+                    return POLL_FAIL
+                s.cstate = GET_HDR
+            elif s.cstate == GET_HDR or s.cstate == GET_HDR_LAST:
+                if self.record_valid(&gb.hdr, gb.hdr.seq, s.slot, s.cursor):
+                    if self.rget(gb.payload, gb.hdr.nbytes, s.peer, off + RECORD_HEADER, &s.req):
+                        return POLL_FAIL
+                    s.cstate = GET_PAYLOAD
+                elif s.cstate == GET_HDR_LAST:
+                    s.cstate = GET_IDLE
+                    return POLL_GONE
+                else:
+                    if self.rget(&gb.status, sizeof(mpl_status_t), s.peer, 0, &s.req):
+                        return POLL_FAIL
+                    s.cstate = GET_STATUS
+            elif s.cstate == GET_PAYLOAD:
+                if self.rget(&gb.hdr2, RECORD_HEADER, s.peer, off, &s.req):
+                    return POLL_FAIL
+                s.cstate = GET_CONFIRM
+            elif s.cstate == GET_CONFIRM:
+                s.cstate = GET_IDLE
+                if gb.hdr2.seq != gb.hdr.seq or gb.hdr2.check != gb.hdr.check:
+                    return POLL_GONE
+                inc.data = gb.payload
+                inc.count = gb.hdr.count
+                inc.nbytes = gb.hdr.nbytes
+                return POLL_READY
+            elif s.cstate == GET_STATUS:
+                verdict = self.judge(s.peer, &gb.status)
+                if verdict == POLL_READY:
+                    if self.rget(&gb.hdr, RECORD_HEADER, s.peer, off, &s.req):
+                        return POLL_FAIL
+                    s.cstate = GET_HDR_LAST
+                else:
+                    s.cstate = GET_IDLE
+                    return verdict
+
+    cdef int rget(self, void* dst, Py_ssize_t nbytes, int peer, Py_ssize_t offset,
+                  MPI_Request* req) noexcept nogil:
+        if MPI_Rget(dst, <int>nbytes, MPI_BYTE, peer, offset, <int>nbytes, MPI_BYTE,
+                    self.win, req) != MPI_SUCCESS:
+            self.mpi_failure(b"MPI_Rget")
+            return 1
+        return 0
+
+    cdef int mpi_failure(self, const char* what) noexcept nogil:
+        self.error.kind = ERR_MPI
+        self.error.rank = self.rank
+        snprintf(self.error.msg, MPL_MSG_LEN, b"%s failed on rank %d", what, self.rank)
+        return POLL_FAIL
+
+    cdef int prepare(self, Stream* s) except -1:
+        s.cstate = GET_IDLE
+        s.req = MPI_REQUEST_NULL
+        if s.stable or self.peer_base[s.peer] == NULL:
+            if s.gb == NULL or s.gb.capacity < self.call.block_bytes:
+                free_getbuffers(s.gb)
+                s.gb = new_getbuffers(self.call.block_bytes)
+        return 0
+
+    cdef void abandon(self, Stream* s) noexcept nogil:
+        """A call ends with a get in flight: its buffers wait in the zombie list."""
+        if s.cstate == GET_IDLE:
+            return
+        self.bury(s.req, s.gb)
+        s.gb = NULL
+        s.req = MPI_REQUEST_NULL
+        s.cstate = GET_IDLE
+
+    cdef void bury(self, MPI_Request req, GetBuffers* gb) noexcept nogil:
+        """Keep an unfinished get and its target buffers until it completes."""
+        if self.nzombies == self.zcap:
+            self.zcap = 2 * self.zcap + 8
+            self.zreq = <MPI_Request*>realloc(self.zreq, self.zcap * sizeof(MPI_Request))
+            self.zbuf = <GetBuffers**>realloc(self.zbuf, self.zcap * sizeof(GetBuffers*))
+        self.zreq[self.nzombies] = req
+        self.zbuf[self.nzombies] = gb
+        self.nzombies += 1
+
+    cdef void reap_zombies(self) noexcept nogil:
+        cdef int i = 0, flag
+        while i < self.nzombies:
+            MPI_Test(&self.zreq[i], &flag, MPI_STATUS_IGNORE)
+            if flag:
+                free_getbuffers(self.zbuf[i])
+                self.nzombies -= 1
+                self.zreq[i] = self.zreq[self.nzombies]
+                self.zbuf[i] = self.zbuf[self.nzombies]
+            else:
+                i += 1
+
+    cdef int entered(self) noexcept nogil:
+        cdef int p, flag
+        cdef uint64_t cur = self.call.seq
+        if self.nseen == self.size:
+            return self.nseen
+        for p in range(self.size):
+            if not self.seen[p] and self.peer_base[p] != NULL:
+                if mpl_load_acquire(&(<mpl_status_t*>self.peer_base[p]).seq) >= cur:
+                    self.seen[p] = 1
+                    self.nseen += 1
+        if self.all_shared:
+            return self.nseen
+        # Network path: one status get in flight, visiting unseen peers in turn.
+        if self.seen_req != MPI_REQUEST_NULL:
+            MPI_Test(&self.seen_req, &flag, MPI_STATUS_IGNORE)
+            if not flag:
+                return self.nseen
+            if not self.seen[self.seen_next] and self.seen_gb.status.seq >= cur:
+                self.seen[self.seen_next] = 1
+                self.nseen += 1
+            self.seen_next = (self.seen_next + 1) % self.size
+        for p in range(self.size):
+            if not self.seen[self.seen_next]:
+                self.rget(&self.seen_gb.status, sizeof(mpl_status_t), self.seen_next, 0, &self.seen_req)
+                break
+            self.seen_next = (self.seen_next + 1) % self.size
+        return self.nseen
+
+    cdef void progress(self) noexcept nogil:
+        cdef int flag
+        if not self.all_shared:
+            MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, self.comm, &flag, MPI_STATUS_IGNORE)
+
+    # -- end of a call -------------------------------------------------------
+    cdef void end(self, CallInfo* call, bint failed) noexcept nogil:
+        """Peers reached through MPI_Rget need us to drive progress until they
+        have read what we published: tell our producers that we are done,
+        then linger until our consumers say the same (or the deadline)."""
+        cdef int p, flag
+        cdef double limit
+        cdef bint waiting
+        if self.all_shared:
+            return
+        if self.seen_req != MPI_REQUEST_NULL:
+            self.bury(self.seen_req, self.seen_gb)
+            self.seen_req = MPI_REQUEST_NULL
+            self.seen_gb = NULL         # begin() allocates a fresh one
+        for p in range(self.size):
+            if p != self.rank and self.peer_base[p] == NULL and (failed or self.consumed_from[p]):
+                self.send_done(p, call)
+        if call.timeout >= 0:
+            limit = call.start + call.timeout
+        else:
+            limit = mpl_now() + MAX_LINGER_EXACT if failed else -1
+        cdef uint64_t* done = self.done_words()
+        while True:
+            waiting = False
+            MPI_Win_sync(self.win)
+            for p in range(self.size):
+                if (p != self.rank and self.peer_base[p] == NULL
+                        and (failed or self.published_to[p])
+                        and mpl_load_acquire(&done[p]) < call.seq):
+                    waiting = True
+                    break
+            if not waiting or (limit >= 0 and mpl_now() >= limit):
+                return
+            self.progress()
+            mpl_yield()
+
+    cdef void send_done(self, int peer, CallInfo* call) noexcept nogil:
+        cdef int flag = 1
+        if self.done_req[peer] != MPI_REQUEST_NULL:
+            MPI_Test(&self.done_req[peer], &flag, MPI_STATUS_IGNORE)
+            if not flag and call.timeout < 0:
+                MPI_Wait(&self.done_req[peer], MPI_STATUS_IGNORE)
+                flag = 1
+        if not flag:
+            return      # the previous signal is still in flight; it will do
+        self.done_out[peer] = call.seq
+        MPI_Rput(&self.done_out[peer], 8, MPI_BYTE, peer,
+                 MPL_STATUS_BYTES + 8 * self.rank, 8, MPI_BYTE, self.win, &self.done_req[peer])
+        MPI_Test(&self.done_req[peer], &flag, MPI_STATUS_IGNORE)
+
+    cdef void fail(self, CallInfo* call, ErrorInfo* err) noexcept nogil:
+        # The error goes out before the status that announces the call, so a
+        # peer that sees this rank in the call also sees why it failed.
+        cdef mpl_status_t* st = self.my_status()
+        st.err_kind = err.kind
+        st.err_rank = err.rank
+        memcpy(st.err_msg, err.msg, MPL_MSG_LEN)
+        mpl_store_release(&st.err_seq, call.seq)
+        if mpl_load_relaxed(&st.seq) != call.seq:
+            mpl_store_relaxed(&st.seq, 0)
+            mpl_fence_release()
+            st.sig = 0                  # no layout: never read as a mismatch
+            st.grow = 0
+            mpl_store_release(&st.seq, call.seq)
+        if not self.all_shared:
+            MPI_Win_sync(self.win)
+
+    # -- growth --------------------------------------------------------------
+    cdef int grow(self, CallInfo* call, Py_ssize_t need) except -1:
+        """Every rank needs a larger window for this call.  Growing is
+        collective, so first make sure that all peers agree (they announce the
+        same need for the same call); a peer that disagrees fails the call on
+        every rank instead of leaving us blocked in MPI_Win_allocate."""
+        cdef int p, ready
+        cdef mpl_status_t st
+        cdef mpl_status_t* pst
+        self.announce(call, <uint64_t>need)
+        while True:
+            ready = 0
+            for p in range(self.size):
+                if p == self.rank:
+                    ready += 1
+                    continue
+                if self.peer_base[p] != NULL:
+                    pst = <mpl_status_t*>self.peer_base[p]
+                    memcpy(&st, pst, sizeof(mpl_status_t))
+                    mpl_fence_acquire()
+                    if mpl_load_relaxed(&pst.seq) != st.seq:
+                        continue
+                else:
+                    chk(MPI_Get(&st, sizeof(mpl_status_t), MPI_BYTE, p, 0,
+                                sizeof(mpl_status_t), MPI_BYTE, self.win))
+                    chk(MPI_Win_flush(p, self.win))
+                if st.err_seq == call.seq:
+                    self.error.kind = st.err_kind
+                    self.error.rank = st.err_rank
+                    memcpy(self.error.msg, st.err_msg, MPL_MSG_LEN)
+                    self.error.msg[MPL_MSG_LEN - 1] = 0
+                    return 1
+                if st.seq == call.seq:
+                    if st.sig != call.sig or st.grow != <uint64_t>need:
+                        self.describe_mismatch(p, &st)
+                        self.fail(call, &self.error)
+                        return 1
+                    ready += 1
+                elif st.seq > call.seq:
+                    self.error.kind = ERR_PROTOCOL
+                    self.error.rank = self.rank
+                    snprintf(self.error.msg, MPL_MSG_LEN,
+                             b"rank %d went past call %llu while rank %d waited to grow its window",
+                             p, <unsigned long long>call.seq, self.rank)
+                    self.fail(call, &self.error)
+                    return 1
+            if ready == self.size:
+                break
+            with nogil:
+                self.progress()
+                mpl_yield()
+        self.release_window()
+        self.allocate(max(need, self.region + self.region // 2))
+        return 0
+
+
+cdef GetBuffers* new_getbuffers(Py_ssize_t capacity) except NULL:
+    cdef GetBuffers* gb = <GetBuffers*>calloc(1, sizeof(GetBuffers))
+    if gb == NULL:
+        raise MemoryError()
+    gb.payload = <char*>malloc(max(capacity, 64))
+    if gb.payload == NULL:
+        free(gb)
+        raise MemoryError()
+    gb.capacity = capacity
+    return gb
+
+
+cdef void free_getbuffers(GetBuffers* gb) noexcept nogil:
+    if gb != NULL:
+        free(gb.payload)
+        free(gb)

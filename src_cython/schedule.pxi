@@ -1,0 +1,205 @@
+# The engine shared by all algorithms.
+#
+# An algorithm describes a call as streams (what it reads from whom, in which
+# deadline stage) and reacts to each block of each stream: `take` it when it
+# arrives, `commit` it once the channel confirms it was not overwritten
+# meanwhile, or `lose` it when it is lost, late or torn.  `run_streams`
+# polls every stream until all blocks are resolved; no block waits past the
+# end of its stage, so a call never outlives its deadline by more than the
+# time to finish the blocks already in hand.
+
+cdef class Algorithm:
+    cdef int rank, size
+    cdef Channel chan
+    cdef CallInfo* call
+    cdef Stream* streams
+    cdef int nstreams, max_streams
+    cdef Py_ssize_t* drop_cap
+    cdef char* send
+    cdef char* recv
+    cdef bint inplace
+    # results of the call, as this rank sees them
+    cdef double weighted           # sum over result blocks of count * elements
+    cdef double weighted_blocks    # sum over result blocks of count
+    cdef Py_ssize_t result_blocks
+    cdef Py_ssize_t fallback_elems
+    cdef uint32_t min_count
+    cdef bint deadline_hit
+    cdef int lost_injected, lost_late, lost_gone, lost_torn   # blocks, by cause
+
+    def __cinit__(self, int rank, int size):
+        self.rank = rank
+        self.size = size
+        self.max_streams = 2 * size + 2
+        self.streams = <Stream*>calloc(self.max_streams, sizeof(Stream))
+        self.drop_cap = <Py_ssize_t*>calloc(self.max_streams, sizeof(Py_ssize_t))
+        if self.streams == NULL or self.drop_cap == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        cdef int i
+        if self.streams != NULL:
+            for i in range(self.max_streams):
+                free(self.streams[i].drop)
+                free_getbuffers(self.streams[i].gb)
+        free(self.streams)
+        free(self.drop_cap)
+
+    # -- set-up, with the GIL ----------------------------------------------
+    cdef int layout(self, CallInfo* call) except -1:
+        """Fill call.nslots, nblocks, block_elems, block_bytes, nstages, stage_end."""
+        raise NotImplementedError
+
+    cdef int plan(self) except -1:
+        """Fill the streams of the current call."""
+        raise NotImplementedError
+
+    cdef int bind(self, Channel chan, CallInfo* call, char* send, char* recv) except -1:
+        self.chan = chan
+        self.call = call
+        self.send = send
+        self.recv = recv
+        self.inplace = send == recv
+        self.weighted = 0
+        self.weighted_blocks = 0
+        self.result_blocks = 0
+        self.fallback_elems = 0
+        self.min_count = <uint32_t>self.size
+        self.deadline_hit = False
+        self.lost_injected = self.lost_late = self.lost_gone = self.lost_torn = 0
+        self.nstreams = 0
+        self.plan()
+        cdef int i
+        cdef Stream* s
+        for i in range(self.nstreams):
+            s = &self.streams[i]
+            s.cursor = 0
+            if self.drop_cap[i] < s.nblocks:
+                free(s.drop)
+                s.drop = <unsigned char*>malloc(s.nblocks)
+                if s.drop == NULL:
+                    raise MemoryError()
+                self.drop_cap[i] = s.nblocks
+            memset(s.drop, 0, s.nblocks)
+            chan.prepare(s)
+        return 0
+
+    cdef Stream* add_stream(self, int peer, int slot, int stage, int tag, bint stable) noexcept:
+        cdef Stream* s = &self.streams[self.nstreams]
+        self.nstreams += 1
+        s.peer = peer
+        s.slot = slot
+        s.nblocks = self.call.nblocks
+        s.stage = stage
+        s.tag = tag
+        s.stable = stable
+        return s
+
+    # -- reactions, outside the GIL -----------------------------------------
+    cdef void start(self) noexcept nogil:
+        pass
+
+    cdef bint ready(self, Stream* s, int block) noexcept nogil:
+        return True
+
+    cdef bint take(self, Stream* s, int block, Incoming* inc) noexcept nogil:
+        return False
+
+    cdef void commit(self, Stream* s, int block, Incoming* inc) noexcept nogil:
+        pass
+
+    cdef void lose(self, Stream* s, int block) noexcept nogil:
+        pass
+
+    cdef inline void add_result(self, uint32_t count, Py_ssize_t elems) noexcept nogil:
+        self.weighted += <double>count * elems
+        self.weighted_blocks += count
+        self.result_blocks += 1
+        if count < self.min_count:
+            self.min_count = count
+
+    cdef double delivered(self) noexcept nogil:
+        if self.call.count > 0:
+            return self.weighted / (<double>self.size * self.call.count)
+        if self.result_blocks > 0:
+            return self.weighted_blocks / (<double>self.size * self.result_blocks)
+        return 1.0
+
+
+cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
+                     ErrorInfo* err) noexcept nogil:
+    """Resolve every block of every stream.  0 on success; 1 with `err` set
+    (and announced to peers) when the call fails."""
+    cdef int i, block, verdict, unresolved
+    cdef Stream* s
+    cdef Incoming inc
+    cdef bint progressed
+    cdef bint exact = call.timeout < 0
+    cdef double now, patience = patience_end(call)
+    call.anchor = -1.0
+    alg.start()
+    while True:
+        progressed = False
+        unresolved = 0
+        now = mpl_now()
+        if call.anchor < 0 and not exact:
+            if chan.entered() == alg.size:
+                call.anchor = now
+            elif now >= patience:
+                call.anchor = patience
+        for i in range(alg.nstreams):
+            s = &alg.streams[i]
+            while s.cursor < s.nblocks:
+                block = s.cursor
+                if not alg.ready(s, block):
+                    break
+                if s.drop[block]:
+                    # Injected loss: the record never arrives.  Without a
+                    # deadline there is nothing to wait for.
+                    verdict = POLL_GONE if exact else POLL_WAIT
+                else:
+                    verdict = chan.poll(s, &inc)
+                if verdict == POLL_READY:
+                    if alg.take(s, block, &inc) and chan.confirm(s):
+                        alg.commit(s, block, &inc)
+                    else:
+                        alg.lost_torn += 1
+                        alg.lose(s, block)
+                elif verdict == POLL_WAIT:
+                    if exact or now < stage_deadline(call, s.stage):
+                        break
+                    alg.deadline_hit = True
+                    chan.abandon(s)
+                    if s.drop[block]:
+                        alg.lost_injected += 1
+                    else:
+                        alg.lost_late += 1
+                    alg.lose(s, block)
+                elif verdict == POLL_GONE:
+                    if exact and not lossy:
+                        err.kind = ERR_PROTOCOL
+                        err.rank = alg.rank
+                        snprintf(err.msg, MPL_MSG_LEN,
+                                 b"rank %d moved past call %llu before rank %d, which waits "
+                                 b"without deadline, read its data; give every rank the same timeout",
+                                 s.peer, <unsigned long long>call.seq, alg.rank)
+                        chan.fail(call, err)
+                        return 1
+                    if s.drop[block]:
+                        alg.lost_injected += 1
+                    else:
+                        alg.lost_gone += 1
+                    alg.lose(s, block)
+                else:
+                    memcpy(err, &chan.error, sizeof(ErrorInfo))
+                    chan.fail(call, err)
+                    return 1
+                s.cursor += 1
+                progressed = True
+            if s.cursor < s.nblocks:
+                unresolved += 1
+        if unresolved == 0:
+            return 0
+        if not progressed:
+            chan.progress()
+            mpl_yield()

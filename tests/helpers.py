@@ -1,0 +1,78 @@
+"""Helpers shared by the tests."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from mpi4py import MPI
+
+DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
+FLOATS = [np.float16, np.float32, np.float64]
+HERE = Path(__file__).resolve().parent
+
+
+def small_ints(n: int, rank: int, dtype) -> np.ndarray:
+    """Values whose sums over up to 4 ranks are exact in every dtype,
+    float16 included, so results can be compared bit for bit."""
+    return ((np.arange(n, dtype=np.int64) * 7 + 3 * rank) % 23 + rank).astype(dtype)
+
+
+def mpi_sum(comm: MPI.Comm, x: np.ndarray) -> np.ndarray:
+    """The reference: MPI_Allreduce through mpi4py (float16 through float64)."""
+    if x.dtype == np.float16:
+        wide = np.empty(x.shape, np.float64)
+        comm.Allreduce(x.astype(np.float64), wide)
+        return wide.astype(np.float16)
+    out = np.empty_like(x)
+    comm.Allreduce(x, out)
+    return out
+
+
+def same_everywhere(comm: MPI.Comm, value) -> bool:
+    values = comm.allgather(value)
+    return all(v == values[0] for v in values)
+
+
+def all_ranks_raise(comm: MPI.Comm, fn, exc_type) -> str:
+    """Run fn(); assert it raised exc_type on *every* rank; return the message."""
+    try:
+        fn()
+    except exc_type as exc:
+        message = str(exc)
+        ok = True
+    except Exception as exc:  # wrong type: report which
+        message = f"{type(exc).__name__}: {exc}"
+        ok = False
+    else:
+        message = "no exception"
+        ok = False
+    outcomes = comm.allgather((ok, message))
+    bad = [(r, m) for r, (o, m) in enumerate(outcomes) if not o]
+    assert not bad, f"expected {exc_type.__name__} on every rank, got: {bad}"
+    return message
+
+
+def clean_subprocess_env(**extra: str) -> dict:
+    """Environment for a child `mpiexec`: no PMI/hydra variables inherited from
+    the mpiexec that runs the test suite."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_CVAR_", "OMPI_", "UCX_"))}
+    env.update(extra)
+    return env
+
+
+def run_mpi_script(script: str, nprocs: int, *args: str, timeout: float = 120, **env: str):
+    """Run tests/scripts/<script> under its own mpiexec; return CompletedProcess."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    cmd = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(nprocs),
+           sys.executable, str(HERE / "scripts" / script), *args]
+    return subprocess.run(cmd, env=clean_subprocess_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
+
+
+def is_singleton() -> bool:
+    return MPI.COMM_WORLD.size == 1
