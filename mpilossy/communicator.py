@@ -26,6 +26,7 @@ CHANNELS = ("rma", "auto")
 SCALINGS = ("unbiased", "zero-fill")
 
 DEFAULT_BLOCK_BYTES = 256 * 1024
+DEFAULT_CAPACITY = 4 * 1024 * 1024
 DEFAULT_TREE_RADIX = 4
 # Largest message for which algorithm="auto" picks the tree, by rank count.
 # Measured with `python -m mpilossy.bench.crossover` (docs/performance.md).
@@ -128,8 +129,10 @@ class Communicator:
     block_bytes:
         Pipelining and loss unit (default 256 KiB, $MPILOSSY_BLOCK_BYTES).
     capacity:
-        Bytes of window to allocate now; windows grow on demand otherwise
-        (growing is a synchronisation point of all ranks).
+        Bytes of records per call to allocate now (default 4 MiB: a ring of
+        up to about 4 MiB, a tree of up to 2 MiB).  Larger calls grow the
+        windows, and that first larger call waits for every rank: growing is
+        collective, so it is the one point not bound by the deadline.
     tree_radix:
         Fan-out of the k-nomial tree (2 = binomial; default 4).
     scaling, rotate:
@@ -144,7 +147,7 @@ class Communicator:
     def __init__(self, comm: Optional[MPI.Comm] = None, *, channel: str = "rma",
                  timeout: Optional[float] = _UNSET, loss: Any = _UNSET,
                  algorithm: str = "auto", block_bytes: Optional[int] = None,
-                 capacity: int = 0, tree_radix: Optional[int] = None,
+                 capacity: int = DEFAULT_CAPACITY, tree_radix: Optional[int] = None,
                  scaling: str = "unbiased", rotate: bool = True) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
@@ -200,6 +203,7 @@ class Communicator:
         self._block_bytes = block
         self._radix = radix
         self._channel = "rma"
+        self._trace = self._open_trace(os.environ.get("MPILOSSY_TRACE"))
 
     # -- properties ----------------------------------------------------------
     @property
@@ -245,6 +249,9 @@ class Communicator:
         """Release windows and the duplicate communicator (collective)."""
         if self._core is None:
             return
+        if getattr(self, "_trace", None) is not None:
+            self._trace.close()
+            self._trace = None
         core, self._core = self._core, None
         core.close()
         self._comm.Free()
@@ -285,6 +292,8 @@ class Communicator:
             raise self._error(result, type(exc)) from None
         send, recv, dtype, opcode, algo, tmo = args
         result = self._core.allreduce(send, recv, dtype, opcode, algo, tmo)
+        if self._trace is not None:
+            self._write_trace(result, algo, send.nbytes, tmo)
         if result[0]:
             raise self._error(result)
         return AllreduceStats(result[3], result[4], result[5], result[6], result[7],
@@ -332,8 +341,26 @@ class Communicator:
             algorithm = "tree" if nbytes <= limit else "ring"
         return ALGORITHMS[algorithm]
 
+    def _open_trace(self, directory: Optional[str]):
+        """MPILOSSY_TRACE=DIR: one line per call and rank, for tuning deadlines."""
+        if not directory:
+            return None
+        os.makedirs(directory, exist_ok=True)
+        path = os.path.join(directory, f"trace-{self._serial}-rank{self.rank}.tsv")
+        trace = open(path, "w", buffering=1)
+        trace.write("seq\talgorithm\tbytes\ttimeout\tstart\tanchor_ms\telapsed_ms"
+                    "\tdelivered\tlost_injected\tlost_late\tlost_gone\tlost_torn\terror\n")
+        return trace
+
+    def _write_trace(self, result: tuple, algo: int, nbytes: int, timeout: float) -> None:
+        start, anchor = result[10]
+        self._trace.write("\t".join(map(str, (
+            result[8], ALGORITHM_NAMES[algo], nbytes, timeout, f"{start:.6f}",
+            f"{(anchor - start) * 1e3:.3f}" if anchor >= 0 else "-", f"{result[4] * 1e3:.3f}",
+            f"{result[3]:.4f}", *result[9], result[0]))) + "\n")
+
     def _error(self, result: tuple, local: Optional[type] = None) -> Exception:
-        kind, rank, message, *_, seq, _lost = result
+        kind, rank, message, *_, seq, _lost, _timing = result
         cls = _EXCEPTIONS.get(kind, MPILossyError)
         if local is not None and kind != _core.ERRORS["mismatch"]:
             cls = local

@@ -49,7 +49,6 @@ cdef struct CallInfo:
     double timeout        # < 0: no deadline
     double anchor         # when every peer was seen in this call (or patience
                           # ran out); < 0 until then
-    double budget         # seconds the stages need after the anchor; <= 0: unknown
     int nstages
     double* stage_end     # fraction of the budget at which each stage gives up
 
@@ -76,8 +75,9 @@ cdef struct Stream:
     int tag               # the algorithm's own index
     bint stable           # payload must be copied out and validated before use
     # Engine.
-    int cursor            # next block to resolve
+    int cursor            # first block not resolved yet
     unsigned char* drop   # injected loss, one flag per block
+    unsigned char* done   # blocks resolved ahead of the cursor
     # Channel.
     int cstate
     MPI_Request req
@@ -87,33 +87,26 @@ cdef struct Stream:
 # Deadlines.  `start + timeout` is the hard cap of a call.  Inside it, stage
 # deadlines are counted from the *anchor*: the moment this rank has seen every
 # peer enter the call.  A peer that enters late (it finished the previous
-# call later, or computed longer) therefore shifts the stages instead of
-# losing its data in the early ones.  How long to wait for late peers: until
-# `start + timeout - budget`, where the budget is what the stages need (a few
-# times the duration of recent lossless calls of this kind, learned by the
-# core; half the timeout before anything is learned).  After the anchor the
-# stages are spread over the budget, so a call that loses data ends about one
-# budget after the anchor rather than at the cap, and the skew it leaves for
-# the next call stays within that call's patience.
-cdef double COLD_PATIENCE = 0.5     # fraction of the timeout, before learning
+# call later, or computed longer) shifts the stages instead of losing its data
+# in the early ones.  Ranks wait for late peers until start + (1 - BUDGET) of
+# the timeout; then the stages run in the remaining budget without them.
+# After the anchor the stages are spread over BUDGET of the timeout, so a call
+# that loses data ends at most that long after the anchor, and the skew it
+# leaves for the next call stays within that call's patience.  The same
+# fractions on every rank keep the stages of producers and consumers aligned.
+cdef double BUDGET = 0.4
 
 
 cdef inline double stage_deadline(const CallInfo* call, int stage) noexcept nogil:
     cdef double end = call.start + call.timeout
-    cdef double budget
     if call.anchor < 0:
         return end
-    budget = end - call.anchor
-    if 0 < call.budget < budget:
-        budget = call.budget
-    return call.anchor + budget * call.stage_end[stage]
+    return min(end, call.anchor + BUDGET * call.timeout * call.stage_end[stage])
 
 
 cdef inline double patience_end(const CallInfo* call) noexcept nogil:
     """When to stop waiting for peers that have not entered the call."""
-    if call.budget > 0:
-        return max(call.start, call.start + call.timeout - call.budget)
-    return call.start + COLD_PATIENCE * call.timeout
+    return call.start + (1.0 - BUDGET) * call.timeout
 
 
 cdef inline double call_scale(const CallInfo* call, uint32_t count, int nranks) noexcept nogil:
@@ -146,15 +139,19 @@ cdef class Channel:
         """Make my record (slot, block) available to `dests`."""
         pass
 
-    cdef int poll(self, Stream* s, Incoming* inc) noexcept nogil:
-        """Look for block `s.cursor` of stream `s`; never blocks."""
+    cdef int poll(self, Stream* s, int block, Incoming* inc) noexcept nogil:
+        """Look for `block` of stream `s`; never blocks."""
         return POLL_WAIT
+
+    cdef bint random_access(self, Stream* s) noexcept nogil:
+        """Can blocks of `s` be polled out of order (ahead of the cursor)?"""
+        return False
 
     cdef void abandon(self, Stream* s) noexcept nogil:
         """Stop waiting for the block in flight on `s`."""
         pass
 
-    cdef bint confirm(self, Stream* s) noexcept nogil:
+    cdef bint confirm(self, Stream* s, int block) noexcept nogil:
         """After using a READY payload in place: was it stable meanwhile?"""
         return True
 

@@ -16,20 +16,6 @@ def library_version() -> str:
     return text[:length].decode(errors="replace")
 
 
-# A call's stages get BUDGET_FACTOR times the recent lossless duration (a
-# decaying maximum that forgets a spike by BUDGET_DECAY per call).
-cdef double BUDGET_FACTOR = 4.0
-cdef double BUDGET_DECAY = 0.95
-
-
-cdef inline int bit_length(Py_ssize_t x) noexcept nogil:
-    cdef int k = 0
-    while x > 0 and k < 63:
-        x >>= 1
-        k += 1
-    return k
-
-
 cdef class Core:
     """Channel, algorithms and call counter of one mpilossy.Communicator."""
     cdef MPI.Comm comm           # the communicator's private duplicate
@@ -45,9 +31,6 @@ cdef class Core:
     cdef bint closed
     cdef int scaling
     cdef bint rotate
-    # Decaying maximum of (finish - anchor) of recent calls that lost nothing,
-    # per algorithm and size (bit length of the byte count): the stage budget.
-    cdef double lossless[2][64]
 
     def __cinit__(self, MPI.Comm comm not None, Py_ssize_t capacity, Py_ssize_t block_bytes,
                   int radix, bint use_shared, bint zero_fill=False, bint rotate=True):
@@ -94,7 +77,8 @@ cdef class Core:
     def allreduce(self, sendbuf, recvbuf, int dtype, int op, int algo, double timeout):
         """Run one call.  `timeout` < 0 waits for everything.  Returns
         (err_kind, err_rank, err_msg, delivered, elapsed, deadline_hit,
-        fallback_fraction, min_contributors, seq)."""
+        fallback_fraction, min_contributors, seq, lost_blocks, timing) with
+        timing = (start, anchor) on the monotonic clock."""
         cdef Py_buffer sb, rb
         PyObject_GetBuffer(sendbuf, &sb, PyBUF_SIMPLE)
         try:
@@ -126,15 +110,14 @@ cdef class Core:
         call.timeout = timeout
         call.scaling = self.scaling
         call.rotate = self.rotate
-        cdef int bucket = bit_length(nbytes)
-        call.budget = BUDGET_FACTOR * self.lossless[algo][bucket]
         pause = self.loss.delay(call.seq, self.rank)
         with nogil:
             mpl_sleep(pause)
         call.start = mpl_now()
         if self.size == 1:
             k_scale(dtype, 1.0, recv, send, call.count)
-            return (ERR_NONE, -1, "", 1.0, mpl_now() - t0, False, 0.0, 1, call.seq, (0, 0, 0, 0))
+            return (ERR_NONE, -1, "", 1.0, mpl_now() - t0, False, 0.0, 1, call.seq, (0, 0, 0, 0),
+                    (call.start, call.start))
         call.block_elems = max(1, self.block_bytes // call.itemsize)
         alg.layout(call)
         call.sig = mpl_hash4(<uint64_t>call.count,
@@ -152,25 +135,17 @@ cdef class Core:
                 failed = run_streams(alg, self.chan, call, lossy, &self.err)
                 for i in range(alg.nstreams):
                     self.chan.abandon(&alg.streams[i])
-            if not failed:
-                self.learn(alg, algo, bucket)
         with nogil:
             self.chan.end(call, failed)
         if failed:
             return (self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
-                    0.0, mpl_now() - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0))
+                    0.0, mpl_now() - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
+                    (call.start, -1.0))
         return (ERR_NONE, -1, "", alg.delivered(), mpl_now() - t0, alg.deadline_hit,
                 alg.fallback_elems / <double>call.count if call.count else 0.0,
                 alg.min_count, call.seq,
-                (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn))
-
-    cdef void learn(self, Algorithm alg, int algo, int bucket) noexcept:
-        """Track how long a call of this kind takes when nothing is lost."""
-        cdef double* slot = &self.lossless[algo][bucket]
-        if self.call.anchor < 0 or alg.deadline_hit or alg.min_count < <uint32_t>self.size:
-            return
-        cdef double took = mpl_now() - self.call.anchor
-        slot[0] = max(took, slot[0] * BUDGET_DECAY)
+                (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
+                (call.start, call.anchor))
 
     def fail(self, int kind, str message, double timeout):
         """This rank cannot take part in the next call (bad input): count the
@@ -190,4 +165,5 @@ cdef class Core:
             with nogil:
                 self.chan.fail(call, &self.err)
                 self.chan.end(call, True)
-        return (kind, self.rank, message, 0.0, 0.0, False, 0.0, 0, call.seq, (0, 0, 0, 0))
+        return (kind, self.rank, message, 0.0, 0.0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
+                (call.start, -1.0))

@@ -124,7 +124,7 @@ cdef class Ring(Algorithm):
         # My own part of this chunk must be reduced before the gather may
         # overwrite it (in place) or fall back on it (lost).
         cdef int position = (self.rank - s.tag - 1 + self.size) % self.size
-        return position == 0 or self.streams[position - 1].cursor > block
+        return position == 0 or self.resolved(position - 1, block)
 
     cdef bint take(self, Stream* s, int block, Incoming* inc) noexcept nogil:
         cdef CallInfo* c = self.call

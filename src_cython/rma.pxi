@@ -226,24 +226,27 @@ cdef class RmaChannel(Channel):
                 and hdr.count <= <uint32_t>self.size
                 and hdr.nbytes <= <uint32_t>self.call.block_bytes)
 
-    cdef int poll(self, Stream* s, Incoming* inc) noexcept nogil:
+    cdef int poll(self, Stream* s, int block, Incoming* inc) noexcept nogil:
         self.consumed_from[s.peer] = 1
         if self.peer_base[s.peer] != NULL:
-            return self.poll_shared(s, inc)
+            return self.poll_shared(s, block, inc)
         return self.poll_get(s, inc)
 
-    cdef int poll_shared(self, Stream* s, Incoming* inc) noexcept nogil:
-        cdef char* rec = self.peer_base[s.peer] + self.record_offset(s.slot, s.cursor)
+    cdef bint random_access(self, Stream* s) noexcept nogil:
+        return self.peer_base[s.peer] != NULL
+
+    cdef int poll_shared(self, Stream* s, int block, Incoming* inc) noexcept nogil:
+        cdef char* rec = self.peer_base[s.peer] + self.record_offset(s.slot, block)
         cdef mpl_record_t* hdr = <mpl_record_t*>rec
         cdef uint64_t seq1 = mpl_load_acquire(&hdr.seq)
         cdef int verdict
-        if not self.record_valid(hdr, seq1, s.slot, s.cursor):
+        if not self.record_valid(hdr, seq1, s.slot, block):
             verdict = self.judge(s.peer, <mpl_status_t*>self.peer_base[s.peer])
             if verdict != POLL_READY:
                 return verdict
             # The producer moved on: its record is now final, look once more.
             seq1 = mpl_load_acquire(&hdr.seq)
-            if not self.record_valid(hdr, seq1, s.slot, s.cursor):
+            if not self.record_valid(hdr, seq1, s.slot, block):
                 return POLL_GONE
         inc.count = hdr.count
         inc.nbytes = hdr.nbytes
@@ -257,11 +260,11 @@ cdef class RmaChannel(Channel):
             inc.data = rec + RECORD_HEADER
         return POLL_READY
 
-    cdef bint confirm(self, Stream* s) noexcept nogil:
+    cdef bint confirm(self, Stream* s, int block) noexcept nogil:
         if s.stable or self.peer_base[s.peer] == NULL:
             return True     # already validated when it was copied
         cdef mpl_record_t* hdr = <mpl_record_t*>(
-            self.peer_base[s.peer] + self.record_offset(s.slot, s.cursor))
+            self.peer_base[s.peer] + self.record_offset(s.slot, block))
         mpl_fence_acquire()
         return mpl_load_relaxed(&hdr.seq) == self.call.seq
 
@@ -304,14 +307,23 @@ cdef class RmaChannel(Channel):
                  OP_NAMES[c.op], ALGO_NAMES[c.algo])
 
     cdef int poll_get(self, Stream* s, Incoming* inc) noexcept nogil:
-        """Network path: a small state machine of MPI_Rget, never blocking."""
+        """Network path: a small state machine of MPI_Rget for the cursor
+        block, never blocking."""
+        cdef int flag, verdict, ierr
+        if s.gb == NULL:            # its buffers went to the zombie list
+            s.gb = alloc_getbuffers(self.call.block_bytes)
+            if s.gb == NULL:
+                self.error.kind = ERR_MPI
+                self.error.rank = self.rank
+                snprintf(self.error.msg, MPL_MSG_LEN, b"out of memory on rank %d", self.rank)
+                return POLL_FAIL
         cdef GetBuffers* gb = s.gb
-        cdef int flag, verdict
         cdef Py_ssize_t off = self.record_offset(s.slot, s.cursor)
         while True:
             if s.cstate != GET_IDLE:
-                if MPI_Test(&s.req, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS:
-                    return self.mpi_failure(b"MPI_Test")
+                ierr = MPI_Test(&s.req, &flag, MPI_STATUS_IGNORE)
+                if ierr != MPI_SUCCESS:
+                    return self.mpi_failure(b"MPI_Test", ierr)
                 if not flag:
                     return POLL_WAIT
             if s.cstate == GET_IDLE:
@@ -354,16 +366,21 @@ cdef class RmaChannel(Channel):
 
     cdef int rget(self, void* dst, Py_ssize_t nbytes, int peer, Py_ssize_t offset,
                   MPI_Request* req) noexcept nogil:
-        if MPI_Rget(dst, <int>nbytes, MPI_BYTE, peer, offset, <int>nbytes, MPI_BYTE,
-                    self.win, req) != MPI_SUCCESS:
-            self.mpi_failure(b"MPI_Rget")
+        cdef int ierr = MPI_Rget(dst, <int>nbytes, MPI_BYTE, peer, offset, <int>nbytes,
+                                 MPI_BYTE, self.win, req)
+        if ierr != MPI_SUCCESS:
+            self.mpi_failure(b"MPI_Rget", ierr)
             return 1
         return 0
 
-    cdef int mpi_failure(self, const char* what) noexcept nogil:
+    cdef int mpi_failure(self, const char* what, int ierr) noexcept nogil:
+        cdef char text[MPI_MAX_ERROR_STRING]
+        cdef int length = 0
+        text[0] = 0
+        MPI_Error_string(ierr, text, &length)
         self.error.kind = ERR_MPI
         self.error.rank = self.rank
-        snprintf(self.error.msg, MPL_MSG_LEN, b"%s failed on rank %d", what, self.rank)
+        snprintf(self.error.msg, MPL_MSG_LEN, b"%s failed on rank %d: %s", what, self.rank, text)
         return POLL_FAIL
 
     cdef int prepare(self, Stream* s) except -1:
@@ -562,15 +579,22 @@ cdef class RmaChannel(Channel):
         return 0
 
 
-cdef GetBuffers* new_getbuffers(Py_ssize_t capacity) except NULL:
+cdef GetBuffers* alloc_getbuffers(Py_ssize_t capacity) noexcept nogil:
     cdef GetBuffers* gb = <GetBuffers*>calloc(1, sizeof(GetBuffers))
     if gb == NULL:
-        raise MemoryError()
+        return NULL
     gb.payload = <char*>malloc(max(capacity, 64))
     if gb.payload == NULL:
         free(gb)
-        raise MemoryError()
+        return NULL
     gb.capacity = capacity
+    return gb
+
+
+cdef GetBuffers* new_getbuffers(Py_ssize_t capacity) except NULL:
+    cdef GetBuffers* gb = alloc_getbuffers(capacity)
+    if gb == NULL:
+        raise MemoryError()
     return gb
 
 

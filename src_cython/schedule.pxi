@@ -41,6 +41,7 @@ cdef class Algorithm:
         if self.streams != NULL:
             for i in range(self.max_streams):
                 free(self.streams[i].drop)
+                free(self.streams[i].done)
                 free_getbuffers(self.streams[i].gb)
         free(self.streams)
         free(self.drop_cap)
@@ -76,11 +77,14 @@ cdef class Algorithm:
             s.cursor = 0
             if self.drop_cap[i] < s.nblocks:
                 free(s.drop)
+                free(s.done)
                 s.drop = <unsigned char*>malloc(s.nblocks)
-                if s.drop == NULL:
+                s.done = <unsigned char*>malloc(s.nblocks)
+                if s.drop == NULL or s.done == NULL:
                     raise MemoryError()
                 self.drop_cap[i] = s.nblocks
             memset(s.drop, 0, s.nblocks)
+            memset(s.done, 0, s.nblocks)
             chan.prepare(s)
         return 0
 
@@ -111,6 +115,11 @@ cdef class Algorithm:
     cdef void lose(self, Stream* s, int block) noexcept nogil:
         pass
 
+    cdef inline bint resolved(self, int stream, int block) noexcept nogil:
+        """Has `block` of stream number `stream` been resolved in this call?"""
+        cdef Stream* s = &self.streams[stream]
+        return block < s.cursor or s.done[block]
+
     cdef inline void add_result(self, uint32_t count, Py_ssize_t elems) noexcept nogil:
         self.weighted += <double>count * elems
         self.weighted_blocks += count
@@ -126,11 +135,70 @@ cdef class Algorithm:
         return 1.0
 
 
+cdef int settle(Algorithm alg, Channel chan, CallInfo* call, Stream* s, int block,
+                int verdict, Incoming* inc, bint lossy, ErrorInfo* err) noexcept nogil:
+    """Resolve `block` of `s` by what the poll said (WAIT is not passed here).
+    0, or 1 when the call fails (err set and announced)."""
+    if verdict == POLL_READY:
+        if alg.take(s, block, inc) and chan.confirm(s, block):
+            alg.commit(s, block, inc)
+        else:
+            alg.lost_torn += 1
+            alg.lose(s, block)
+    elif verdict == POLL_GONE:
+        if call.timeout < 0 and not lossy:
+            err.kind = ERR_PROTOCOL
+            err.rank = alg.rank
+            snprintf(err.msg, MPL_MSG_LEN,
+                     b"rank %d moved past call %llu before rank %d, which waits "
+                     b"without deadline, read its data; give every rank the same timeout",
+                     s.peer, <unsigned long long>call.seq, alg.rank)
+            chan.fail(call, err)
+            return 1
+        if s.drop[block]:
+            alg.lost_injected += 1
+        else:
+            alg.lost_gone += 1
+        alg.lose(s, block)
+    else:
+        memcpy(err, &chan.error, sizeof(ErrorInfo))
+        chan.fail(call, err)
+        return 1
+    return 0
+
+
+cdef bint look_ahead(Algorithm alg, Channel chan, CallInfo* call, Stream* s, bint lossy,
+                     ErrorInfo* err, int* failed) noexcept nogil:
+    """The cursor block is not there: take the blocks behind it that are, so
+    that one lost block does not hold up the rest.  True if any was taken."""
+    cdef int block, verdict
+    cdef Incoming inc
+    cdef bint took = False
+    if not chan.random_access(s):
+        return False
+    for block in range(s.cursor + 1, s.nblocks):
+        if s.done[block] or s.drop[block] or not alg.ready(s, block):
+            continue
+        verdict = chan.poll(s, block, &inc)
+        if verdict == POLL_WAIT:
+            if block == s.cursor + 1:
+                return False        # the next one is not there either: stop looking
+            continue
+        if verdict != POLL_READY:
+            continue                # the cursor's turn will deal with it
+        s.done[block] = 1
+        took = True
+        if settle(alg, chan, call, s, block, verdict, &inc, lossy, err):
+            failed[0] = 1
+            return True
+    return took
+
+
 cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
                      ErrorInfo* err) noexcept nogil:
     """Resolve every block of every stream.  0 on success; 1 with `err` set
     (and announced to peers) when the call fails."""
-    cdef int i, block, verdict, unresolved
+    cdef int i, block, verdict, unresolved, failed = 0
     cdef Stream* s
     cdef Incoming inc
     cdef bint progressed
@@ -151,6 +219,9 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
             s = &alg.streams[i]
             while s.cursor < s.nblocks:
                 block = s.cursor
+                if s.done[block]:
+                    s.cursor += 1
+                    continue
                 if not alg.ready(s, block):
                     break
                 if s.drop[block]:
@@ -158,15 +229,13 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
                     # deadline there is nothing to wait for.
                     verdict = POLL_GONE if exact else POLL_WAIT
                 else:
-                    verdict = chan.poll(s, &inc)
-                if verdict == POLL_READY:
-                    if alg.take(s, block, &inc) and chan.confirm(s):
-                        alg.commit(s, block, &inc)
-                    else:
-                        alg.lost_torn += 1
-                        alg.lose(s, block)
-                elif verdict == POLL_WAIT:
+                    verdict = chan.poll(s, block, &inc)
+                if verdict == POLL_WAIT:
                     if exact or now < stage_deadline(call, s.stage):
+                        if look_ahead(alg, chan, call, s, lossy, err, &failed):
+                            if failed:
+                                return 1
+                            progressed = True
                         break
                     alg.deadline_hit = True
                     chan.abandon(s)
@@ -175,24 +244,7 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
                     else:
                         alg.lost_late += 1
                     alg.lose(s, block)
-                elif verdict == POLL_GONE:
-                    if exact and not lossy:
-                        err.kind = ERR_PROTOCOL
-                        err.rank = alg.rank
-                        snprintf(err.msg, MPL_MSG_LEN,
-                                 b"rank %d moved past call %llu before rank %d, which waits "
-                                 b"without deadline, read its data; give every rank the same timeout",
-                                 s.peer, <unsigned long long>call.seq, alg.rank)
-                        chan.fail(call, err)
-                        return 1
-                    if s.drop[block]:
-                        alg.lost_injected += 1
-                    else:
-                        alg.lost_gone += 1
-                    alg.lose(s, block)
-                else:
-                    memcpy(err, &chan.error, sizeof(ErrorInfo))
-                    chan.fail(call, err)
+                elif settle(alg, chan, call, s, block, verdict, &inc, lossy, err):
                     return 1
                 s.cursor += 1
                 progressed = True
