@@ -28,9 +28,12 @@ SCALINGS = ("unbiased", "zero-fill")
 DEFAULT_BLOCK_BYTES = 256 * 1024
 DEFAULT_CAPACITY = 4 * 1024 * 1024
 DEFAULT_TREE_RADIX = 4
-# Largest message for which algorithm="auto" picks the tree, by rank count.
-# Measured with `python -m mpilossy.bench.crossover` (docs/performance.md).
-TREE_MAX_BYTES = {2: 64 * 1024, 3: 64 * 1024, 4: 64 * 1024}
+# Largest message for which algorithm="auto" picks the tree, by rank count,
+# measured with `mpiexec -n N python -m mpilossy.bench.crossover` on the
+# development machine (docs/performance.md).  Larger jobs could not be
+# measured there: they use TREE_MAX_BYTES_LARGE until calibrated
+# (MPILOSSY_TREE_MAX_BYTES overrides the table).
+TREE_MAX_BYTES = {1: 0, 2: 0, 3: 2 * 1024, 4: 8 * 1024}
 TREE_MAX_BYTES_LARGE = 32 * 1024
 
 _EXCEPTIONS = {
@@ -204,6 +207,9 @@ class Communicator:
         self._radix = radix
         self._channel = "rma"
         self._trace = self._open_trace(os.environ.get("MPILOSSY_TRACE"))
+        override = os.environ.get("MPILOSSY_TREE_MAX_BYTES")
+        self._tree_max_bytes = int(override) if override else TREE_MAX_BYTES.get(
+            self.size, TREE_MAX_BYTES_LARGE)
 
     # -- properties ----------------------------------------------------------
     @property
@@ -337,8 +343,7 @@ class Communicator:
 
     def _resolve_algorithm(self, algorithm: str, nbytes: int) -> int:
         if algorithm == "auto":
-            limit = TREE_MAX_BYTES.get(self.size, TREE_MAX_BYTES_LARGE)
-            algorithm = "tree" if nbytes <= limit else "ring"
+            algorithm = "tree" if nbytes <= self._tree_max_bytes else "ring"
         return ALGORITHMS[algorithm]
 
     def _open_trace(self, directory: Optional[str]):

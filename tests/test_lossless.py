@@ -98,10 +98,12 @@ def test_sizes_change_between_calls(comm, lc):
 
 
 @pytest.mark.mpi
-def test_auto_picks_tree_for_small_and_ring_for_large(lc):
-    small, large = np.ones(16, np.float32), np.ones(1 << 20, np.float32)
-    assert lc.allreduce(small, algorithm="auto").algorithm == "tree"
-    assert lc.allreduce(large, algorithm="auto").algorithm == "ring"
+def test_auto_picks_tree_up_to_the_crossover(comm, monkeypatch):
+    import mpilossy
+    monkeypatch.setenv("MPILOSSY_TREE_MAX_BYTES", "4096")
+    with mpilossy.Communicator(comm, timeout=None) as lc:
+        assert lc.allreduce(np.ones(1024, np.float32), algorithm="auto").algorithm == "tree"
+        assert lc.allreduce(np.ones(1025, np.float32), algorithm="auto").algorithm == "ring"
 
 
 @pytest.mark.mpi

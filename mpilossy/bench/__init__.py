@@ -1,0 +1,10 @@
+"""Benchmarks, run from rank 0's point of view: ``mpiexec -n 4 python -m mpilossy.bench``.
+
+Every row is measured side by side with MPI_Allreduce (through mpi4py, same
+buffers, same ranks, interleaved iterations), and the figures that matter
+are the ratios: absolute times on a shared machine are not stable.
+"""
+
+from .harness import BenchConfig, Row, run_allreduce_bench
+
+__all__ = ["BenchConfig", "Row", "run_allreduce_bench"]

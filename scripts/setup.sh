@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create (or reuse) .venv and install mpilossy with everything it needs:
+# the PyPI mpich and mpi4py wheels are the MPI, so no system MPI is needed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PYTHON" -m venv .venv
+fi
+. .venv/bin/activate
+pip_install() { python -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v "WARNING: Location" || true; }
+# Build requirements first, then the package without build isolation: faster,
+# and the build sees the same mpich/mpi4py that will run it.
+pip_install "meson-python>=0.15" "meson>=1.1" ninja "cython>=3.0" "mpi4py>=4.0" "mpich>=4.2" "numpy>=1.23"
+pip_install --no-build-isolation ".[test]"
+python -c "import mpilossy, mpi4py; print('mpilossy', mpilossy.__version__, 'on', mpi4py.MPI.Get_library_version().split(chr(10))[0])"
