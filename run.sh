@@ -6,6 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh
 . .venv/bin/activate
+cd "$(mktemp -d)"        # not the checkout: its mpilossy/ is the source, not the build
 NP=${NP:-4}
 echo "== lossless: mpilossy against MPI_Allreduce, $NP ranks"
 mpiexec -n "$NP" python -m mpilossy.bench --sizes 64K,1M,16M -a ring,tree

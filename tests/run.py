@@ -56,7 +56,9 @@ def main() -> int:
         print(f"== {size} rank(s): {' '.join(cmd)}", flush=True)
         began = time.monotonic()
         try:
-            proc = subprocess.run(cmd, timeout=args.timeout,
+            # Not from the checkout, whose mpilossy/ is the source tree
+            # without the compiled core: the installed package must be tested.
+            proc = subprocess.run(cmd, timeout=args.timeout, cwd=out,
                                   stdout=None if size == 1 else subprocess.DEVNULL)
             code = proc.returncode
         except subprocess.TimeoutExpired:
