@@ -20,18 +20,22 @@ except ImportError as _exc:  # pragma: no cover - depends on how Python was star
         "from another directory, or install in place with "
         "`pip install --no-build-isolation -e .`") from _exc
 from . import loss
-from .communicator import AllreduceStats, Communicator, allreduce, default_communicator
+from .communicator import (AllreduceStats, CollectiveStats, Communicator, allgather, allreduce,
+                           default_communicator, reduce_scatter)
 from .errors import MismatchError, MPILossyError
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AllreduceStats",
+    "CollectiveStats",
     "Communicator",
     "MPILossyError",
     "MismatchError",
+    "allgather",
     "allreduce",
     "default_communicator",
+    "reduce_scatter",
     "loss",
 ]
 

@@ -16,7 +16,6 @@ DTYPE_CODES = {
     np.dtype(np.int32): _core.DTYPE_I32,
     np.dtype(np.int64): _core.DTYPE_I64,
 }
-FLOAT_CODES = {_core.DTYPE_F16, _core.DTYPE_F32, _core.DTYPE_F64}
 SUPPORTED = "float16, float32, float64, int32, int64"
 
 

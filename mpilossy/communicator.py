@@ -17,11 +17,14 @@ from mpi4py import MPI
 from . import _buffers, _core, loss as _loss
 from .errors import MismatchError, MPILossyError
 
-__all__ = ["Communicator", "AllreduceStats", "allreduce", "default_communicator"]
+__all__ = ["Communicator", "CollectiveStats", "AllreduceStats", "allreduce",
+           "reduce_scatter", "allgather", "default_communicator"]
 
 OPS = {"sum": _core.SUM, "avg": _core.AVG}
 ALGORITHMS = {"ring": _core.RING, "tree": _core.TREE}
-ALGORITHM_NAMES = {code: name for name, code in ALGORITHMS.items()}
+ALGORITHM_NAMES = {_core.RING: "ring", _core.TREE: "tree", _core.DIRECT: "direct"}
+COLLECTIVE_NAMES = {_core.ALLREDUCE: "allreduce", _core.REDUCE_SCATTER: "reduce_scatter",
+                    _core.ALLGATHER: "allgather"}
 CHANNELS = ("rma", "auto")
 SCALINGS = ("unbiased", "zero-fill")
 
@@ -49,7 +52,7 @@ _serials = itertools.count()
 
 
 @dataclass(frozen=True)
-class AllreduceStats:
+class CollectiveStats:
     """What one call delivered, as this rank saw it."""
 
     delivered: float
@@ -71,7 +74,10 @@ class AllreduceStats:
     """Blocks this rank did not receive, by cause: (injected, late, gone,
     torn).  'late' missed its deadline, 'gone' was already replaced by the
     producer's next call, 'torn' changed while being read."""
+    collective: str = "allreduce"
 
+
+AllreduceStats = CollectiveStats
 
 class _Unset:
     def __repr__(self) -> str:
@@ -280,60 +286,118 @@ class Communicator:
 
     # -- collectives -----------------------------------------------------------
     def allreduce(self, sendbuf: Any, recvbuf: Any = None, *, op: str = "sum",
-                  algorithm: Optional[str] = None, timeout: Any = _UNSET) -> AllreduceStats:
+                  algorithm: Optional[str] = None, timeout: Any = _UNSET) -> CollectiveStats:
         """Lossy all-reduce of `sendbuf` into `recvbuf` (in place without recvbuf).
 
         With op="avg" the result is sum / count; with op="sum" it is
         sum * size / count, where count is the number of ranks whose data
         reached each block in time.  Returns this rank's statistics.
         """
+        def prepare():
+            send, recv = self._buffers(sendbuf, recvbuf, recv_required=False, same_ok=True)
+            if recv.size != send.size:
+                raise ValueError(f"recvbuf has {recv.size} elements, sendbuf {send.size}")
+            algo = self._resolve_algorithm(
+                self._algorithm if algorithm is None else self._check_algorithm(algorithm),
+                send.nbytes)
+            return send, recv, self._op(op, send), algo
+        return self._run(_core.ALLREDUCE, prepare, timeout)
+
+    def reduce_scatter(self, sendbuf: Any, recvbuf: Any, *, op: str = "sum",
+                       timeout: Any = _UNSET) -> CollectiveStats:
+        """Lossy reduce-scatter: `recvbuf` receives this rank's chunk
+        (chunk_bounds) of the reduction of every rank's `sendbuf`, scaled as
+        in allreduce.  Ring algorithm; unbiased like allreduce."""
+        def prepare():
+            send, recv = self._buffers(sendbuf, recvbuf, recv_required=True, same_ok=False)
+            lo, hi = self.chunk_bounds(send.size)
+            if recv.size != hi - lo:
+                raise ValueError(f"recvbuf has {recv.size} elements; this rank's chunk of "
+                                 f"{send.size} has {hi - lo} (Communicator.chunk_bounds)")
+            return send, recv, self._op(op, send), _core.RING
+        return self._run(_core.REDUCE_SCATTER, prepare, timeout)
+
+    def allgather(self, sendbuf: Any, recvbuf: Any, *, timeout: Any = _UNSET) -> CollectiveStats:
+        """Lossy all-gather: chunk r (chunk_bounds) of `recvbuf` receives rank
+        r's `sendbuf`.  A chunk (block) that does not arrive in time keeps
+        the previous contents of `recvbuf`.  `sendbuf` may be this rank's
+        own chunk of `recvbuf` (in place)."""
+        def prepare():
+            # (sendbuf may be this rank's chunk of recvbuf: checked below)
+            send, recv = self._buffers(sendbuf, recvbuf, recv_required=True, same_ok=True,
+                                       overlap_ok=True)
+            lo, hi = self.chunk_bounds(recv.size)
+            if send.size != hi - lo:
+                raise ValueError(f"sendbuf has {send.size} elements; this rank's chunk of "
+                                 f"{recv.size} has {hi - lo} (Communicator.chunk_bounds)")
+            if (_buffers.address(send) != _buffers.address(recv) + lo * recv.itemsize
+                    and np.may_share_memory(send, recv)):
+                raise ValueError("sendbuf overlaps recvbuf without being this rank's chunk of it")
+            return send, recv, _core.SUM, _core.DIRECT
+        return self._run(_core.ALLGATHER, prepare, timeout)
+
+    def chunk_bounds(self, count: int, rank: Optional[int] = None) -> tuple:
+        """(first, end) of `rank`'s chunk (default: this rank's) of a vector of
+        `count` elements, as reduce_scatter and allgather cut it: the first
+        count % size ranks get one element more."""
+        size = self.size
+        rank = self.rank if rank is None else rank
+        base, extra = divmod(count, size)
+        first = rank * base + min(rank, extra)
+        return first, first + base + (1 if rank < extra else 0)
+
+    def _run(self, coll: int, prepare, timeout: Any) -> CollectiveStats:
+        """Validate (every failure goes to every rank), run, report."""
         self._alive()
         try:
-            args = self._prepare(sendbuf, recvbuf, op, algorithm, timeout)
+            send, recv, opcode, algo = prepare()
+            tmo = self._timeout if timeout is _UNSET else _check_timeout(timeout)
         except (TypeError, ValueError, BufferError) as exc:
             tmo = self._timeout if timeout is _UNSET or not isinstance(timeout, (int, float)) \
                 else (timeout if timeout > 0 else self._timeout)
             result = self._core.fail(_core.ERRORS[_KINDS.get(type(exc), "value")], str(exc),
                                      float(tmo))
-            raise self._error(result, type(exc)) from None
-        send, recv, dtype, opcode, algo, tmo = args
-        result = self._core.allreduce(send, recv, dtype, opcode, algo, tmo)
+            raise self._error(coll, result, type(exc)) from None
+        dtype = _buffers.DTYPE_CODES[send.dtype]
+        result = self._core.collective(send, recv, coll, dtype, opcode, algo, tmo)
         if self._trace is not None:
-            self._write_trace(result, algo, send.nbytes, tmo)
+            self._write_trace(result, coll, algo, send.nbytes, tmo)
         if result[0]:
-            raise self._error(result)
-        return AllreduceStats(result[3], result[4], result[5], result[6], result[7],
-                              ALGORITHM_NAMES[algo], send.nbytes, result[8], result[9])
+            raise self._error(coll, result)
+        return CollectiveStats(result[3], result[4], result[5], result[6], result[7],
+                               ALGORITHM_NAMES[algo], send.nbytes, result[8], result[9],
+                               COLLECTIVE_NAMES[coll])
 
-    def _prepare(self, sendbuf: Any, recvbuf: Any, op: str, algorithm: Optional[str],
-                 timeout: Any) -> tuple:
+    def _buffers(self, sendbuf: Any, recvbuf: Any, recv_required: bool, same_ok: bool,
+                 overlap_ok: bool = False) -> tuple:
         send = _buffers.as_array(sendbuf, "sendbuf")
-        dtype = _buffers.dtype_code(send, "sendbuf")
+        _buffers.dtype_code(send, "sendbuf")
         _buffers.check_contiguous(send, "sendbuf")
         if recvbuf is None:
-            recv = send
+            if recv_required:
+                raise TypeError("recvbuf is required")
             _buffers.check_writable(send, "sendbuf (in place, no recvbuf)")
-        else:
-            recv = _buffers.as_array(recvbuf, "recvbuf")
-            if recv.dtype != send.dtype:
-                raise TypeError(f"recvbuf has dtype {recv.dtype}, sendbuf {send.dtype}")
-            _buffers.check_contiguous(recv, "recvbuf")
-            _buffers.check_writable(recv, "recvbuf")
-            if recv.size != send.size:
-                raise ValueError(f"recvbuf has {recv.size} elements, sendbuf {send.size}")
-            if (_buffers.address(recv) != _buffers.address(send)
-                    and np.may_share_memory(send, recv)):
-                raise ValueError("sendbuf and recvbuf overlap without being the same buffer")
+            return send, send
+        recv = _buffers.as_array(recvbuf, "recvbuf")
+        if recv.dtype != send.dtype:
+            raise TypeError(f"recvbuf has dtype {recv.dtype}, sendbuf {send.dtype}")
+        _buffers.check_contiguous(recv, "recvbuf")
+        _buffers.check_writable(recv, "recvbuf")
+        same = _buffers.address(recv) == _buffers.address(send) and recv.size == send.size
+        if same and not same_ok:
+            raise ValueError("sendbuf and recvbuf must be different buffers")
+        if not same and not overlap_ok and np.may_share_memory(send, recv):
+            raise ValueError("sendbuf and recvbuf overlap without being the same buffer")
+        return send, recv
+
+    @staticmethod
+    def _op(op: Any, send: np.ndarray) -> int:
         opcode = OPS.get(op) if isinstance(op, str) else None
         if opcode is None:
             raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
-        if opcode == _core.AVG and dtype not in _buffers.FLOAT_CODES:
+        if opcode == _core.AVG and send.dtype.kind != "f":
             raise TypeError(f"op='avg' needs a floating-point dtype, got {send.dtype}")
-        algo = self._resolve_algorithm(
-            self._algorithm if algorithm is None else self._check_algorithm(algorithm),
-            send.nbytes)
-        tmo = self._timeout if timeout is _UNSET else _check_timeout(timeout)
-        return send, recv, dtype, opcode, algo, tmo
+        return opcode
 
     @staticmethod
     def _check_algorithm(algorithm: Any) -> str:
@@ -357,19 +421,21 @@ class Communicator:
                     "\tdelivered\tlost_injected\tlost_late\tlost_gone\tlost_torn\terror\n")
         return trace
 
-    def _write_trace(self, result: tuple, algo: int, nbytes: int, timeout: float) -> None:
+    def _write_trace(self, result: tuple, coll: int, algo: int, nbytes: int,
+                     timeout: float) -> None:
         start, anchor = result[10]
         self._trace.write("\t".join(map(str, (
-            result[8], ALGORITHM_NAMES[algo], nbytes, timeout, f"{start:.6f}",
+            result[8], f"{COLLECTIVE_NAMES[coll]}/{ALGORITHM_NAMES[algo]}", nbytes, timeout,
+            f"{start:.6f}",
             f"{(anchor - start) * 1e3:.3f}" if anchor >= 0 else "-", f"{result[4] * 1e3:.3f}",
             f"{result[3]:.4f}", *result[9], result[0]))) + "\n")
 
-    def _error(self, result: tuple, local: Optional[type] = None) -> Exception:
+    def _error(self, coll: int, result: tuple, local: Optional[type] = None) -> Exception:
         kind, rank, message, *_, seq, _lost, _timing = result
         cls = _EXCEPTIONS.get(kind, MPILossyError)
         if local is not None and kind != _core.ERRORS["mismatch"]:
             cls = local
-        return cls(f"allreduce call {seq}: rank {rank}: {message}")
+        return cls(f"{COLLECTIVE_NAMES[coll]} call {seq}: rank {rank}: {message}")
 
 
 # -- module level -----------------------------------------------------------
@@ -396,7 +462,18 @@ def default_communicator() -> Communicator:
 
 
 def allreduce(sendbuf: Any, recvbuf: Any = None, *, op: str = "sum",
-              algorithm: Optional[str] = None, timeout: Any = _UNSET) -> AllreduceStats:
+              algorithm: Optional[str] = None, timeout: Any = _UNSET) -> CollectiveStats:
     """mpilossy.Communicator.allreduce on default_communicator()."""
     return default_communicator().allreduce(sendbuf, recvbuf, op=op, algorithm=algorithm,
                                             timeout=timeout)
+
+
+def reduce_scatter(sendbuf: Any, recvbuf: Any, *, op: str = "sum",
+                   timeout: Any = _UNSET) -> CollectiveStats:
+    """mpilossy.Communicator.reduce_scatter on default_communicator()."""
+    return default_communicator().reduce_scatter(sendbuf, recvbuf, op=op, timeout=timeout)
+
+
+def allgather(sendbuf: Any, recvbuf: Any, *, timeout: Any = _UNSET) -> CollectiveStats:
+    """mpilossy.Communicator.allgather on default_communicator()."""
+    return default_communicator().allgather(sendbuf, recvbuf, timeout=timeout)

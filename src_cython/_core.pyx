@@ -7,8 +7,9 @@ One module, one concern per included file (the layout of mpi4py's MPI.pyx):
   channel.pxi    the interface between algorithms and channels
   rma.pxi        the one-sided (MPI window) channel
   schedule.pxi   the engine: streams, deadlines, the polling loop
-  ring.pxi       ring all-reduce
+  ring.pxi       ring all-reduce and reduce-scatter
   tree.pxi       k-nomial tree all-reduce
+  gather.pxi     direct all-gather
   lossmodel.pxi  injected loss, decided from counters
   core.pxi       per-communicator state and the entry points
 """
@@ -32,6 +33,7 @@ include "rma.pxi"
 include "schedule.pxi"
 include "ring.pxi"
 include "tree.pxi"
+include "gather.pxi"
 include "lossmodel.pxi"
 include "core.pxi"
 
@@ -44,6 +46,10 @@ SUM = OP_SUM
 AVG = OP_AVG
 RING = ALGO_RING
 TREE = ALGO_TREE
+DIRECT = ALGO_DIRECT
+ALLREDUCE = COLL_ALLREDUCE
+REDUCE_SCATTER = COLL_REDUCE_SCATTER
+ALLGATHER = COLL_ALLGATHER
 ERRORS = {
     "type": ERR_TYPE, "value": ERR_VALUE, "buffer": ERR_BUFFER,
     "mismatch": ERR_MISMATCH, "protocol": ERR_PROTOCOL, "mpi": ERR_MPI,

@@ -25,6 +25,14 @@ cdef enum:
 cdef enum:
     ALGO_RING = 0
     ALGO_TREE = 1
+    ALGO_DIRECT = 2       # every rank reads every other rank once (allgather)
+
+# The collectives; each chunk of a reduce-scatter/allgather vector of
+# `count` elements belongs to rank c = its index (chunk_bounds in core.pxi).
+cdef enum:
+    COLL_ALLREDUCE = 0
+    COLL_REDUCE_SCATTER = 1
+    COLL_ALLGATHER = 2
 
 cdef struct ErrorInfo:
     int kind
@@ -37,9 +45,10 @@ cdef struct CallInfo:
     int dtype
     int op
     int algo
+    int coll              # COLL_*
     int scaling           # SCALE_UNBIASED or SCALE_ZERO_FILL
     bint rotate           # move chain starts / tree roots with every call
-    Py_ssize_t count      # elements
+    Py_ssize_t count      # elements of the whole vector
     Py_ssize_t itemsize
     int nslots            # records a rank publishes per block index
     int nblocks           # blocks per slot
@@ -107,6 +116,15 @@ cdef inline double stage_deadline(const CallInfo* call, int stage) noexcept nogi
 cdef inline double patience_end(const CallInfo* call) noexcept nogil:
     """When to stop waiting for peers that have not entered the call."""
     return call.start + (1.0 - BUDGET) * call.timeout
+
+
+cdef inline void chunk_bounds(Py_ssize_t count, int size, int chunk,
+                              Py_ssize_t* first, Py_ssize_t* length) noexcept nogil:
+    """Chunk `chunk` of a vector of `count` elements cut into `size` chunks:
+    the first count % size chunks hold one element more."""
+    cdef Py_ssize_t base = count // size, extra = count % size
+    first[0] = chunk * base + min(<Py_ssize_t>chunk, extra)
+    length[0] = base + (1 if chunk < extra else 0)
 
 
 cdef inline double call_scale(const CallInfo* call, uint32_t count, int nranks) noexcept nogil:

@@ -23,6 +23,7 @@ cdef class Core:
     cdef RmaChannel chan
     cdef Ring ring
     cdef Tree tree
+    cdef Gather gather
     cdef LossState loss
     cdef uint64_t seq
     cdef CallInfo call
@@ -43,6 +44,7 @@ cdef class Core:
         self.ring = Ring(self.rank, self.size)
         self.tree = Tree(self.rank, self.size)
         self.tree.set_radix(radix)
+        self.gather = Gather(self.rank, self.size)
         self.loss = LossState(self.size)
         self.chan = RmaChannel()
         self.chan.setup(comm.ob_mpi, capacity, use_shared)
@@ -74,8 +76,9 @@ cdef class Core:
             self.closed = True
             self.chan.close()
 
-    def allreduce(self, sendbuf, recvbuf, int dtype, int op, int algo, double timeout):
-        """Run one call.  `timeout` < 0 waits for everything.  Returns
+    def collective(self, sendbuf, recvbuf, int coll, int dtype, int op, int algo, double timeout):
+        """Run one collective call (COLL_*) on buffers the Python layer has
+        validated.  `timeout` < 0 waits for everything.  Returns
         (err_kind, err_rank, err_msg, delivered, elapsed, deadline_hit,
         fallback_fraction, min_contributors, seq, lost_blocks, timing) with
         timing = (start, anchor) on the monotonic clock."""
@@ -87,15 +90,27 @@ cdef class Core:
             PyBuffer_Release(&sb)
             raise
         try:
-            return self.run(<char*>sb.buf, <char*>rb.buf, sb.len, dtype, op, algo, timeout)
+            return self.run(<char*>sb.buf, <char*>rb.buf,
+                            rb.len if coll == COLL_ALLGATHER else sb.len,
+                            coll, dtype, op, algo, timeout)
         finally:
             PyBuffer_Release(&rb)
             PyBuffer_Release(&sb)
 
-    cdef tuple run(self, char* send, char* recv, Py_ssize_t nbytes, int dtype, int op,
-                   int algo, double timeout):
+    cdef tuple run(self, char* send, char* recv, Py_ssize_t nbytes, int coll, int dtype,
+                   int op, int algo, double timeout):
+        """`nbytes`: the whole vector (the send buffer of an all-reduce or a
+        reduce-scatter, the receive buffer of an all-gather)."""
         cdef CallInfo* call = &self.call
-        cdef Algorithm alg = self.ring if algo == ALGO_RING else self.tree
+        cdef Algorithm alg
+        if coll == COLL_ALLGATHER:
+            alg = self.gather
+            algo = ALGO_DIRECT
+        elif coll == COLL_REDUCE_SCATTER or algo == ALGO_RING:
+            alg = self.ring
+            algo = ALGO_RING
+        else:
+            alg = self.tree
         cdef double t0 = mpl_now(), pause
         cdef int failed = 0, i
         cdef bint lossy = self.loss.drops()
@@ -105,6 +120,7 @@ cdef class Core:
         call.dtype = dtype
         call.op = op
         call.algo = algo
+        call.coll = coll
         call.itemsize = ITEMSIZE[dtype]
         call.count = nbytes // call.itemsize
         call.timeout = timeout
@@ -115,13 +131,14 @@ cdef class Core:
             mpl_sleep(pause)
         call.start = mpl_now()
         if self.size == 1:
-            k_scale(dtype, 1.0, recv, send, call.count)
+            k_scale(dtype, 1.0, recv, send, call.count)    # every collective is a copy
             return (ERR_NONE, -1, "", 1.0, mpl_now() - t0, False, 0.0, 1, call.seq, (0, 0, 0, 0),
                     (call.start, call.start))
         call.block_elems = max(1, self.block_bytes // call.itemsize)
         alg.layout(call)
         call.sig = mpl_hash4(<uint64_t>call.count,
-                             <uint64_t>(dtype | op << 8 | algo << 16 | self.tree.radix << 24),
+                             <uint64_t>(dtype | op << 8 | algo << 16 | self.tree.radix << 24
+                                        | <uint64_t>coll << 40),
                              <uint64_t>call.block_elems,
                              <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)) | 1
         if self.chan.begin(call):
@@ -142,7 +159,7 @@ cdef class Core:
                     0.0, mpl_now() - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
                     (call.start, -1.0))
         return (ERR_NONE, -1, "", alg.delivered(), mpl_now() - t0, alg.deadline_hit,
-                alg.fallback_elems / <double>call.count if call.count else 0.0,
+                alg.fallback_elems / <double>alg.result_elems if alg.result_elems else 0.0,
                 alg.min_count, call.seq,
                 (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
                 (call.start, call.anchor))

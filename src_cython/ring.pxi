@@ -1,20 +1,25 @@
-# Ring all-reduce: reduce-scatter along the ring, then every rank reads each
-# owner's reduced chunk (an all-gather in ring order), block by block so that
-# the steps pipeline.
+# Ring all-reduce and reduce-scatter: reduce-scatter along the ring, then
+# each rank reads the reduced chunks it wants (all of them for an
+# all-reduce, its own for a reduce-scatter), block by block so that the
+# steps pipeline.
 #
-# The vector is cut into `size` chunks.  Chunk c is owned by rank
-# (c + rotation) % size and reduced along the chain owner+1 -> owner+2 ->
-# ... -> owner: the rank at position j of a chain adds its own data to the
-# partial sum of position j-1 (read from its left neighbour) and publishes it
-# as its record of slot j; the owner (position size-1) scales the sum and
-# publishes the final chunk in slot size-1.  A partial sum carries its
-# contributor count; when a block does not arrive in time the chain restarts
-# from the rank that waited for it.  The rotation changes with every call,
-# so that every rank is equally likely to sit at every position (docs/
-# unbiasedness.md has the proof that this makes the average unbiased).
+# The vector is cut into `size` chunks (chunk_bounds).  Chunk c is reduced
+# by rank (c + rotation) % size, its *reducer*, along the chain reducer+1 ->
+# reducer+2 -> ... -> reducer: the rank at position j of a chain adds its own
+# data to the partial sum of position j-1 (read from its left neighbour) and
+# publishes it as its record of slot j; the reducer (position size-1) scales
+# the sum and publishes the reduced chunk in slot size-1.  A partial sum
+# carries its contributor count; when a block does not arrive in time the
+# chain restarts from the rank that waited for it.  The rotation changes with
+# every call, so that every rank is equally likely to sit at every position
+# (docs/unbiasedness.md proves that this makes the result unbiased).  In a
+# reduce-scatter the reducer of chunk c is usually not rank c, which then
+# reads it in one more hop: reducing at the owner would always count the
+# owner's own data, the bias that rotation removes.
 #
-# Stages: reduce-scatter position j gives up at (j / (2 (size-1))) of the
-# timeout, the gather at the full timeout.
+# A rank that misses a reduced block falls back on its own partial sum of it.
+# Stages: reduce-scatter position j ends at j / (2 (size-1)) of the budget,
+# the gather at the full budget.
 
 cdef class Ring(Algorithm):
     cdef Py_ssize_t* chunk_lo
@@ -49,11 +54,9 @@ cdef class Ring(Algorithm):
 
     cdef int layout(self, CallInfo* call) except -1:
         cdef int n = self.size, c, k
-        cdef Py_ssize_t base = call.count // n, extra = call.count % n
         for c in range(n):
-            self.chunk_lo[c] = c * base + min(c, extra)
-            self.chunk_len[c] = base + (1 if c < extra else 0)
-        cdef Py_ssize_t longest = base + (1 if extra else 0)
+            chunk_bounds(call.count, n, c, &self.chunk_lo[c], &self.chunk_len[c])
+        cdef Py_ssize_t longest = self.chunk_len[0]
         call.block_elems = max(1, min(call.block_elems, longest))
         call.nblocks = <int>max(1, (longest + call.block_elems - 1) // call.block_elems)
         call.block_bytes = call.block_elems * call.itemsize
@@ -66,7 +69,7 @@ cdef class Ring(Algorithm):
         return 0
 
     cdef int plan(self) except -1:
-        cdef int n = self.size, j, k
+        cdef int n = self.size, j, k, reducer
         cdef Py_ssize_t need = <Py_ssize_t>n * self.call.nblocks
         if need > self.rs_cap:
             free(self.rs_count)
@@ -79,20 +82,33 @@ cdef class Ring(Algorithm):
         # Reduce-scatter: position j (1..n-1) reads the left neighbour's slot j-1.
         for j in range(1, n):
             self.add_stream(self.left, j - 1, j - 1, j, False)
-        # Gather: every other owner's final chunk, nearest first.
+        if self.call.coll == COLL_REDUCE_SCATTER:
+            self.result_elems = self.chunk_len[self.rank]
+            reducer = self.reducer_of(self.rank)
+            if reducer != self.rank:
+                self.add_stream(reducer, n - 1, n - 1, reducer, False)
+            return 0
+        # All-reduce: every other reducer's chunk, nearest first.
         for k in range(1, n):
             self.add_stream((self.rank - k + n) % n, n - 1, n - 1, (self.rank - k + n) % n, False)
         return 0
 
     # -- geometry --------------------------------------------------------------
+    cdef inline int reducer_of(self, int chunk) noexcept nogil:
+        return (chunk + self.rotation) % self.size
+
     cdef inline int chunk_at(self, int position) noexcept nogil:
         """Chunk whose chain has this rank at `position`."""
         cdef int n = self.size
-        cdef int owner = (self.rank - position - 1 + 2 * n) % n
-        return (owner - self.rotation + n) % n
+        cdef int reducer = (self.rank - position - 1 + 2 * n) % n
+        return (reducer - self.rotation + n) % n
 
-    cdef inline int chunk_of_owner(self, int owner) noexcept nogil:
-        return (owner - self.rotation + self.size) % self.size
+    cdef inline int chunk_of_reducer(self, int reducer) noexcept nogil:
+        return (reducer - self.rotation + self.size) % self.size
+
+    cdef inline int position_of(self, int chunk) noexcept nogil:
+        """My position in the chain of `chunk`."""
+        return (self.rank - self.reducer_of(chunk) - 1 + self.size) % self.size
 
     cdef inline Py_ssize_t block_first(self, int chunk, int block) noexcept nogil:
         return self.chunk_lo[chunk] + <Py_ssize_t>block * self.call.block_elems
@@ -102,6 +118,17 @@ cdef class Ring(Algorithm):
         if rest <= 0:
             return 0
         return min(rest, self.call.block_elems)
+
+    cdef inline bint wanted(self, int chunk) noexcept nogil:
+        """Is `chunk` part of my result?"""
+        return self.call.coll == COLL_ALLREDUCE or chunk == self.rank
+
+    cdef inline char* out(self, int chunk, int block) noexcept nogil:
+        """Where `block` of `chunk` goes in my result (a wanted chunk)."""
+        cdef Py_ssize_t first = self.block_first(chunk, block)
+        if self.call.coll == COLL_REDUCE_SCATTER:
+            first -= self.chunk_lo[chunk]
+        return self.recv + first * self.call.itemsize
 
     cdef inline bint is_gather(self, Stream* s) noexcept nogil:
         return s.stage == self.size - 1
@@ -134,11 +161,11 @@ cdef class Ring(Algorithm):
         if inc.count == 0:
             return False
         if self.is_gather(s):
-            chunk = self.chunk_of_owner(s.tag)
+            chunk = self.chunk_of_reducer(s.tag)
             n = self.block_len(chunk, block)
             if inc.nbytes != n * c.itemsize:
                 return False
-            memcpy(self.recv + self.block_first(chunk, block) * c.itemsize, inc.data, inc.nbytes)
+            memcpy(self.out(chunk, block), inc.data, inc.nbytes)
             return True
         position = s.tag
         chunk = self.chunk_at(position)
@@ -157,7 +184,7 @@ cdef class Ring(Algorithm):
     cdef void commit(self, Stream* s, int block, Incoming* inc) noexcept nogil:
         cdef int chunk
         if self.is_gather(s):
-            chunk = self.chunk_of_owner(s.tag)
+            chunk = self.chunk_of_reducer(s.tag)
             self.add_result(inc.count, self.block_len(chunk, block))
         else:
             self.publish_partial(s.tag, block, inc.count + 1)
@@ -170,10 +197,10 @@ cdef class Ring(Algorithm):
         if self.is_gather(s):
             # Fall back on my own partial sum of this chunk: the contributions
             # of my chain up to and including me (zero-fill: nothing).
-            chunk = self.chunk_of_owner(s.tag)
+            chunk = self.chunk_of_reducer(s.tag)
             position = (self.rank - s.tag - 1 + self.size) % self.size
             n = self.block_len(chunk, block)
-            dst = self.recv + self.block_first(chunk, block) * c.itemsize
+            dst = self.out(chunk, block)
             self.fallback_elems += n
             if c.scaling == SCALE_ZERO_FILL:
                 memset(dst, 0, n * c.itemsize)
@@ -203,9 +230,12 @@ cdef class Ring(Algorithm):
         if position < self.size - 1:
             self.chan.publish(position, block, count, <uint32_t>(n * c.itemsize), &self.right, 1)
             return
-        # Owner: the final chunk goes to every other rank and into my result.
-        self.chan.publish(position, block, count, <uint32_t>(n * c.itemsize),
-                          self.others, self.size - 1)
-        memcpy(self.recv + self.block_first(chunk, block) * c.itemsize,
-               self.chan.mine(position, block), n * c.itemsize)
-        self.add_result(count, n)
+        # Reducer: the chunk goes to whoever wants it, me included.
+        if c.coll == COLL_ALLREDUCE:
+            self.chan.publish(position, block, count, <uint32_t>(n * c.itemsize),
+                              self.others, self.size - 1)
+        elif chunk != self.rank:
+            self.chan.publish(position, block, count, <uint32_t>(n * c.itemsize), &chunk, 1)
+        if self.wanted(chunk):
+            memcpy(self.out(chunk, block), self.chan.mine(position, block), n * c.itemsize)
+            self.add_result(count, n)

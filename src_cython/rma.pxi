@@ -30,8 +30,10 @@ cdef const char* DTYPE_NAMES[5]
 DTYPE_NAMES[:] = [b"float16", b"float32", b"float64", b"int32", b"int64"]
 cdef const char* OP_NAMES[2]
 OP_NAMES[:] = [b"sum", b"avg"]
-cdef const char* ALGO_NAMES[2]
-ALGO_NAMES[:] = [b"ring", b"tree"]
+cdef const char* ALGO_NAMES[3]
+ALGO_NAMES[:] = [b"ring", b"tree", b"direct"]
+cdef const char* COLL_NAMES[3]
+COLL_NAMES[:] = [b"allreduce", b"reduce_scatter", b"allgather"]
 
 
 cdef class RmaChannel(Channel):
@@ -194,7 +196,7 @@ cdef class RmaChannel(Channel):
         st.count = call.count
         st.dtype = call.dtype
         st.op = call.op
-        st.algo = call.algo
+        st.algo = call.algo | call.coll << 4
         st.block = <uint32_t>call.block_bytes
         st.grow = grow
         mpl_store_release(&st.seq, call.seq)
@@ -298,12 +300,12 @@ cdef class RmaChannel(Channel):
         self.error.kind = ERR_MISMATCH
         self.error.rank = self.rank
         snprintf(self.error.msg, MPL_MSG_LEN,
-                 b"ranks disagree on call %llu: rank %d has %llu x %s op=%s algorithm=%s, "
-                 b"rank %d has %llu x %s op=%s algorithm=%s",
+                 b"ranks disagree on call %llu: rank %d: %s of %llu x %s op=%s algorithm=%s; "
+                 b"rank %d: %s of %llu x %s op=%s algorithm=%s",
                  <unsigned long long>c.seq,
-                 peer, <unsigned long long>st.count, DTYPE_NAMES[st.dtype % 5],
-                 OP_NAMES[st.op % 2], ALGO_NAMES[st.algo % 2],
-                 self.rank, <unsigned long long>c.count, DTYPE_NAMES[c.dtype],
+                 peer, COLL_NAMES[(st.algo >> 4) % 3], <unsigned long long>st.count,
+                 DTYPE_NAMES[st.dtype % 5], OP_NAMES[st.op % 2], ALGO_NAMES[(st.algo & 15) % 3],
+                 self.rank, COLL_NAMES[c.coll], <unsigned long long>c.count, DTYPE_NAMES[c.dtype],
                  OP_NAMES[c.op], ALGO_NAMES[c.algo])
 
     cdef int poll_get(self, Stream* s, Incoming* inc) noexcept nogil:

@@ -18,6 +18,7 @@ cdef class Algorithm:
     cdef char* send
     cdef char* recv
     cdef bint inplace
+    cdef Py_ssize_t result_elems   # elements of this rank's result
     # results of the call, as this rank sees them
     cdef double weighted           # sum over result blocks of count * elements
     cdef double weighted_blocks    # sum over result blocks of count
@@ -61,6 +62,7 @@ cdef class Algorithm:
         self.send = send
         self.recv = recv
         self.inplace = send == recv
+        self.result_elems = call.count
         self.weighted = 0
         self.weighted_blocks = 0
         self.result_blocks = 0
@@ -128,8 +130,8 @@ cdef class Algorithm:
             self.min_count = count
 
     cdef double delivered(self) noexcept nogil:
-        if self.call.count > 0:
-            return self.weighted / (<double>self.size * self.call.count)
+        if self.result_elems > 0:
+            return self.weighted / (<double>self.size * self.result_elems)
         if self.result_blocks > 0:
             return self.weighted_blocks / (<double>self.size * self.result_blocks)
         return 1.0

@@ -1,0 +1,87 @@
+# All-gather: every rank publishes its chunk and reads every other rank's
+# chunk directly, nearest first.  Nothing is reduced, so there is nothing to
+# scale: a block that does not arrive in time leaves the receiver's previous
+# contents in place (the sharded training mode relies on this: a rank that
+# misses a segment of the new parameters keeps its old values).  One stage,
+# the whole budget.
+
+cdef class Gather(Algorithm):
+    cdef Py_ssize_t* chunk_lo
+    cdef Py_ssize_t* chunk_len
+    cdef int* others
+    cdef double stage_end[1]
+
+    def __cinit__(self, int rank, int size):
+        self.chunk_lo = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
+        self.chunk_len = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
+        self.others = <int*>calloc(size, sizeof(int))
+        if not (self.chunk_lo and self.chunk_len and self.others):
+            raise MemoryError()
+        cdef int k
+        for k in range(1, size):
+            self.others[k - 1] = (rank - k + size) % size
+        self.stage_end[0] = 1.0
+
+    def __dealloc__(self):
+        free(self.chunk_lo)
+        free(self.chunk_len)
+        free(self.others)
+
+    cdef int layout(self, CallInfo* call) except -1:
+        cdef int c
+        for c in range(self.size):
+            chunk_bounds(call.count, self.size, c, &self.chunk_lo[c], &self.chunk_len[c])
+        cdef Py_ssize_t longest = self.chunk_len[0]
+        call.block_elems = max(1, min(call.block_elems, longest))
+        call.nblocks = <int>max(1, (longest + call.block_elems - 1) // call.block_elems)
+        call.block_bytes = call.block_elems * call.itemsize
+        call.nslots = 1
+        call.nstages = 1
+        call.stage_end = self.stage_end
+        return 0
+
+    cdef int plan(self) except -1:
+        cdef int k
+        for k in range(self.size - 1):
+            # Stable: validated before it is copied in, so that a block that
+            # changes while being read never overwrites the previous contents.
+            self.add_stream(self.others[k], 0, 0, self.others[k], True)
+        return 0
+
+    cdef inline Py_ssize_t block_first(self, int chunk, int block) noexcept nogil:
+        return self.chunk_lo[chunk] + <Py_ssize_t>block * self.call.block_elems
+
+    cdef inline Py_ssize_t block_len(self, int chunk, int block) noexcept nogil:
+        cdef Py_ssize_t rest = self.chunk_len[chunk] - <Py_ssize_t>block * self.call.block_elems
+        if rest <= 0:
+            return 0
+        return min(rest, self.call.block_elems)
+
+    cdef void start(self) noexcept nogil:
+        cdef CallInfo* c = self.call
+        cdef int b, me = self.rank
+        cdef Py_ssize_t n
+        cdef char* mine = self.recv + self.chunk_lo[me] * c.itemsize
+        if self.send != mine:        # not in place: my chunk goes into my result too
+            memcpy(mine, self.send, self.chunk_len[me] * c.itemsize)
+        for b in range(c.nblocks):
+            n = self.block_len(me, b)
+            memcpy(self.chan.claim(0, b), self.send + (self.block_first(me, b) - self.chunk_lo[me])
+                   * c.itemsize, n * c.itemsize)
+            self.chan.publish(0, b, 1, <uint32_t>(n * c.itemsize), self.others, self.size - 1)
+            self.add_result(self.size, n)
+
+    cdef bint take(self, Stream* s, int block, Incoming* inc) noexcept nogil:
+        cdef Py_ssize_t n = self.block_len(s.tag, block)
+        if inc.count != 1 or inc.nbytes != n * self.call.itemsize:
+            return False
+        memcpy(self.recv + self.block_first(s.tag, block) * self.call.itemsize, inc.data, inc.nbytes)
+        return True
+
+    cdef void commit(self, Stream* s, int block, Incoming* inc) noexcept nogil:
+        self.add_result(self.size, self.block_len(s.tag, block))
+
+    cdef void lose(self, Stream* s, int block) noexcept nogil:
+        cdef Py_ssize_t n = self.block_len(s.tag, block)
+        self.add_result(0, n)
+        self.fallback_elems += n
