@@ -9,15 +9,16 @@
 
 from mpi4py import MPI as _MPI  # loads libmpi before the compiled core
 
+from . import errors  # the compiled core raises these
 try:
     from . import _core
 except ImportError as _exc:  # pragma: no cover - depends on how Python was started
     import os as _os
 
     raise ImportError(
-        f"mpilossy's compiled core is missing in {_os.path.dirname(__file__)}: this looks "
-        "like the source tree (Python puts the current directory first on sys.path). Run "
-        "from another directory, or install in place with "
+        f"mpilossy's compiled core cannot be imported from {_os.path.dirname(__file__)} "
+        f"({_exc}). If this is the source tree (Python puts the current directory first on "
+        "sys.path), run from another directory, or install in place with "
         "`pip install --no-build-isolation -e .`") from _exc
 from . import loss
 from .communicator import (AllreduceStats, CollectiveStats, Communicator, allgather, allreduce,

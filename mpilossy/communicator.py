@@ -25,7 +25,9 @@ ALGORITHMS = {"ring": _core.RING, "tree": _core.TREE}
 ALGORITHM_NAMES = {_core.RING: "ring", _core.TREE: "tree", _core.DIRECT: "direct"}
 COLLECTIVE_NAMES = {_core.ALLREDUCE: "allreduce", _core.REDUCE_SCATTER: "reduce_scatter",
                     _core.ALLGATHER: "allgather"}
-CHANNELS = ("rma", "auto")
+CHANNELS = ("rma", "ud", "auto")
+# Datagram providers that mean real datagram hardware (where "auto" picks ud).
+HARDWARE_DATAGRAMS = ("verbs", "efa")
 SCALINGS = ("unbiased", "zero-fill")
 
 DEFAULT_BLOCK_BYTES = 256 * 1024
@@ -126,7 +128,11 @@ class Communicator:
         The MPI communicator whose ranks take part (default COMM_WORLD).  It is
         duplicated: mpilossy's traffic never mixes with the caller's.
     channel:
-        "rma" (MPI one-sided windows) or "auto".
+        "rma" (MPI one-sided windows), "ud" (unreliable datagrams through
+        libfabric: verbs UD on InfiniBand/RoCE, efa, udp elsewhere; honours
+        FI_PROVIDER, MPILOSSY_UD_DOMAIN, MPILOSSY_UD_MTU) or "auto" (ud where
+        libfabric offers datagram hardware or FI_PROVIDER names a provider,
+        rma otherwise).
     timeout:
         Deadline of every call in seconds, or None to wait for everything
         (the result is then exact).  Default: $MPILOSSY_TIMEOUT, else None.
@@ -205,17 +211,43 @@ class Communicator:
             raise error if error is not None else ValueError(
                 f"Communicator arguments rejected on rank(s) {failed}")
         use_shared = os.environ.get("MPILOSSY_RMA_SHM", "1") != "0"
-        self._core = _core.Core(self._comm, capacity, block, radix, use_shared,
-                                scaling == "zero-fill", rotate)
+        if channel == "auto":
+            channel = self._auto_channel()
+        try:
+            self._core = _core.Core(
+                self._comm, capacity, block, radix, use_shared, scaling == "zero-fill", rotate,
+                channel=channel, provider=os.environ.get("FI_PROVIDER", ""),
+                domain=os.environ.get("MPILOSSY_UD_DOMAIN", ""),
+                datagram_bytes=int(os.environ.get("MPILOSSY_UD_MTU", 8192)),
+                recv_buffers=int(os.environ.get("MPILOSSY_UD_RECV_BUFFERS", 512)),
+                socket_bytes=int(os.environ.get("MPILOSSY_UD_SOCKET_BYTES", 32 << 20)))
+        except BaseException:
+            self._comm.Free()
+            raise
         self._core.configure_loss(loss_spec)
         _live.add(self)
         self._block_bytes = block
         self._radix = radix
-        self._channel = "rma"
+        self._channel = channel
         self._trace = self._open_trace(os.environ.get("MPILOSSY_TRACE"))
         override = os.environ.get("MPILOSSY_TREE_MAX_BYTES")
         self._tree_max_bytes = int(override) if override else TREE_MAX_BYTES.get(
             self.size, TREE_MAX_BYTES_LARGE)
+
+    def _auto_channel(self) -> str:
+        """ud where the fabric does datagrams in hardware (or FI_PROVIDER asks
+        for a provider), rma otherwise.  Agreed by every rank."""
+        choice = "rma"
+        if _core.HAVE_LIBFABRIC:
+            try:
+                providers = _core.datagram_providers()
+            except MPILossyError:
+                providers = []
+            names = {p.split("/")[0] for p in providers}
+            wanted = os.environ.get("FI_PROVIDER")
+            if (wanted and wanted in names) or names & set(HARDWARE_DATAGRAMS):
+                choice = "ud"
+        return "ud" if all(c == "ud" for c in self._comm.allgather(choice)) else "rma"
 
     # -- properties ----------------------------------------------------------
     @property
@@ -249,6 +281,13 @@ class Communicator:
         """Calls made so far (the sequence number of the last one)."""
         self._alive()
         return self._core.seq
+
+    def channel_info(self) -> dict:
+        """The channel and, for "ud", its provider, domain, datagram size and
+        counters of datagrams dropped by cause (foreign, truncated, corrupt,
+        stale, future, unexpected, duplicate, mismatch)."""
+        self._alive()
+        return self._core.channel_info()
 
     @property
     def shared_memory_peers(self) -> int:

@@ -6,6 +6,7 @@ One module, one concern per included file (the layout of mpi4py's MPI.pyx):
   kernels.pxi    accumulate and unbiased scaling, per dtype, outside the GIL
   channel.pxi    the interface between algorithms and channels
   rma.pxi        the one-sided (MPI window) channel
+  dgram.pxi      the unreliable-datagram channel (libfabric)
   schedule.pxi   the engine: streams, deadlines, the polling loop
   ring.pxi       ring all-reduce and reduce-scatter
   tree.pxi       k-nomial tree all-reduce
@@ -14,22 +15,26 @@ One module, one concern per included file (the layout of mpi4py's MPI.pyx):
   core.pxi       per-communicator state and the entry points
 """
 
-from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, intptr_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, calloc, realloc, free
-from libc.string cimport memcpy, memset
+from libc.string cimport memcpy, memset, strncmp
 from libc.stdio cimport snprintf
 from libc.math cimport llround
+from posix.stdlib cimport posix_memalign
+from posix.unistd cimport getpid
 from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
 
 from mpi4py cimport MPI
 from mpi4py.libmpi cimport *
 from mpi4py.MPI import Exception as MPIException
+from mpilossy.errors import MPILossyError as MPILossyChannelError
 
 from native cimport *
 
 include "kernels.pxi"
 include "channel.pxi"
 include "rma.pxi"
+include "dgram.pxi"
 include "schedule.pxi"
 include "ring.pxi"
 include "tree.pxi"
@@ -50,7 +55,21 @@ DIRECT = ALGO_DIRECT
 ALLREDUCE = COLL_ALLREDUCE
 REDUCE_SCATTER = COLL_REDUCE_SCATTER
 ALLGATHER = COLL_ALLGATHER
+PKT_DATA = MPL_PKT_DATA
+PKT_HELLO = MPL_PKT_HELLO
+PKT_ERROR = MPL_PKT_ERROR
+PKT_NACK = MPL_PKT_NACK
 ERRORS = {
     "type": ERR_TYPE, "value": ERR_VALUE, "buffer": ERR_BUFFER,
     "mismatch": ERR_MISMATCH, "protocol": ERR_PROTOCOL, "mpi": ERR_MPI,
 }
+HAVE_LIBFABRIC = bool(MPL_HAVE_LIBFABRIC)
+
+
+def datagram_providers() -> list:
+    """The libfabric datagram providers/domains on this host ("prov/domain")."""
+    cdef char out[4096]
+    cdef char err[256]
+    if mpl_fab_list(out, 4096, err, 256):
+        raise MPILossyChannelError(err.decode(errors="replace"))
+    return out.decode().split()

@@ -88,6 +88,7 @@ cdef struct Stream:
     unsigned char* drop   # injected loss, one flag per block
     unsigned char* done   # blocks resolved ahead of the cursor
     # Channel.
+    int index             # the stream's number in the call (set by the channel)
     int cstate
     MPI_Request req
     GetBuffers* gb
@@ -188,6 +189,10 @@ cdef class Channel:
     cdef void fail(self, CallInfo* call, ErrorInfo* err) noexcept nogil:
         """Tell peers that this call failed, and why."""
         pass
+
+    cdef Py_ssize_t max_block_bytes(self) noexcept nogil:
+        """Largest block the channel can move as one unit."""
+        return 1 << 30
 
     cdef void close(self):
         pass

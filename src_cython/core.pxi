@@ -20,7 +20,8 @@ cdef class Core:
     """Channel, algorithms and call counter of one mpilossy.Communicator."""
     cdef MPI.Comm comm           # the communicator's private duplicate
     cdef int rank, size
-    cdef RmaChannel chan
+    cdef Channel chan
+    cdef RmaChannel rma              # chan, when it is the one-sided channel
     cdef Ring ring
     cdef Tree tree
     cdef Gather gather
@@ -34,7 +35,10 @@ cdef class Core:
     cdef bint rotate
 
     def __cinit__(self, MPI.Comm comm not None, Py_ssize_t capacity, Py_ssize_t block_bytes,
-                  int radix, bint use_shared, bint zero_fill=False, bint rotate=True):
+                  int radix, bint use_shared, bint zero_fill=False, bint rotate=True,
+                  str channel="rma", str provider="", str domain="",
+                  Py_ssize_t datagram_bytes=8192, int recv_buffers=DEFAULT_RECV_BUFFERS,
+                  int socket_bytes=32 << 20):
         self.comm = comm
         self.scaling = SCALE_ZERO_FILL if zero_fill else SCALE_UNBIASED
         self.rotate = rotate
@@ -46,8 +50,15 @@ cdef class Core:
         self.tree.set_radix(radix)
         self.gather = Gather(self.rank, self.size)
         self.loss = LossState(self.size)
-        self.chan = RmaChannel()
-        self.chan.setup(comm.ob_mpi, capacity, use_shared)
+        cdef DgramChannel ud
+        if channel == "ud":
+            ud = DgramChannel()
+            ud.setup(comm.ob_mpi, provider, domain, datagram_bytes, recv_buffers, socket_bytes)
+            self.chan = ud
+        else:
+            self.rma = RmaChannel()
+            self.rma.setup(comm.ob_mpi, capacity, use_shared)
+            self.chan = self.rma
 
     @property
     def seq(self) -> int:
@@ -56,17 +67,34 @@ cdef class Core:
 
     @property
     def capacity(self) -> int:
-        """Bytes of this rank's window."""
-        return self.chan.capacity
+        """Bytes of this rank's window (0 for the datagram channel)."""
+        return self.rma.capacity if self.rma is not None else 0
 
     @property
     def shared_peers(self) -> int:
         """Peers read through shared memory (the others through MPI_Rget)."""
         cdef int p, k = 0
+        if self.rma is None:
+            return 0
         for p in range(self.size):
-            if p != self.rank and self.chan.peer_base[p] != NULL:
+            if p != self.rank and self.rma.peer_base[p] != NULL:
                 k += 1
         return k
+
+    def channel_info(self) -> dict:
+        """What the channel is and what it has seen (datagram counters)."""
+        cdef DgramChannel ud
+        if self.rma is not None:
+            return {"channel": "rma", "window_bytes": self.rma.capacity,
+                    "shared_memory_peers": self.shared_peers}
+        ud = <DgramChannel>self.chan
+        info = {"channel": "ud",
+                "provider": mpl_fab_provider(ud.fab).decode() if ud.fab != NULL else "",
+                "domain": mpl_fab_domain_name(ud.fab).decode() if ud.fab != NULL else "",
+                "datagram_payload": ud.payload_max, "token": ud.token,
+                "address": ud.address(), "seq": self.seq}
+        info.update(ud.counters())
+        return info
 
     def configure_loss(self, dict spec):
         self.loss.configure(spec)
@@ -134,7 +162,8 @@ cdef class Core:
             k_scale(dtype, 1.0, recv, send, call.count)    # every collective is a copy
             return (ERR_NONE, -1, "", 1.0, mpl_now() - t0, False, 0.0, 1, call.seq, (0, 0, 0, 0),
                     (call.start, call.start))
-        call.block_elems = max(1, self.block_bytes // call.itemsize)
+        call.block_elems = max(1, min(self.block_bytes, self.chan.max_block_bytes())
+                               // call.itemsize)
         alg.layout(call)
         call.sig = mpl_hash4(<uint64_t>call.count,
                              <uint64_t>(dtype | op << 8 | algo << 16 | self.tree.radix << 24

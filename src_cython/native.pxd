@@ -41,3 +41,65 @@ cdef extern from "mpilossy_native.h" nogil:
         uint32_t nbytes
 
     uint64_t mpl_record_check(uint64_t seq, uint64_t sig, uint64_t slot, uint64_t block)
+
+    enum: MPL_PKT_MAGIC
+    enum: MPL_PKT_VERSION
+    enum: MPL_PKT_DATA
+    enum: MPL_PKT_HELLO
+    enum: MPL_PKT_ERROR
+    enum: MPL_PKT_NACK
+
+    ctypedef struct mpl_packet_t:
+        uint32_t magic
+        uint16_t version, kind
+        uint64_t token
+        uint64_t seq
+        uint32_t src
+        uint32_t slot
+        uint32_t block
+        uint32_t count
+        uint32_t nbytes
+        uint32_t sig
+        uint64_t sum
+
+    ctypedef struct mpl_hello_t:
+        uint64_t sig, count
+        uint32_t dtype, op, algo, block
+
+    ctypedef struct mpl_error_t:
+        int32_t kind, rank
+        char msg[MPL_MSG_LEN]
+
+    uint64_t mpl_checksum(const void *data, size_t n, uint64_t seed)
+    uint64_t mpl_packet_sum(const mpl_packet_t *hdr, const void *payload)
+
+
+cdef extern from "mpilossy_fabric.h" nogil:
+    ctypedef struct mpl_fab_t:
+        pass
+    ctypedef struct mpl_fab_event_t:
+        void *context
+        size_t len
+        int is_recv
+    enum: MPL_FAB_EAGAIN
+    enum: MPL_HAVE_LIBFABRIC
+    int mpl_fab_list(char *out, size_t outlen, char *err, size_t errlen)
+    int mpl_fab_open(mpl_fab_t **out, const char *provider, const char *domain,
+                     size_t nctx, size_t cq_size, char *err, size_t errlen)
+    int mpl_fab_register(mpl_fab_t *f, void *buf, size_t len, void **mr, void **desc,
+                         char *err, size_t errlen)
+    void mpl_fab_deregister(void *mr)
+    int mpl_fab_getname(mpl_fab_t *f, void *addr, size_t *len, char *err, size_t errlen)
+    int mpl_fab_insert(mpl_fab_t *f, const void *addrs, int n, char *err, size_t errlen)
+    int mpl_fab_recv(mpl_fab_t *f, void *buf, size_t len, void *desc, size_t slot, void *user)
+    int mpl_fab_send(mpl_fab_t *f, int peer, const void *buf, size_t len, void *desc,
+                     size_t slot, void *user)
+    int mpl_fab_poll(mpl_fab_t *f, mpl_fab_event_t *events, int maxn)
+    const char *mpl_fab_strerror(int rc)
+    const char *mpl_fab_provider(const mpl_fab_t *f)
+    const char *mpl_fab_domain_name(const mpl_fab_t *f)
+    size_t mpl_fab_prefix(const mpl_fab_t *f)
+    size_t mpl_fab_max_msg(const mpl_fab_t *f)
+    void mpl_fab_close(mpl_fab_t *f)
+    int mpl_udp_tune(const void *addr, size_t addrlen, int nbytes)
+    long mpl_udp_drops(const void *addr, size_t addrlen)

@@ -119,8 +119,11 @@ cdef class RmaChannel(Channel):
             if p == self.rank:
                 self.peer_base[p] = self.base
                 continue
-            if self.use_shared:
-                chk(MPI_Win_shared_query(self.win, p, &size, &disp_unit, &ptr))
+            # MPI-4 allows the query on MPI_Win_allocate windows; some MPIs
+            # (Open MPI 5.0) answer with an error instead of size 0: either
+            # way the peer is read through MPI_Rget.
+            if self.use_shared and MPI_Win_shared_query(self.win, p, &size, &disp_unit,
+                                                        &ptr) == MPI_SUCCESS:
                 if size >= capacity:
                     self.peer_base[p] = <char*>ptr
             if self.peer_base[p] == NULL:

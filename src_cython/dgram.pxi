@@ -1,0 +1,832 @@
+# Unreliable-datagram channel: libfabric FI_EP_DGRAM endpoints (verbs UD on
+# InfiniBand/RoCE, efa on AWS, udp elsewhere).  No acknowledgements and, when
+# the call has a deadline, no retransmissions: a lost datagram is gone.
+#
+# One block is one datagram, so the per-block contributor counts of the
+# algorithms are the per-range counts of the packets that arrived, and the
+# unbiased scaling works unchanged on whatever fraction arrived.  Records are
+# pushed: `publish` sends a record to its readers from this rank's outbox
+# (two, by call parity, so that a record stays intact while a peer may still
+# ask for it).  Received datagrams are validated (mpilossy_native.h) and
+# copied into an inbox indexed by stream and block, where `poll` finds them.
+#
+# A rank entering a call sends a HELLO with the call's signature to every
+# peer: that is how peers see it enter (the deadline anchor) and how
+# disagreements between ranks show.  Datagrams of the next call, sent by a
+# peer that is ahead, are stashed and replayed when this rank gets there.
+# Errors go to every peer as ERROR datagrams.  Without a deadline
+# (timeout=None) a reader asks again (NACK) for blocks that do not come, so
+# that the result is exact even on a lossy network; with a deadline it never
+# does.
+
+cdef enum:
+    HEADER_BYTES = 64              # sizeof(mpl_packet_t)
+    DEFAULT_RECV_BUFFERS = 512
+    SEND_SLOTS = 1024
+    CONTROL_BUFFERS = 256
+    STASH_PACKETS = 512
+    MAX_EVENTS = 256
+
+cdef double NACK_INTERVAL = 0.05   # seconds between repeated requests (no deadline)
+
+
+cdef class DgramChannel(Channel):
+    cdef mpl_fab_t* fab
+    cdef MPI_Comm comm
+    cdef uint64_t token
+    cdef CallInfo cur                 # the call datagrams are judged against: a
+                                      # copy, since the core reuses its CallInfo
+    cdef char errbuf[256]
+    cdef bytes provider_name, domain_name
+    cdef char local_addr[256]         # this endpoint's address (udp: a sockaddr)
+    cdef size_t local_len
+    cdef int socket_bytes             # udp: kernel receive buffer in effect
+    # sizes
+    cdef Py_ssize_t prefix            # bytes the provider reserves before a message
+    cdef Py_ssize_t payload_max       # payload bytes per datagram: the largest block
+    cdef Py_ssize_t pkt               # bytes of one packet buffer
+    # receive buffers, posted all the time
+    cdef char* rbuf
+    cdef int nrecv
+    cdef void* rbuf_mr
+    cdef void* rbuf_desc
+    # outboxes, by call parity
+    cdef char* outbox[2]
+    cdef Py_ssize_t outbox_cap[2]     # packets
+    cdef void* out_mr[2]
+    cdef void* out_desc[2]
+    cdef int pending[2]               # sends in flight from each outbox
+    cdef uint64_t out_seq[2]
+    cdef int out_nblocks[2]
+    cdef int out_records[2]
+    cdef unsigned char* published[2]
+    # control datagrams (HELLO, ERROR, NACK)
+    cdef char* cbuf
+    cdef void* cbuf_mr
+    cdef void* cbuf_desc
+    cdef int* cbuf_busy
+    cdef int cnext
+    # send slots: which buffer each in-flight send uses (0/1 outbox, 2+k control)
+    cdef int* slot_owner
+    cdef int* free_slots
+    cdef int nfree
+    # inbox of the current call
+    cdef char* inbox
+    cdef Py_ssize_t inbox_cap
+    cdef unsigned char* arrived
+    cdef uint32_t* counts
+    cdef uint32_t* sizes
+    cdef double* last_nack
+    cdef Py_ssize_t state_cap
+    cdef int* stream_of               # peer * nslots + slot -> stream, or -1
+    cdef Py_ssize_t stream_of_cap
+    cdef int nstreams
+    # peers
+    cdef uint64_t* peer_seq           # the latest call each peer was seen in
+    cdef bint armed                   # the current call's streams are known
+    cdef char* stash                  # datagrams that came too early
+    cdef char* replaying              # the stash being replayed
+    cdef int nstash
+    cdef bint failed_call
+    # counters, for the whole life of the channel
+    cdef uint64_t n_sent, n_received, n_foreign, n_truncated, n_corrupt, n_stale
+    cdef uint64_t n_future, n_unexpected, n_duplicate, n_mismatch, n_nacks, n_resent
+
+    def __cinit__(self):
+        self.fab = NULL
+        memset(&self.cur, 0, sizeof(CallInfo))
+
+    cdef int setup(self, MPI_Comm comm, str provider, str domain, Py_ssize_t payload,
+                   int nrecv, int socket_bytes) except -1:
+        cdef int rank, size, bad, i
+        cdef size_t addrlen = 0
+        cdef char* addrs
+        MPI_Comm_rank(comm, &rank)
+        MPI_Comm_size(comm, &size)
+        self.comm = comm
+        self.rank = rank
+        self.size = size
+        # On one host the loopback interface will do (and must: only loopback
+        # traffic is allowed in tests); across hosts the provider's first match.
+        if not domain and provider in ("", "udp") and one_host(comm, size):
+            domain = "lo"
+        self.provider_name = provider.encode()
+        self.domain_name = domain.encode()
+        self.nrecv = nrecv
+        cdef const char* prov = NULL
+        cdef const char* dom = NULL
+        if provider:
+            prov = self.provider_name
+        if domain:
+            dom = self.domain_name
+        bad = mpl_fab_open(&self.fab, prov, dom, nrecv + SEND_SLOTS, 2 * (nrecv + SEND_SLOTS),
+                           self.errbuf, 256)
+        cdef int any_bad = 0
+        chk(MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MIN, comm))
+        if any_bad:
+            reason = self.errbuf.decode(errors="replace") if bad else "failed on another rank"
+            raise MPILossyChannelError(f"channel='ud' is unavailable: {reason}")
+        # Every rank uses the same datagram size: the smallest.
+        self.prefix = mpl_fab_prefix(self.fab)
+        cdef long mine = <long>min(<size_t>payload, mpl_fab_max_msg(self.fab) - self.prefix - HEADER_BYTES)
+        cdef long agreed
+        mine = (mine // 64) * 64
+        chk(MPI_Allreduce(&mine, &agreed, 1, MPI_LONG, MPI_MIN, comm))
+        if agreed < 64:
+            raise MPILossyChannelError(f"channel='ud': datagrams too small ({agreed} bytes of payload)")
+        self.payload_max = agreed
+        self.pkt = round_up(self.prefix + HEADER_BYTES + self.payload_max, MPL_CACHELINE)
+        self.allocate_fixed()
+        # Addresses, over MPI.
+        addrlen = 256
+        cdef char local[256]
+        if mpl_fab_getname(self.fab, local, &addrlen, self.errbuf, 256):
+            raise MPILossyChannelError(self.errbuf.decode(errors="replace"))
+        memcpy(self.local_addr, local, addrlen)
+        self.local_len = addrlen
+        if mpl_fab_provider(self.fab) == b"udp":
+            self.socket_bytes = mpl_udp_tune(local, addrlen, socket_bytes)
+        # fi_av_insert wants the addresses packed, each of the provider's length.
+        cdef int mylen = <int>addrlen, minlen = 0, maxlen_i = 0
+        chk(MPI_Allreduce(&mylen, &minlen, 1, MPI_INT, MPI_MIN, comm))
+        chk(MPI_Allreduce(&mylen, &maxlen_i, 1, MPI_INT, MPI_MAX, comm))
+        if minlen != maxlen_i:
+            raise MPILossyChannelError("channel='ud': ranks opened different kinds of endpoints "
+                                       f"(address lengths {minlen}..{maxlen_i})")
+        addrs = <char*>calloc(size, addrlen)
+        chk(MPI_Allgather(local, mylen, MPI_BYTE, addrs, mylen, MPI_BYTE, comm))
+        bad = mpl_fab_insert(self.fab, addrs, size, self.errbuf, 256)
+        free(addrs)
+        chk(MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MIN, comm))
+        if any_bad:
+            raise MPILossyChannelError("channel='ud': cannot insert peer addresses: "
+                                       + self.errbuf.decode(errors="replace"))
+        # A token that tells this communicator's datagrams from any other's.
+        if rank == 0:
+            self.token = mpl_hash4(<uint64_t>mpl_now() * 1000003, <uint64_t>getpid(),
+                                   <uint64_t><size_t>self.fab, 0x5544)
+        chk(MPI_Bcast(&self.token, 1, MPI_UINT64_T, 0, comm))
+        self.post_receives()
+        chk(MPI_Barrier(comm))          # nobody sends before every receive is posted
+        return 0
+
+    cdef int allocate_fixed(self) except -1:
+        cdef int i
+        self.rbuf = <char*>aligned(self.nrecv * self.pkt)
+        self.cbuf = <char*>aligned(CONTROL_BUFFERS * self.pkt)
+        self.cbuf_busy = <int*>calloc(CONTROL_BUFFERS, sizeof(int))
+        self.slot_owner = <int*>calloc(SEND_SLOTS, sizeof(int))
+        self.free_slots = <int*>calloc(SEND_SLOTS, sizeof(int))
+        self.peer_seq = <uint64_t*>calloc(self.size, sizeof(uint64_t))
+        self.stash = <char*>aligned(STASH_PACKETS * self.pkt)
+        self.replaying = <char*>aligned(STASH_PACKETS * self.pkt)
+        if not (self.rbuf and self.cbuf and self.cbuf_busy and self.slot_owner
+                and self.free_slots and self.peer_seq and self.stash and self.replaying):
+            raise MemoryError()
+        for i in range(SEND_SLOTS):
+            self.free_slots[i] = SEND_SLOTS - 1 - i
+        self.nfree = SEND_SLOTS
+        if (mpl_fab_register(self.fab, self.rbuf, self.nrecv * self.pkt, &self.rbuf_mr,
+                             &self.rbuf_desc, self.errbuf, 256)
+                or mpl_fab_register(self.fab, self.cbuf, CONTROL_BUFFERS * self.pkt, &self.cbuf_mr,
+                                    &self.cbuf_desc, self.errbuf, 256)):
+            raise MPILossyChannelError(self.errbuf.decode(errors="replace"))
+        return 0
+
+    cdef int post_receives(self) except -1:
+        cdef int k, rc
+        for k in range(self.nrecv):
+            rc = mpl_fab_recv(self.fab, self.rbuf + k * self.pkt, self.pkt, self.rbuf_desc,
+                              k, <void*><intptr_t>k)
+            if rc:
+                raise MPILossyChannelError(f"fi_recv: {mpl_fab_strerror(rc).decode()}")
+        return 0
+
+    cdef void close(self):
+        cdef double limit = mpl_now() + 1.0
+        if self.fab == NULL:
+            return
+        while (self.pending[0] or self.pending[1] or self.nfree < SEND_SLOTS) and mpl_now() < limit:
+            self.drain()
+        mpl_fab_deregister(self.out_mr[0])
+        mpl_fab_deregister(self.out_mr[1])
+        mpl_fab_deregister(self.rbuf_mr)
+        mpl_fab_deregister(self.cbuf_mr)
+        mpl_fab_close(self.fab)
+        self.fab = NULL
+
+    def __dealloc__(self):
+        self.close()
+        free(self.rbuf)
+        free(self.cbuf)
+        free(self.cbuf_busy)
+        free(self.slot_owner)
+        free(self.free_slots)
+        free(self.peer_seq)
+        free(self.stash)
+        free(self.replaying)
+        free(self.outbox[0])
+        free(self.outbox[1])
+        free(self.published[0])
+        free(self.published[1])
+        free(self.inbox)
+        free(self.arrived)
+        free(self.counts)
+        free(self.sizes)
+        free(self.last_nack)
+        free(self.stream_of)
+
+    cdef Py_ssize_t max_block_bytes(self) noexcept nogil:
+        return self.payload_max
+
+    def address(self) -> str:
+        """This endpoint's address, "ip:port" for the udp provider (IPv4)."""
+        cdef const unsigned char* a = <const unsigned char*>self.local_addr
+        if self.local_len >= 8 and a[0] | (a[1] << 8) == 2:     # AF_INET, native order
+            return f"{a[4]}.{a[5]}.{a[6]}.{a[7]}:{(a[2] << 8) | a[3]}"
+        return self.local_addr[:self.local_len].hex()
+
+    def counters(self) -> dict:
+        cdef long queue = -1
+        if self.fab != NULL:
+            queue = mpl_udp_drops(self.local_addr, self.local_len)
+        return {"queue_drops": queue, "socket_bytes": self.socket_bytes, "sent": self.n_sent, "received": self.n_received, "foreign": self.n_foreign,
+                "truncated": self.n_truncated, "corrupt": self.n_corrupt, "stale": self.n_stale,
+                "future": self.n_future, "unexpected": self.n_unexpected,
+                "duplicate": self.n_duplicate, "mismatch": self.n_mismatch,
+                "nacks": self.n_nacks, "resent": self.n_resent}
+
+    # -- per call ------------------------------------------------------------
+    cdef int begin(self, CallInfo* call) except -1:
+        cdef int parity = call.seq & 1
+        cdef Py_ssize_t records = <Py_ssize_t>call.nslots * call.nblocks
+        cdef double limit = mpl_now() + 5.0
+        # Datagrams that arrive now belong to this call or later: judge them
+        # against the previous call, which stashes those of the next one.
+        self.drain()
+        # This outbox held call seq-2; its sends must be done before reuse.
+        while self.pending[parity]:
+            self.drain()
+            if mpl_now() > limit:
+                raise MPILossyChannelError("channel='ud': sends of an earlier call never completed")
+        if records > self.outbox_cap[parity]:
+            mpl_fab_deregister(self.out_mr[parity])
+            free(self.outbox[parity])
+            free(self.published[parity])
+            self.outbox[parity] = <char*>aligned(records * self.pkt)
+            self.published[parity] = <unsigned char*>calloc(records, 1)
+            if self.outbox[parity] == NULL or self.published[parity] == NULL:
+                raise MemoryError()
+            self.outbox_cap[parity] = records
+            if mpl_fab_register(self.fab, self.outbox[parity], records * self.pkt,
+                                &self.out_mr[parity], &self.out_desc[parity], self.errbuf, 256):
+                raise MPILossyChannelError(self.errbuf.decode(errors="replace"))
+        memset(self.published[parity], 0, records)
+        self.out_seq[parity] = call.seq
+        self.out_nblocks[parity] = call.nblocks
+        self.out_records[parity] = <int>records
+        cdef Py_ssize_t mapping = <Py_ssize_t>self.size * call.nslots
+        if mapping > self.stream_of_cap:
+            free(self.stream_of)
+            self.stream_of = <int*>malloc(mapping * sizeof(int))
+            if self.stream_of == NULL:
+                raise MemoryError()
+            self.stream_of_cap = mapping
+        for i in range(mapping):
+            self.stream_of[i] = -1
+        self.nstreams = 0
+        self.failed_call = False
+        self.error.kind = ERR_NONE
+        self.cur = call[0]
+        self.armed = False           # until the streams are known: stash, don't place
+        self.send_hello()
+        return 0
+
+    cdef int prepare(self, Stream* s) except -1:
+        cdef CallInfo* c = &self.cur
+        cdef int i = self.nstreams
+        cdef Py_ssize_t blocks = <Py_ssize_t>(i + 1) * c.nblocks
+        self.nstreams += 1
+        s.index = i
+        self.stream_of[s.peer * c.nslots + s.slot] = i
+        if blocks * c.block_bytes > self.inbox_cap:
+            free(self.inbox)
+            self.inbox = <char*>malloc(max(blocks * c.block_bytes, 64))
+            if self.inbox == NULL:
+                raise MemoryError()
+            self.inbox_cap = blocks * c.block_bytes
+        if blocks > self.state_cap:
+            self.arrived = <unsigned char*>realloc(self.arrived, blocks)
+            self.counts = <uint32_t*>realloc(self.counts, blocks * sizeof(uint32_t))
+            self.sizes = <uint32_t*>realloc(self.sizes, blocks * sizeof(uint32_t))
+            if not (self.arrived and self.counts and self.sizes):
+                raise MemoryError()
+            self.state_cap = blocks
+        self.last_nack = <double*>realloc(self.last_nack, (i + 1) * sizeof(double))
+        memset(self.arrived + <Py_ssize_t>i * c.nblocks, 0, c.nblocks)
+        self.last_nack[i] = mpl_now()
+        return 0
+
+    cdef char* packet(self, int parity, Py_ssize_t record) noexcept nogil:
+        return self.outbox[parity] + record * self.pkt
+
+    cdef char* claim(self, int slot, int block) noexcept nogil:
+        return self.mine(slot, block)
+
+    cdef char* mine(self, int slot, int block) noexcept nogil:
+        cdef int parity = self.cur.seq & 1
+        return (self.packet(parity, <Py_ssize_t>slot * self.cur.nblocks + block)
+                + self.prefix + HEADER_BYTES)
+
+    cdef void publish(self, int slot, int block, uint32_t count, uint32_t nbytes,
+                      const int* dests, int ndests) noexcept nogil:
+        cdef int parity = self.cur.seq & 1, i
+        cdef Py_ssize_t record = <Py_ssize_t>slot * self.cur.nblocks + block
+        cdef char* buf = self.packet(parity, record)
+        cdef mpl_packet_t* hdr = <mpl_packet_t*>(buf + self.prefix)
+        self.fill_header(hdr, MPL_PKT_DATA, self.cur.seq, slot, block, count, nbytes)
+        hdr.sig = <uint32_t>self.cur.sig
+        hdr.sum = mpl_packet_sum(hdr, buf + self.prefix + HEADER_BYTES)
+        self.published[parity][record] = 1
+        for i in range(ndests):
+            self.send(dests[i], buf, self.prefix + HEADER_BYTES + nbytes, parity)
+
+    cdef void fill_header(self, mpl_packet_t* hdr, int kind, uint64_t seq, uint32_t slot,
+                          uint32_t block, uint32_t count, uint32_t nbytes) noexcept nogil:
+        memset(hdr, 0, HEADER_BYTES)
+        hdr.magic = MPL_PKT_MAGIC
+        hdr.version = MPL_PKT_VERSION
+        hdr.kind = kind
+        hdr.token = self.token
+        hdr.seq = seq
+        hdr.src = self.rank
+        hdr.slot = slot
+        hdr.block = block
+        hdr.count = count
+        hdr.nbytes = nbytes
+
+    cdef void send(self, int peer, char* buf, Py_ssize_t length, int owner) noexcept nogil:
+        """Post a send; `owner` is 0/1 (an outbox) or 2 + control buffer."""
+        cdef int slot, rc, tries = 0
+        if self.fab == NULL:            # offline (DatagramJudge): nothing to send
+            return
+        while self.nfree == 0:
+            self.drain()
+        slot = self.free_slots[self.nfree - 1]
+        while True:
+            rc = mpl_fab_send(self.fab, peer, buf, length,
+                              self.out_desc[owner] if owner < 2 else self.cbuf_desc,
+                              self.nrecv + slot, <void*><intptr_t>slot)
+            if rc != MPL_FAB_EAGAIN:
+                break
+            self.drain()
+            tries += 1
+            if tries > 100000:
+                return              # the transport refuses: count it lost
+        if rc:
+            return
+        self.nfree -= 1
+        self.slot_owner[slot] = owner
+        if owner < 2:
+            self.pending[owner] += 1
+        else:
+            self.cbuf_busy[owner - 2] += 1
+        self.n_sent += 1
+
+    cdef char* control_buffer(self, int* owner) noexcept nogil:
+        cdef int k, tries
+        for tries in range(2 * CONTROL_BUFFERS):
+            k = self.cnext
+            self.cnext = (self.cnext + 1) % CONTROL_BUFFERS
+            if self.cbuf_busy[k] == 0:
+                owner[0] = 2 + k
+                return self.cbuf + k * self.pkt
+            if tries == CONTROL_BUFFERS:
+                self.drain()
+        return NULL
+
+    cdef void send_control(self, int kind, uint64_t seq, uint32_t slot, uint32_t block,
+                           const void* payload, uint32_t nbytes, int peer) noexcept nogil:
+        """A HELLO/ERROR/NACK to `peer`, or to every peer when peer < 0."""
+        cdef int owner, p
+        cdef char* buf = self.control_buffer(&owner)
+        if buf == NULL:
+            return
+        cdef mpl_packet_t* hdr = <mpl_packet_t*>(buf + self.prefix)
+        self.fill_header(hdr, kind, seq, slot, block, 0, nbytes)
+        if nbytes:
+            memcpy(buf + self.prefix + HEADER_BYTES, payload, nbytes)
+        hdr.sum = mpl_packet_sum(hdr, buf + self.prefix + HEADER_BYTES)
+        for p in range(self.size):
+            if p != self.rank and (peer < 0 or p == peer):
+                self.send(p, buf, self.prefix + HEADER_BYTES + nbytes, owner)
+
+    cdef void send_hello(self) noexcept nogil:
+        cdef mpl_hello_t hello
+        cdef CallInfo* c = &self.cur
+        hello.sig = c.sig
+        hello.count = c.count
+        hello.dtype = c.dtype
+        hello.op = c.op
+        hello.algo = c.algo | c.coll << 4
+        hello.block = <uint32_t>c.block_bytes
+        self.send_control(MPL_PKT_HELLO, c.seq, 0, 0, &hello, sizeof(mpl_hello_t), -1)
+
+    # -- receiving -------------------------------------------------------------
+    cdef void drain(self) noexcept nogil:
+        """Reap completions: recycle send slots, judge received datagrams."""
+        cdef mpl_fab_event_t events[MAX_EVENTS]
+        cdef int n, i, k, slot, owner
+        n = mpl_fab_poll(self.fab, events, MAX_EVENTS)
+        for i in range(n):
+            k = <int><intptr_t>events[i].context
+            if events[i].is_recv:
+                if events[i].len > <size_t>self.prefix:
+                    self.accept(self.rbuf + k * self.pkt + self.prefix,
+                                <Py_ssize_t>events[i].len - self.prefix, True)
+                else:
+                    self.n_truncated += 1
+                mpl_fab_recv(self.fab, self.rbuf + k * self.pkt, self.pkt, self.rbuf_desc,
+                             k, <void*><intptr_t>k)
+            else:
+                slot = k
+                owner = self.slot_owner[slot]
+                if owner < 2:
+                    self.pending[owner] -= 1
+                else:
+                    self.cbuf_busy[owner - 2] -= 1
+                self.free_slots[self.nfree] = slot
+                self.nfree += 1
+
+    cdef void accept(self, const char* data, Py_ssize_t length, bint may_stash) noexcept nogil:
+        """Judge one datagram (header + payload) and act on it."""
+        cdef mpl_packet_t hdr
+        cdef uint64_t cur = self.cur.seq
+        self.n_received += 1
+        cdef int verdict = check_packet(data, length, self.token, self.size, self.rank, &hdr)
+        if verdict == PACKET_FOREIGN:
+            self.n_foreign += 1
+            return
+        if verdict == PACKET_TRUNCATED:
+            self.n_truncated += 1
+            return
+        if verdict == PACKET_CORRUPT:
+            self.n_corrupt += 1
+            return
+        if hdr.seq > self.peer_seq[hdr.src]:
+            self.peer_seq[hdr.src] = hdr.seq
+        if (hdr.seq == cur + 1 or (hdr.seq == cur and not self.armed)) and may_stash:
+            if self.nstash < STASH_PACKETS:
+                memcpy(self.stash + <Py_ssize_t>self.nstash * self.pkt, data, length)
+                self.nstash += 1
+            else:
+                self.n_future += 1
+            return
+        if hdr.kind == MPL_PKT_NACK:
+            self.answer_nack(&hdr, <const uint32_t*>(data + HEADER_BYTES))
+            return
+        if hdr.seq != cur:
+            if hdr.seq < cur:
+                self.n_stale += 1
+            else:
+                self.n_future += 1
+            return
+        if hdr.kind == MPL_PKT_HELLO:
+            self.check_hello(&hdr, <const mpl_hello_t*>(data + HEADER_BYTES))
+        elif hdr.kind == MPL_PKT_ERROR:
+            self.take_error(<const mpl_error_t*>(data + HEADER_BYTES))
+        elif hdr.kind == MPL_PKT_DATA:
+            self.place(&hdr, data + HEADER_BYTES)
+
+    cdef void place(self, const mpl_packet_t* hdr, const char* payload) noexcept nogil:
+        cdef CallInfo* c = &self.cur
+        cdef int stream
+        cdef Py_ssize_t at
+        if hdr.sig != <uint32_t>c.sig:
+            self.n_mismatch += 1
+            return
+        if (hdr.slot >= <uint32_t>c.nslots or hdr.block >= <uint32_t>c.nblocks
+                or hdr.nbytes > <uint32_t>c.block_bytes or hdr.count > <uint32_t>self.size):
+            self.n_unexpected += 1
+            return
+        stream = self.stream_of[hdr.src * c.nslots + hdr.slot]
+        if stream < 0:
+            self.n_unexpected += 1
+            return
+        at = <Py_ssize_t>stream * c.nblocks + hdr.block
+        if self.arrived[at]:
+            self.n_duplicate += 1
+            return
+        memcpy(self.inbox + at * c.block_bytes, payload, hdr.nbytes)
+        self.counts[at] = hdr.count
+        self.sizes[at] = hdr.nbytes
+        self.arrived[at] = 1
+
+    cdef void check_hello(self, const mpl_packet_t* hdr, const mpl_hello_t* hello) noexcept nogil:
+        cdef CallInfo* c = &self.cur
+        if hdr.nbytes < sizeof(mpl_hello_t) or hello.sig == c.sig or self.error.kind:
+            return
+        self.error.kind = ERR_MISMATCH
+        self.error.rank = self.rank
+        snprintf(self.error.msg, MPL_MSG_LEN,
+                 b"ranks disagree on call %llu: rank %d: %s of %llu x %s op=%s algorithm=%s; "
+                 b"rank %d: %s of %llu x %s op=%s algorithm=%s",
+                 <unsigned long long>c.seq, hdr.src, COLL_NAMES[(hello.algo >> 4) % 3],
+                 <unsigned long long>hello.count, DTYPE_NAMES[hello.dtype % 5],
+                 OP_NAMES[hello.op % 2], ALGO_NAMES[(hello.algo & 15) % 3],
+                 self.rank, COLL_NAMES[c.coll], <unsigned long long>c.count,
+                 DTYPE_NAMES[c.dtype], OP_NAMES[c.op], ALGO_NAMES[c.algo])
+
+    cdef void take_error(self, const mpl_error_t* e) noexcept nogil:
+        if self.error.kind == ERR_NONE:
+            self.error.kind = e.kind
+            self.error.rank = e.rank
+            memcpy(self.error.msg, e.msg, MPL_MSG_LEN)
+            self.error.msg[MPL_MSG_LEN - 1] = 0
+
+    cdef void answer_nack(self, const mpl_packet_t* hdr, const uint32_t* blocks) noexcept nogil:
+        """A reader that waits without deadline asks again for the blocks
+        listed in the payload (of slot hdr.slot)."""
+        cdef int parity = hdr.seq & 1, i
+        cdef uint32_t block
+        cdef Py_ssize_t record
+        cdef char* buf
+        if self.out_seq[parity] != hdr.seq:
+            return
+        for i in range(hdr.nbytes // 4):
+            block = blocks[i]
+            if block >= <uint32_t>self.out_nblocks[parity]:
+                continue
+            record = <Py_ssize_t>hdr.slot * self.out_nblocks[parity] + block
+            if record >= self.out_records[parity] or not self.published[parity][record]:
+                continue    # not written yet: it will be sent when it is
+            buf = self.packet(parity, record)
+            self.n_resent += 1
+            self.send(hdr.src, buf, self.prefix + HEADER_BYTES + (<mpl_packet_t*>(buf + self.prefix)).nbytes,
+                      parity)
+
+    cdef void service(self) noexcept nogil:
+        """Replay what arrived early for this call, then reap completions."""
+        cdef int k, n
+        cdef char* early
+        if not self.armed:
+            # The streams are known now (bind ran): swap the stash out and
+            # judge its datagrams again; those of the next call stash anew.
+            self.armed = True
+            early = self.stash
+            self.stash = self.replaying
+            self.replaying = early
+            n = self.nstash
+            self.nstash = 0
+            for k in range(n):
+                early = self.replaying + <Py_ssize_t>k * self.pkt
+                self.accept(early, HEADER_BYTES + (<mpl_packet_t*>early).nbytes, True)
+        self.drain()
+
+    cdef int poll(self, Stream* s, int block, Incoming* inc) noexcept nogil:
+        cdef CallInfo* c = &self.cur
+        cdef Py_ssize_t at = <Py_ssize_t>s.index * c.nblocks + block
+        cdef double now
+        if not self.arrived[at]:
+            self.service()
+        if self.error.kind != ERR_NONE:
+            return POLL_FAIL
+        if self.arrived[at]:
+            inc.data = self.inbox + at * c.block_bytes
+            inc.count = self.counts[at]
+            inc.nbytes = self.sizes[at]
+            return POLL_READY
+        # A producer that moved on sent everything it will send.  Without a
+        # deadline it still answers requests: its outbox holds this call until
+        # its call seq+2, which it cannot reach before this rank takes part.
+        if self.peer_seq[s.peer] > c.seq and c.timeout >= 0:
+            return POLL_GONE
+        if c.timeout < 0:
+            now = mpl_now()
+            if now - self.last_nack[s.index] > NACK_INTERVAL:
+                self.last_nack[s.index] = now
+                self.request_missing(s)
+        return POLL_WAIT
+
+    cdef void request_missing(self, Stream* s) noexcept nogil:
+        """No deadline: ask the producer again for every block of `s` that has
+        not arrived (as many as fit in one datagram)."""
+        cdef CallInfo* c = &self.cur
+        cdef uint32_t missing[512]
+        cdef int n = 0, b, cap = <int>min(512, self.payload_max // 4)
+        cdef Py_ssize_t base = <Py_ssize_t>s.index * c.nblocks
+        for b in range(s.cursor, s.nblocks):
+            if not self.arrived[base + b] and not s.done[b]:
+                missing[n] = b
+                n += 1
+                if n == cap:
+                    break
+        if n:
+            self.n_nacks += 1
+            self.send_control(MPL_PKT_NACK, c.seq, s.slot, 0, missing, 4 * n, s.peer)
+
+    cdef bint random_access(self, Stream* s) noexcept nogil:
+        return True
+
+    cdef int entered(self) noexcept nogil:
+        cdef int p, k = 1
+        self.service()
+        for p in range(self.size):
+            if p != self.rank and self.peer_seq[p] >= self.cur.seq:
+                k += 1
+        return k
+
+    cdef void progress(self) noexcept nogil:
+        self.service()
+
+    cdef void end(self, CallInfo* call, bint failed) noexcept nogil:
+        self.drain()
+
+    cdef void fail(self, CallInfo* call, ErrorInfo* err) noexcept nogil:
+        cdef mpl_error_t e
+        cdef int repeat
+        if self.cur.seq != call.seq:      # failed before begin: no layout
+            self.cur = call[0]
+        e.kind = err.kind
+        e.rank = err.rank
+        memcpy(e.msg, err.msg, MPL_MSG_LEN)
+        for repeat in range(2):         # datagrams get lost: say it twice
+            self.send_control(MPL_PKT_ERROR, call.seq, 0, 0, &e, sizeof(mpl_error_t), -1)
+
+
+cdef enum:
+    PACKET_OK = 0
+    PACKET_FOREIGN = 1
+    PACKET_TRUNCATED = 2
+    PACKET_CORRUPT = 3
+
+
+cdef int check_packet(const char* data, Py_ssize_t length, uint64_t token, int size, int me,
+                      mpl_packet_t* hdr) noexcept nogil:
+    """Is this a well-formed datagram of this communicator from a peer?
+    Copies the header out (the buffer may be unaligned)."""
+    if length < HEADER_BYTES:
+        return PACKET_TRUNCATED
+    memcpy(hdr, data, sizeof(mpl_packet_t))
+    if hdr.magic != MPL_PKT_MAGIC or hdr.version != MPL_PKT_VERSION or hdr.token != token:
+        return PACKET_FOREIGN
+    if hdr.src >= <uint32_t>size or hdr.src == <uint32_t>me or hdr.kind < MPL_PKT_DATA \
+            or hdr.kind > MPL_PKT_NACK:
+        return PACKET_FOREIGN
+    if <Py_ssize_t>hdr.nbytes != length - HEADER_BYTES:
+        return PACKET_TRUNCATED
+    if mpl_packet_sum(hdr, data + HEADER_BYTES) != hdr.sum:
+        return PACKET_CORRUPT
+    return PACKET_OK
+
+
+cdef void* aligned(Py_ssize_t nbytes) noexcept nogil:
+    cdef void* p = NULL
+    if posix_memalign(&p, 4096, <size_t>max(nbytes, 64)) != 0:
+        return NULL
+    return p
+
+
+cdef bint one_host(MPI_Comm comm, int size) except -1:
+    """Do all ranks run on the same host (same processor name)?"""
+    cdef char name[MPI_MAX_PROCESSOR_NAME]
+    cdef int length = 0, p
+    cdef bint same = True
+    memset(name, 0, MPI_MAX_PROCESSOR_NAME)
+    chk(MPI_Get_processor_name(name, &length))
+    cdef char* names = <char*>calloc(size, MPI_MAX_PROCESSOR_NAME)
+    if names == NULL:
+        raise MemoryError()
+    try:
+        chk(MPI_Allgather(name, MPI_MAX_PROCESSOR_NAME, MPI_CHAR, names,
+                          MPI_MAX_PROCESSOR_NAME, MPI_CHAR, comm))
+        for p in range(1, size):
+            if strncmp(names, names + p * MPI_MAX_PROCESSOR_NAME, MPI_MAX_PROCESSOR_NAME):
+                same = False
+    finally:
+        free(names)
+    return same
+
+
+# -- for tests ----------------------------------------------------------------
+
+def encode_datagram(int kind, uint64_t token, uint64_t seq, uint32_t src, uint32_t slot,
+                    uint32_t block, uint32_t count, uint32_t sig, bytes payload) -> bytes:
+    """A datagram exactly as the channel builds it (header, checksum, payload)."""
+    cdef mpl_packet_t hdr
+    memset(&hdr, 0, sizeof(mpl_packet_t))
+    hdr.magic = MPL_PKT_MAGIC
+    hdr.version = MPL_PKT_VERSION
+    hdr.kind = kind
+    hdr.token = token
+    hdr.seq = seq
+    hdr.src = src
+    hdr.slot = slot
+    hdr.block = block
+    hdr.count = count
+    hdr.nbytes = len(payload)
+    hdr.sig = sig
+    hdr.sum = mpl_packet_sum(&hdr, <const char*>payload)
+    return (<char*>&hdr)[:sizeof(mpl_packet_t)] + payload
+
+
+cdef enum:
+    JUDGE_GUARD = 4096
+
+
+cdef class DatagramJudge:
+    """Feeds datagrams to the channel's own validation and placement code,
+    without a network, for tests and fuzzing.  The inbox sits between guard
+    zones that must never change."""
+    cdef DgramChannel chan
+    cdef char* area
+    cdef Py_ssize_t inbox_bytes
+    cdef list stream_ids
+
+    def __cinit__(self, uint64_t token, int size, int rank, uint64_t seq, int nslots, int nblocks,
+                  Py_ssize_t block_bytes, uint64_t sig, list streams):
+        cdef DgramChannel c = DgramChannel()
+        cdef Stream st
+        cdef int i
+        self.chan = c
+        c.rank = rank
+        c.size = size
+        c.token = token
+        c.prefix = 0
+        c.payload_max = block_bytes
+        c.pkt = round_up(HEADER_BYTES + block_bytes, MPL_CACHELINE)
+        c.peer_seq = <uint64_t*>calloc(size, sizeof(uint64_t))
+        c.stash = <char*>aligned(STASH_PACKETS * c.pkt)
+        c.replaying = <char*>aligned(STASH_PACKETS * c.pkt)
+        c.free_slots = <int*>calloc(SEND_SLOTS, sizeof(int))
+        c.slot_owner = <int*>calloc(SEND_SLOTS, sizeof(int))
+        memset(&c.cur, 0, sizeof(CallInfo))
+        c.cur.seq = seq
+        c.cur.nslots = nslots
+        c.cur.nblocks = nblocks
+        c.cur.block_bytes = block_bytes
+        c.cur.sig = sig
+        c.cur.timeout = 1.0
+        c.stream_of = <int*>malloc(size * nslots * sizeof(int))
+        c.stream_of_cap = size * nslots
+        for i in range(size * nslots):
+            c.stream_of[i] = -1
+        c.nstreams = 0
+        self.stream_ids = []
+        for peer, slot in streams:
+            memset(&st, 0, sizeof(Stream))
+            st.peer = peer
+            st.slot = slot
+            st.nblocks = nblocks
+            c.prepare(&st)
+            self.stream_ids.append(st.index)
+        # Move the inbox between guard zones.
+        self.inbox_bytes = <Py_ssize_t>len(streams) * nblocks * block_bytes
+        self.area = <char*>malloc(self.inbox_bytes + 2 * JUDGE_GUARD)
+        memset(self.area, 0xAB, self.inbox_bytes + 2 * JUDGE_GUARD)
+        free(c.inbox)
+        c.inbox = self.area + JUDGE_GUARD
+        c.inbox_cap = self.inbox_bytes
+        c.armed = True
+
+    def __dealloc__(self):
+        if self.chan is not None:
+            self.chan.inbox = NULL       # ours, freed below
+        free(self.area)
+
+    def feed(self, bytes datagram):
+        """Judge one datagram as if it had just been received."""
+        self.chan.accept(<const char*>datagram, len(datagram), True)
+
+    def guards_intact(self) -> bool:
+        cdef Py_ssize_t i, end = self.inbox_bytes + 2 * JUDGE_GUARD
+        for i in range(JUDGE_GUARD):
+            if <unsigned char>self.area[i] != 0xAB or <unsigned char>self.area[end - 1 - i] != 0xAB:
+                return False
+        return True
+
+    def arrived(self, int stream_number, int block) -> tuple:
+        """(arrived, count, payload) of a block of the n-th stream given."""
+        cdef DgramChannel c = self.chan
+        cdef Py_ssize_t at = <Py_ssize_t>self.stream_ids[stream_number] * c.cur.nblocks + block
+        if not c.arrived[at]:
+            return (False, 0, b"")
+        return (True, c.counts[at], (c.inbox + at * c.cur.block_bytes)[:c.sizes[at]])
+
+    def address(self) -> str:
+        """This endpoint's address, "ip:port" for the udp provider (IPv4)."""
+        cdef const unsigned char* a = <const unsigned char*>self.local_addr
+        if self.local_len >= 8 and a[0] | (a[1] << 8) == 2:     # AF_INET, native order
+            return f"{a[4]}.{a[5]}.{a[6]}.{a[7]}:{(a[2] << 8) | a[3]}"
+        return self.local_addr[:self.local_len].hex()
+
+    def counters(self) -> dict:
+        return self.chan.counters()
+
+    @property
+    def stashed(self) -> int:
+        return self.chan.nstash
+
+    @property
+    def error(self) -> str:
+        return self.chan.error.msg.decode(errors="replace") if self.chan.error.kind else ""

@@ -1,0 +1,320 @@
+"""The unreliable-datagram channel (libfabric; the udp provider on loopback
+here): exact without deadline, unbiased under loss, bounded by its deadline
+under real kernel drops, and deaf to garbage and forged datagrams."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+import mpilossy
+from mpilossy import _core
+from helpers import HERE, all_ranks_raise, clean_subprocess_env, is_singleton, mpi_sum, small_ints
+
+pytestmark = pytest.mark.skipif(not _core.HAVE_LIBFABRIC,
+                                reason="built without libfabric headers: channel='ud' absent")
+
+
+@pytest.fixture(scope="module")
+def udc():
+    from mpi4py import MPI
+    with mpilossy.Communicator(MPI.COMM_WORLD, channel="ud", timeout=None, loss=None) as c:
+        yield c
+
+
+# -- lossless: exact ------------------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int64],
+                         ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("n", [0, 1, 7, 1407, 100_003, (1 << 18) + 13])
+def test_lossless_equals_mpi(comm, udc, algorithm, dtype, n):
+    """Sizes that are not multiples of the datagram payload included."""
+    x = small_ints(n, comm.rank, dtype)
+    out = np.full_like(x, 99)
+    stats = udc.allreduce(x, out, algorithm=algorithm)
+    np.testing.assert_array_equal(out, mpi_sum(comm, x))
+    assert stats.delivered == 1.0
+
+
+@pytest.mark.mpi
+def test_reduce_scatter_and_allgather(comm, udc):
+    n = 50_001
+    x = small_ints(n, comm.rank, np.float64)
+    lo, hi = udc.chunk_bounds(n)
+    out = np.empty(hi - lo)
+    udc.reduce_scatter(x, out)
+    np.testing.assert_array_equal(out, mpi_sum(comm, x)[lo:hi])
+    full = np.zeros(n)
+    udc.allgather(out, full)
+    np.testing.assert_array_equal(full, mpi_sum(comm, x))
+
+
+@pytest.mark.mpi
+def test_channel_info(comm, udc):
+    info = udc.channel_info()
+    assert info["channel"] == "ud" and info["provider"] == "udp" and info["domain"] == "lo"
+    assert info["address"].startswith("127.")
+    assert 64 <= info["datagram_payload"] <= 65536
+    assert info["foreign"] == info["corrupt"] == info["truncated"] == 0
+
+
+# -- under loss -----------------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+def test_injected_loss_is_unbiased(comm, algorithm):
+    from test_unbiased import T_LIMIT, rank_averaged_t, run
+    results, _, delivered = run(comm, algorithm, 0.1, channel="ud")
+    t = rank_averaged_t(comm, results)
+    assert delivered < 0.999
+    assert t < T_LIMIT, f"biased: max |t| = {t:.2f}"
+
+
+@pytest.mark.mpi(min_size=2)
+def test_sleeping_rank_is_left_out(comm):
+    import time
+    sleeper = comm.size - 1
+    x = np.full(5000, 1000.0 if comm.rank == sleeper else 1.0)
+    out = np.empty_like(x)
+    with mpilossy.Communicator(comm, channel="ud", timeout=0.05) as lc:
+        lc.allreduce(x, out)
+        comm.Barrier()
+        if comm.rank == sleeper:
+            time.sleep(0.5)
+        began = time.monotonic()
+        lc.allreduce(x, out, op="avg")
+        took = time.monotonic() - began
+        comm.Barrier()
+    ok = comm.allgather(took <= 0.05 + 0.03 and (comm.rank == sleeper or np.all(out == 1.0)))
+    assert all(ok), ok
+
+
+# -- bad input, across ranks ------------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("timeout", [None, 0.5])
+def test_mismatch_and_local_errors_reach_every_rank(comm, timeout):
+    culprit = comm.rank == comm.size - 1
+    with mpilossy.Communicator(comm, channel="ud", timeout=timeout) as lc:
+        x = np.ones(1001 if culprit else 1000, np.float32)
+        all_ranks_raise(comm, lambda: lc.allreduce(x), mpilossy.MismatchError)
+        out = np.empty(1000, np.float32)
+        out.flags.writeable = not culprit
+        all_ranks_raise(comm, lambda: lc.allreduce(np.ones(1000, np.float32), out), BufferError)
+        y = small_ints(3000, comm.rank, np.int64)
+        z = np.empty_like(y)
+        lc.allreduce(y, z)
+        np.testing.assert_array_equal(z, mpi_sum(comm, y))
+
+
+# -- garbage and forgeries from another process ------------------------------------
+@pytest.mark.mpi(min_size=2)
+def test_garbage_and_forged_datagrams_are_dropped_and_counted(comm):
+    with mpilossy.Communicator(comm, channel="ud", timeout=None) as lc:
+        info = lc.channel_info()
+        addresses = comm.allgather(info["address"])
+        forger = None
+        if comm.rank == 0:
+            env = clean_subprocess_env(FORGER_SECONDS="3")
+            forger = subprocess.Popen(
+                [sys.executable, str(HERE / "scripts" / "udp_forger.py"), str(info["token"]),
+                 str(info["seq"] + 5), *addresses], env=env, stdout=subprocess.PIPE, text=True)
+        comm.Barrier()
+        import time
+        end = time.monotonic() + 2.5
+        calls = 0
+        while comm.allreduce(time.monotonic() < end, op=__import__("mpi4py").MPI.LAND):
+            x = small_ints(20_000, comm.rank + calls, np.float64)
+            out = np.empty_like(x)
+            lc.allreduce(x, out, algorithm=("ring", "tree")[calls % 2])
+            np.testing.assert_array_equal(out, mpi_sum(comm, x))
+            calls += 1
+        if forger is not None:
+            forger.wait(timeout=30)
+        comm.Barrier()
+        counters = lc.channel_info()
+    dropped = counters["foreign"] + counters["truncated"] + counters["corrupt"] + counters["stale"]
+    totals = comm.allgather((calls, dropped))
+    assert all(c > 0 for c, _ in totals)
+    assert all(d > 0 for _, d in totals), f"nothing was dropped: {totals}"
+
+
+# -- real kernel drops (nftables in a network namespace) ------------------------------
+def netns_ready():
+    if not is_singleton():
+        return "starts its own mpiexec: runs at size 1"
+    if os.geteuid() != 0:
+        return "needs root to create a network namespace"
+    for tool in ("ip", "nft"):
+        if shutil.which(tool) is None:
+            return f"needs `{tool}` (apt-get install iproute2 nftables)"
+    return None
+
+
+def run_drops(namespace, *args):
+    cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", "4",
+           sys.executable, str(HERE / "scripts" / "ud_drops.py"), *args]
+    if namespace:
+        cmd = ["ip", "netns", "exec", namespace] + cmd
+    proc = subprocess.run(cmd, env=clean_subprocess_env(), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def dropping_namespace():
+    reason = netns_ready()
+    if reason:
+        pytest.skip(reason)
+    name = f"mpilossy-test-{os.getpid()}"
+    rules = ("table inet mpilossy_drop {\n chain input {\n"
+             "  type filter hook input priority 0; policy accept;\n"
+             "  meta l4proto udp numgen random mod 100 < 10 drop\n }\n}\n")
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "netns", "exec", name, "nft", "-f", "-"], input=rules, text=True,
+                       check=True)
+        yield name
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+def test_real_kernel_drops(dropping_namespace, algorithm):
+    """10% of all UDP datagrams dropped by the kernel: every call ends within
+    its deadline, the delivered fraction is what 10% injected loss gives, and
+    the rank-averaged result stays unbiased."""
+    args = ["--calls", "120", "--timeout", "0.05", "--algorithm", algorithm]
+    real = run_drops(dropping_namespace, *args)
+    injected = run_drops(None, *args, "--loss", "bernoulli:0.1")
+    assert real["overshoot_ms"] < 30, real
+    assert real["lost_blocks"][0] == 0 and sum(real["lost_blocks"]) > 0, real
+    assert real["delivered"] < 0.97, real
+    assert abs(real["delivered"] - injected["delivered"]) < 0.06, (real, injected)
+    assert real["t_unbiased"] < 5, real
+
+
+# -- without libfabric ---------------------------------------------------------------
+def test_build_without_libfabric_explains(tmp_path):
+    """A build without libfabric headers works; channel='ud' then says why not."""
+    if not is_singleton():
+        pytest.skip("builds and runs its own copy: runs at size 1")
+    root = HERE.parent
+    bindir = os.path.dirname(sys.executable)
+    build = tmp_path / "build"
+    subprocess.run([os.path.join(bindir, "meson"), "setup", str(build), str(root),
+                    "-Dlibfabric=disabled"], check=True, capture_output=True, env=clean_subprocess_env())
+    subprocess.run([os.path.join(bindir, "ninja"), "-C", str(build)], check=True,
+                   capture_output=True, env=clean_subprocess_env())
+    pkg = tmp_path / "pkg"
+    shutil.copytree(root / "mpilossy", pkg / "mpilossy")
+    for so in build.glob("_core*.so"):
+        shutil.copy(so, pkg / "mpilossy")
+    code = ("import mpilossy\nfrom mpi4py import MPI\n"
+            "assert not mpilossy._core.HAVE_LIBFABRIC\n"
+            "try:\n mpilossy.Communicator(MPI.COMM_SELF, channel='ud')\n"
+            "except mpilossy.MPILossyError as e:\n print('refused:', e)\n"
+            "c = mpilossy.Communicator(MPI.COMM_SELF, channel='auto')\n"
+            "print(c.channel)\nc.free()\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, env=clean_subprocess_env(PYTHONPATH=str(pkg)), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert "libfabric-dev" in lines[0] and lines[1] == "rma", proc.stdout
+
+
+# -- the packet decoder, fuzzed ----------------------------------------------------------
+TOKEN, SEQ, SIG = 0x1234_5678_9ABC_DEF0, 42, 0xC0FFEE
+STREAMS = [(1, 0), (2, 1), (3, 2)]          # (peer, slot) this rank reads
+NSLOTS, NBLOCKS, BLOCK = 4, 3, 256
+
+
+def judge():
+    return _core.DatagramJudge(TOKEN, 4, 0, SEQ, NSLOTS, NBLOCKS, BLOCK, SIG, STREAMS)
+
+
+def datagram(src=1, slot=0, block=0, count=1, payload=b"\x01" * 64, seq=SEQ, token=TOKEN,
+             sig=SIG, kind=_core.PKT_DATA):
+    return _core.encode_datagram(kind, token, seq, src, slot, block, count, sig, payload)
+
+
+def test_valid_datagram_lands_where_it_belongs():
+    j = judge()
+    j.feed(datagram(src=2, slot=1, block=2, count=2, payload=b"\x07" * 100))
+    assert j.arrived(1, 2) == (True, 2, b"\x07" * 100)
+    assert not j.arrived(0, 2)[0] and j.guards_intact()
+
+
+@pytest.mark.parametrize("bad,counter", [
+    (dict(token=TOKEN + 1), "foreign"), (dict(src=0), "foreign"), (dict(src=4), "foreign"),
+    (dict(seq=SEQ - 1), "stale"), (dict(seq=SEQ + 2), "future"), (dict(sig=SIG + 1), "mismatch"),
+    (dict(src=3, slot=0), "unexpected"), (dict(block=NBLOCKS), "unexpected"),
+    (dict(payload=b"x" * (BLOCK + 1)), "unexpected"), (dict(count=5), "unexpected"),
+])
+def test_each_kind_of_bad_datagram_is_dropped_and_counted(bad, counter):
+    j = judge()
+    j.feed(datagram(**bad))
+    assert j.counters()[counter] == 1
+    assert not any(j.arrived(s, b)[0] for s in range(3) for b in range(NBLOCKS))
+    assert j.guards_intact()
+
+
+def test_replay_and_next_call():
+    j = judge()
+    d = datagram()
+    j.feed(d)
+    j.feed(d)                                        # the same datagram again
+    assert j.counters()["duplicate"] == 1
+    j.feed(datagram(seq=SEQ + 1))                    # a peer that is ahead: kept for later
+    assert j.stashed == 1
+
+
+def test_truncated_and_corrupt():
+    j = judge()
+    d = datagram()
+    for cut in (0, 1, 63, 64, len(d) - 1):
+        j.feed(d[:cut])
+    j.feed(d[:80] + bytes([d[80] ^ 1]) + d[81:])
+    c = j.counters()
+    assert c["truncated"] == 5 and c["corrupt"] == 1 and j.guards_intact()
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2048))
+def test_fuzz_random_bytes(data):
+    j = judge()
+    j.feed(data)
+    assert j.guards_intact()
+    assert not any(j.arrived(s, b)[0] for s in range(3) for b in range(NBLOCKS))
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(src=st.integers(0, 6), slot=st.integers(0, 5), block=st.integers(0, 5),
+       count=st.integers(0, 6), size=st.integers(0, BLOCK + 64), flips=st.lists(
+           st.tuples(st.integers(0, 4000), st.integers(0, 7)), max_size=3))
+def test_fuzz_mutated_datagrams(src, slot, block, count, size, flips):
+    """A datagram is placed only if it is intact and addressed to a stream of
+    this call, and then exactly as sent; nothing is ever written out of place."""
+    original = datagram(src=src, slot=slot, block=block, count=count, payload=bytes(range(256)) * 2
+                        and bytes((i * 7) & 255 for i in range(size)))
+    data = bytearray(original)
+    for at, bit in flips:
+        if at < len(data):
+            data[at] ^= 1 << bit
+    j = judge()
+    j.feed(bytes(data))
+    assert j.guards_intact()
+    placed = [(s, b) for s in range(3) for b in range(NBLOCKS) if j.arrived(s, b)[0]]
+    legit = (bytes(data) == original and (src, slot) in STREAMS and block < NBLOCKS
+             and size <= BLOCK and count <= 4)
+    if legit:
+        assert placed == [(STREAMS.index((src, slot)), block)]
+        assert j.arrived(*placed[0])[1:] == (count, bytes(data[64:]))
+    else:
+        assert placed == []
