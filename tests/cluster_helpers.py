@@ -156,7 +156,7 @@ AuthType=auth/munge
 AuthInfo=socket={self.munge_socket}
 CredType=cred/munge
 StateSaveLocation={r}/state
-SlurmdSpoolDir={r}/spool/slurmd-%n
+SlurmdSpoolDir={r}/spool
 SlurmctldPidFile={r}/slurmctld.pid
 SlurmdPidFile={r}/slurmd.pid
 SlurmctldDebug=info
