@@ -17,11 +17,12 @@ except ImportError as _exc:  # pragma: no cover - depends on how Python was star
     if "libmpi" in str(_exc) or "libmpich" in str(_exc):
         # The core exists but its MPI library does not load: mpi4py loaded
         # another MPI (the core relies on finding the one mpi4py loaded).
+        _theirs = _MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()
         raise ImportError(
             f"mpilossy's compiled core cannot load its MPI library ({_exc}); mpi4py loaded "
-            f"{_MPI.Get_library_version().replace(chr(0), '').splitlines()[0].strip()!r}. mpilossy and mpi4py "
-            "must use the same MPI: rebuild mpilossy against mpi4py's MPI, or make mpi4py "
-            "load mpilossy's (MPI4PY_LIBMPI); see docs/cluster.md.") from _exc
+            f"{_theirs!r}. mpilossy and mpi4py must use the same MPI: rebuild mpilossy "
+            "against mpi4py's MPI, or make mpi4py load mpilossy's (MPI4PY_LIBMPI); see "
+            "docs/cluster.md.") from _exc
     raise ImportError(
         f"mpilossy's compiled core is missing in {_os.path.dirname(__file__)}: this looks "
         "like the source tree (Python puts the current directory first on sys.path). Run "
@@ -57,13 +58,14 @@ def _check_single_mpi() -> None:
             f"  mpilossy: {ours}\n  mpi4py:   {theirs}\n"
             f"  MPI libraries in this process: {', '.join(files) or 'unknown'}\n"
             "Two MPI libraries in one process crash or hang. Rebuild mpilossy against "
-            "mpi4py's MPI, or make mpi4py load mpilossy's (docs/cluster.md, 'Site MPI').")
+            "mpi4py's MPI, or make mpi4py load mpilossy's (docs/cluster.md, "
+            "'Two MPI libraries in one process').")
     if len(files) > 1:
         import warnings
 
         warnings.warn(f"more than one MPI library is loaded ({', '.join(files)}); if the "
-                      "job crashes or hangs, this is why (docs/cluster.md, 'Site MPI')",
-                      RuntimeWarning, stacklevel=3)
+                      "job crashes or hangs, this is why (docs/cluster.md, 'Two MPI "
+                      "libraries in one process')", RuntimeWarning, stacklevel=3)
 
 
 def _loaded_mpi_libraries() -> list:

@@ -40,7 +40,7 @@ def _sbin_path() -> str:
     return os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
 
 
-def ensure_slurm(install_timeout: float = 240) -> Optional[str]:
+def ensure_slurm(install_timeout: float = 120) -> Optional[str]:
     """Install Debian's slurm-wlm and munge if they are missing.  Returns None
     when Slurm is there, else why not (for pytest.skip)."""
     if not _missing():

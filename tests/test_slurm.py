@@ -18,7 +18,7 @@ from cluster_helpers import JOBS, cluster_fixture
 from helpers import is_singleton
 
 pytestmark = [pytest.mark.skipif(not is_singleton(), reason="starts its own Slurm: runs at size 1"),
-              pytest.mark.timeout(150)]
+              pytest.mark.timeout(180)]
 
 VENV = str(Path(sys.executable).parent.parent)  # the environment running the tests
 
@@ -105,7 +105,8 @@ def test_train(slurm, tmp_path):
     assert "timeout 0.1, loss bernoulli:0.05" in out, out
     traces = tmp_path / f"mpilossy-trace-{job}"
     files = sorted(p.name for p in traces.iterdir())
-    assert len(files) == 4 and all(re.fullmatch(r"trace-\d+-rank[0-3]\.tsv", f) for f in files), files
+    assert len(files) == 4, files
+    assert all(re.fullmatch(r"trace-\d+-rank[0-3]\.tsv", f) for f in files), files
     lines = (traces / files[0]).read_text().splitlines()
     assert lines[0].startswith("seq\t") and len(lines) > 4, lines[:3]
     assert "traces: 4 files" in out
