@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Debian packages that some tests use beyond what pip installs:
+#   slurm-wlm, munge  tests/test_slurm.py runs jobs/ on a single-node Slurm
+#   libpmix-dev       srun --mpi=pmix (Slurm's plugin loads libpmix.so) for
+#                     the Open MPI build in tests/test_site_mpi.py
+#   libfabric-dev     headers for the datagram channel (channel="ud"); without
+#                     them the build leaves it out and tests/test_ud.py skips
+#   nftables, iproute2  real kernel drops in tests/test_ud.py (network namespace)
+# Never fails: where the packages cannot be installed, those tests skip and
+# say why.
+set -uo pipefail
+PACKAGES=(slurm-wlm munge libpmix-dev libfabric-dev nftables iproute2)
+missing=()
+for p in "${PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+    echo "system-packages: ${PACKAGES[*]} already installed"
+    exit 0
+fi
+if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "system-packages: cannot install ${missing[*]} (needs root and apt-get); the tests that need them will skip"
+    exit 0
+fi
+export DEBIAN_FRONTEND=noninteractive
+timeout 300 apt-get update -q >/dev/null || echo "system-packages: apt-get update failed; trying the install anyway"
+if timeout 300 apt-get install -y -q --no-install-recommends "${missing[@]}" >/dev/null; then
+    echo "system-packages: installed ${missing[*]}"
+else
+    echo "system-packages: could not install ${missing[*]}; the tests that need them will skip"
+fi
+exit 0
