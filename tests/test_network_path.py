@@ -9,9 +9,12 @@ from helpers import is_singleton, run_mpi_script
 
 pytestmark = pytest.mark.skipif(not is_singleton(), reason="starts its own mpiexec: runs at size 1")
 
+# "tcp" puts real TCP under MPI, pinned to the loopback interface (UCX's tcp
+# transport would pick the host's own Ethernet address instead).
 TRANSPORTS = {
     "ucx": {"MPIR_CVAR_NOLOCAL": "1"},
-    "tcp": {"MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp,self"},
+    "tcp": {"MPIR_CVAR_NOLOCAL": "1", "MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp",
+            "FI_TCP_IFACE": "lo"},
 }
 
 
