@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -65,13 +66,33 @@ def clean_subprocess_env(**extra: str) -> dict:
     return env
 
 
-def run_mpi_script(script: str, nprocs: int, *args: str, timeout: float = 120, **env: str):
-    """Run tests/scripts/<script> under its own mpiexec; return CompletedProcess."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
-    cmd = [str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(nprocs),
-           sys.executable, str(HERE / "scripts" / script), *args]
-    return subprocess.run(cmd, env=clean_subprocess_env(**env), capture_output=True,
-                          text=True, timeout=timeout)
+def run_bounded(cmd: list, timeout: float, env: dict = None, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run, but on timeout the whole process group dies: an mpiexec
+    killed alone leaves its ranks waiting forever in MPI calls."""
+    proc = subprocess.Popen([str(c) for c in cmd], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise AssertionError(f"timed out after {timeout} s: {' '.join(map(str, cmd))}\n"
+                             f"{out[-2000:]}{err[-2000:]}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def mpiexec() -> str:
+    path = Path(sys.executable).parent / "mpiexec"
+    return str(path) if path.exists() else "mpiexec"
+
+
+def run_mpi_script(script: str, nprocs: int, *args: str, timeout: float = 120,
+                   prefix: tuple = (), **env: str):
+    """Run tests/scripts/<script> under its own mpiexec (after `prefix`, e.g.
+    `ip netns exec NAME`), bounded; return CompletedProcess."""
+    cmd = [*prefix, mpiexec(), "-n", str(nprocs), sys.executable, str(HERE / "scripts" / script),
+           *args]
+    return run_bounded(cmd, timeout, clean_subprocess_env(**env))
 
 
 def is_singleton() -> bool:

@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster_helpers import cluster_fixture
-from helpers import HERE, clean_subprocess_env, is_singleton
+from helpers import HERE, clean_subprocess_env, is_singleton, run_bounded
 
 # The first test also waits for the module's environments (about a minute on
 # an idle machine, four on a busy one), hence a longer bound than the runner's.
@@ -51,8 +51,7 @@ OMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"
 
 
 def run(cmd, timeout=120, **env):
-    return subprocess.run([str(c) for c in cmd], env=clean_subprocess_env(**env),
-                          capture_output=True, text=True, timeout=timeout, cwd="/")
+    return run_bounded(cmd, timeout, clean_subprocess_env(**env), cwd="/")
 
 
 def make_venv(path: Path, *packages: str) -> Path:

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 import mpilossy
 from mpilossy import _core
-from helpers import HERE, all_ranks_raise, clean_subprocess_env, is_singleton, mpi_sum, small_ints
+from helpers import (HERE, all_ranks_raise, clean_subprocess_env, is_singleton, mpi_sum,
+                     run_bounded, run_mpi_script, small_ints)
 
 pytestmark = pytest.mark.skipif(not _core.HAVE_LIBFABRIC,
                                 reason="built without libfabric headers: channel='ud' absent")
@@ -122,7 +123,8 @@ def test_garbage_and_forged_datagrams_are_dropped_and_counted(comm):
             env = clean_subprocess_env(FORGER_SECONDS="3")
             forger = subprocess.Popen(
                 [sys.executable, str(HERE / "scripts" / "udp_forger.py"), str(info["token"]),
-                 str(info["seq"] + 5), *addresses], env=env, stdout=subprocess.PIPE, text=True)
+                 str(info["seq"] + 5), *addresses], env=env, stdout=subprocess.PIPE, text=True,
+                start_new_session=True)
         comm.Barrier()
         import time
         end = time.monotonic() + 2.5
@@ -156,12 +158,8 @@ def netns_ready():
 
 
 def run_drops(namespace, *args):
-    cmd = [os.path.join(os.path.dirname(sys.executable), "mpiexec"), "-n", "4",
-           sys.executable, str(HERE / "scripts" / "ud_drops.py"), *args]
-    if namespace:
-        cmd = ["ip", "netns", "exec", namespace] + cmd
-    proc = subprocess.run(cmd, env=clean_subprocess_env(), capture_output=True, text=True,
-                          timeout=240)
+    prefix = ("ip", "netns", "exec", namespace) if namespace else ()
+    proc = run_mpi_script("ud_drops.py", 4, *args, timeout=90, prefix=prefix)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -171,6 +169,13 @@ def dropping_namespace():
     reason = netns_ready()
     if reason:
         pytest.skip(reason)
+    # A test process killed by its timeout cannot run this fixture's cleanup:
+    # remove the namespaces that such processes left behind.
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    for line in listed.splitlines():
+        old = line.split()[0] if line.split() else ""
+        if old.startswith("mpilossy-test-") and not os.path.exists(f"/proc/{old.rsplit('-', 1)[1]}"):
+            subprocess.run(["ip", "netns", "del", old], check=False)
     name = f"mpilossy-test-{os.getpid()}"
     rules = ("table inet mpilossy_drop {\n chain input {\n"
              "  type filter hook input priority 0; policy accept;\n"
@@ -185,6 +190,7 @@ def dropping_namespace():
         subprocess.run(["ip", "netns", "del", name], check=False)
 
 
+@pytest.mark.timeout(300)
 @pytest.mark.parametrize("algorithm", ["ring", "tree"])
 def test_real_kernel_drops(dropping_namespace, algorithm):
     """10% of all UDP datagrams dropped by the kernel: every call ends within
@@ -208,10 +214,10 @@ def test_build_without_libfabric_explains(tmp_path):
     root = HERE.parent
     bindir = os.path.dirname(sys.executable)
     build = tmp_path / "build"
-    subprocess.run([os.path.join(bindir, "meson"), "setup", str(build), str(root),
-                    "-Dlibfabric=disabled"], check=True, capture_output=True, env=clean_subprocess_env())
-    subprocess.run([os.path.join(bindir, "ninja"), "-C", str(build)], check=True,
-                   capture_output=True, env=clean_subprocess_env())
+    for cmd in ([os.path.join(bindir, "meson"), "setup", str(build), str(root), "-Dlibfabric=disabled"],
+                [os.path.join(bindir, "ninja"), "-C", str(build)]):
+        proc = run_bounded(cmd, 150, clean_subprocess_env())
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     pkg = tmp_path / "pkg"
     shutil.copytree(root / "mpilossy", pkg / "mpilossy")
     for so in build.glob("_core*.so"):
@@ -222,8 +228,8 @@ def test_build_without_libfabric_explains(tmp_path):
             "except mpilossy.MPILossyError as e:\n print('refused:', e)\n"
             "c = mpilossy.Communicator(MPI.COMM_SELF, channel='auto')\n"
             "print(c.channel)\nc.free()\n")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, env=clean_subprocess_env(PYTHONPATH=str(pkg)), timeout=60)
+    proc = run_bounded([sys.executable, "-c", code], 60, clean_subprocess_env(PYTHONPATH=str(pkg)),
+                       cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
     assert "libfabric-dev" in lines[0] and lines[1] == "rma", proc.stdout

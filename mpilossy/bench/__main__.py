@@ -39,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--op", default="sum", choices=["sum", "avg"])
     p.add_argument("-a", "--algorithm", default="ring",
                    help="ring, tree, auto, or a comma-separated list")
+    p.add_argument("-c", "--channel", default="rma", help="rma, ud, or a comma-separated list")
     p.add_argument("-t", "--timeout", type=float, default=None, help="seconds; default: none")
     p.add_argument("--loss", default=None, help="loss model, MPILOSSY_LOSS syntax")
     p.add_argument("-n", "--iters", type=int, default=20)
@@ -55,6 +56,7 @@ def main(argv=None) -> int:
              else size_range(args.minbytes, args.maxbytes, args.stepfactor))
     cfg = BenchConfig(sizes=sizes, dtype=args.dtype, op=args.op,
                       algorithms=[a.strip() for a in args.algorithm.split(",")],
+                      channels=[c.strip() for c in args.channel.split(",")],
                       timeout=args.timeout, loss=args.loss, iters=args.iters,
                       warmup=args.warmup, block_bytes=args.block_bytes)
     rows = run_allreduce_bench(comm, cfg)

@@ -23,6 +23,7 @@ class BenchConfig:
     dtype: str = "float32"
     op: str = "sum"
     algorithms: Sequence[str] = ("ring",)
+    channels: Sequence[str] = ("rma",)
     timeout: Optional[float] = None
     loss: Optional[str] = None
     iters: int = 20
@@ -37,6 +38,7 @@ class Row:
     type: str
     redop: str
     algorithm: str
+    channel: str
     time_us: float               # mean over iterations of the slowest rank
     algbw: float                 # GB/s
     busbw: float                 # GB/s
@@ -70,32 +72,39 @@ def _slowest(comm: MPI.Comm, seconds: float) -> float:
 def run_allreduce_bench(comm: MPI.Comm, cfg: BenchConfig,
                         progress: Optional[Callable[[str], None]] = None) -> list:
     """Measure every (size, algorithm); return rows (identical on all ranks)."""
-    dtype = np.dtype(cfg.dtype)
     rows = []
-    with mpilossy.Communicator(comm, timeout=cfg.timeout, loss=cfg.loss,
-                               block_bytes=cfg.block_bytes,
-                               capacity=max(4 << 20, 2 * max(cfg.sizes) + (1 << 20))) as lc:
-        for size in cfg.sizes:
-            count = max(size // dtype.itemsize, 0)
-            send = _data(count, comm.rank, dtype)
-            exact = np.empty_like(send)
-            if dtype == np.float16:
-                wide = np.empty(count, np.float64)
-                comm.Allreduce(send.astype(np.float64), wide)
-                exact = wide.astype(np.float16)
-            else:
-                comm.Allreduce(send, exact)
-            if cfg.op == "avg":
-                exact = (exact.astype(np.float64) / comm.size).astype(dtype)
-            scale = float(np.max(np.abs(exact.astype(np.float64)))) if count else 1.0
-            for algorithm in cfg.algorithms:
-                if progress:
-                    progress(f"{size} B {algorithm}")
-                rows.append(_measure(comm, lc, cfg, algorithm, send, exact, scale))
+    for channel in cfg.channels:
+        with mpilossy.Communicator(comm, channel=channel, timeout=cfg.timeout, loss=cfg.loss,
+                                   block_bytes=cfg.block_bytes,
+                                   capacity=max(4 << 20, 2 * max(cfg.sizes) + (1 << 20))) as lc:
+            rows += _sweep(comm, lc, cfg, channel, progress)
     return rows
 
 
-def _measure(comm, lc, cfg, algorithm, send, exact, scale) -> Row:
+def _sweep(comm, lc, cfg, channel, progress) -> list:
+    dtype = np.dtype(cfg.dtype)
+    rows = []
+    for size in cfg.sizes:
+        count = max(size // dtype.itemsize, 0)
+        send = _data(count, comm.rank, dtype)
+        exact = np.empty_like(send)
+        if dtype == np.float16:
+            wide = np.empty(count, np.float64)
+            comm.Allreduce(send.astype(np.float64), wide)
+            exact = wide.astype(np.float16)
+        else:
+            comm.Allreduce(send, exact)
+        if cfg.op == "avg":
+            exact = (exact.astype(np.float64) / comm.size).astype(dtype)
+        scale = float(np.max(np.abs(exact.astype(np.float64)))) if count else 1.0
+        for algorithm in cfg.algorithms:
+            if progress:
+                progress(f"{size} B {channel} {algorithm}")
+            rows.append(_measure(comm, lc, cfg, channel, algorithm, send, exact, scale))
+    return rows
+
+
+def _measure(comm, lc, cfg, channel, algorithm, send, exact, scale) -> Row:
     recv = np.empty_like(send)
     ref = np.empty_like(send)
     mpi_send = send.astype(np.float64) if send.dtype == np.float16 else send
@@ -132,7 +141,7 @@ def _measure(comm, lc, cfg, algorithm, send, exact, scale) -> Row:
     mpi_algbw = nbytes / t_mpi / 1e9 if t_mpi > 0 else 0.0
     return Row(
         size=nbytes, count=send.size, type=TYPE_NAMES[send.dtype.name], redop=cfg.op,
-        algorithm=algorithm, time_us=t * 1e6, algbw=algbw, busbw=algbw * bus_factor(n),
+        algorithm=algorithm, channel=channel, time_us=t * 1e6, algbw=algbw, busbw=algbw * bus_factor(n),
         wrong=comm.allreduce(wrong, op=MPI.MAX), mpi_time_us=t_mpi * 1e6,
         mpi_busbw=mpi_algbw * bus_factor(n), ratio=t_mpi / t if t > 0 else math.nan,
         delivered=float(np.mean(comm.allgather(float(np.mean(delivered))))),
@@ -142,9 +151,9 @@ def _measure(comm, lc, cfg, algorithm, send, exact, scale) -> Row:
         times_us=[x * 1e6 for x in times], mpi_times_us=[x * 1e6 for x in mpi_times])
 
 
-HEADER = ("#       size       count    type  redop  root   algo      time   algbw   busbw  #wrong"
+HEADER = ("#       size       count    type  redop  root   algo  chan      time   algbw   busbw  #wrong"
           "  mpi-time mpi-busbw  ratio  delivered    max-err   p99-time mpi-p99-time")
-UNITS = ("#        (B)  (elements)                                   (us)  (GB/s)  (GB/s)        "
+UNITS = ("#        (B)  (elements)                                         (us)  (GB/s)  (GB/s)        "
          "      (us)    (GB/s) mpi/us                             (us)         (us)")
 
 
@@ -152,7 +161,7 @@ def format_table(rows: list, comm: MPI.Comm, cfg: BenchConfig) -> str:
     vendor = " ".join(MPI.Get_library_version().split()[:3])
     lines = [
         f"# mpilossy.bench allreduce: {comm.size} ranks, {vendor}, mpilossy {mpilossy.__version__}",
-        f"# channel rma, timeout {cfg.timeout}, loss {cfg.loss or 'none'}, "
+        f"# channels {','.join(cfg.channels)}, timeout {cfg.timeout}, loss {cfg.loss or 'none'}, "
         f"iters {cfg.iters}, warmup {cfg.warmup}",
         "# time = mean over iterations of the slowest rank; busbw = algbw * 2(n-1)/n;",
         "# ratio = MPI_Allreduce time / mpilossy time in the same run (> 1: mpilossy faster)",
@@ -161,6 +170,7 @@ def format_table(rows: list, comm: MPI.Comm, cfg: BenchConfig) -> str:
     for r in rows:
         lines.append(
             f"{r.size:12d} {r.count:11d} {r.type:>7s} {r.redop:>6s} {-1:5d} {r.algorithm:>6s} "
+            f"{r.channel:>5s} "
             f"{r.time_us:9.1f} {r.algbw:7.3f} {r.busbw:7.3f} {r.wrong:7d} "
             f"{r.mpi_time_us:9.1f} {r.mpi_busbw:9.3f} {r.ratio:6.2f} {r.delivered:10.4f} "
             f"{r.max_err:10.3g} {r.p99_us:10.1f} {r.mpi_p99_us:12.1f}")
