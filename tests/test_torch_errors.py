@@ -144,6 +144,9 @@ def test_settings_disagree_or_are_bad(comm, lc):
     all_ranks_raise(comm, lambda: mt.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), [("only", model[0].weight)], lc), ValueError)
     all_ranks_raise(comm, lambda: mt.broadcast_parameters(model, root_rank=comm.size), ValueError)
+    sharded = mt.ShardedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1),
+                                  communicator=lc)
+    all_ranks_raise(comm, lambda: mt.broadcast_optimizer_state(sharded), ValueError)
     used = torch.optim.Adam(model.parameters())
     used.state[model[0].weight]["step"] = torch.tensor(1.0)
     all_ranks_raise(comm, lambda: mt.ShardedOptimizer(used, communicator=lc), ValueError)

@@ -5,7 +5,7 @@ traffic, and packing many tensors into a few flat buffers."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch

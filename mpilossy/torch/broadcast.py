@@ -123,6 +123,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if not isinstance(optimizer, torch.optim.Optimizer):
         problem = problem or TypeError(f"optimizer must be a torch.optim.Optimizer, not "
                                        f"{type(optimizer).__name__}")
+    elif getattr(optimizer, "per_rank_state", False):
+        problem = problem or ValueError("a ShardedOptimizer's state covers this rank's chunk "
+                                        "only: there is no common state to broadcast")
     shapes = [] if problem else [
         (tuple(p.shape), str(p.dtype)) for g in optimizer.param_groups for p in g["params"]]
     check_everywhere(comm, problem, shapes + [("root", root_rank)], "optimizer parameters")

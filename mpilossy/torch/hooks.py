@@ -7,14 +7,14 @@ import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from typing import Dict, Optional
 
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
 from ..communicator import CollectiveStats, Communicator
-from ._common import check_tensors, lossy_communicator, named_tensors
+from ._common import check_tensors, lossy_communicator, named_tensors, reliable_comm
 from .optimizer import check_settings
 from .stats import Recorder, StepStats
 
@@ -123,7 +123,7 @@ def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Intracomm] =
     127.0.0.1 (when all ranks share rank 0's host; rank 0's host name
     otherwise) and a free port chosen by rank 0.  Collective; does nothing
     if a process group already exists."""
-    comm = MPI.COMM_WORLD if comm is None else comm
+    comm = reliable_comm(comm)
     if dist.is_initialized():
         return
     host = MPI.Get_processor_name()

@@ -111,6 +111,8 @@ class _ShardedExchange:
 
 class _ShardedOptimizer(_Wrapped):
 
+    per_rank_state = True       # (broadcast_optimizer_state refuses it)
+
     def step(self, closure: Any = None, **kwargs: Any) -> Any:
         """Reduce-scatter the gradients, update this rank's chunk, all-gather
         the parameters.  A closure is evaluated once, before the exchange."""
