@@ -2,6 +2,8 @@
 keeps the drift under a bound that does not grow with the number of steps
 under 10% loss, and right after a broadcast the drift is exactly 0."""
 
+import logging
+
 import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
@@ -79,9 +81,10 @@ def test_drift_bounded_with_periodic_broadcast(comm):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_drift_controller_with_ddp_style_loop(comm):
+def test_drift_controller_with_ddp_style_loop(comm, caplog):
     """The controller on its own (as with the DDP hook): broadcast every 5
-    steps of the parameters and buffers of a module."""
+    steps of the parameters and buffers of a module; drift logged."""
+    caplog.set_level(logging.INFO, logger="mpilossy.torch")
     model = make_model()
     model.register_buffer("seen", torch.zeros(3))
     lc = lossy(comm, seed=5)
@@ -103,6 +106,9 @@ def test_drift_controller_with_ddp_style_loop(comm):
     assert control.measure() == 0.0
     assert model.seen.tolist() == [0.0, 0.0, 0.0]     # rank 0's buffer, broadcast too
     lc.free()
+    logged = [r.getMessage() for r in caplog.records if "drift" in r.getMessage()]
+    assert len(logged) == (4 if comm.rank == 0 else 0), logged      # the root logs
+    assert logged == [] or logged[0].startswith("step 5: drift ")
 
 
 @pytest.mark.mpi

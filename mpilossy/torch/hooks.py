@@ -53,14 +53,14 @@ class AllreduceHookState:
         if not isinstance(background, bool):
             problem = problem or TypeError("background must be a bool")
         named = [] if model is None else named_tensors(model.named_parameters())
-        check_tensors(comm, named, reducible=True, problem=problem, extra=(op, background))
+        check_tensors(comm, named, reducible=True, problem=problem, extra=op)
         self.op = op
         self.bucket_stats: Dict[int, CollectiveStats] = {}
         self._recorder = Recorder()
         self._worker = ThreadPoolExecutor(1, "mpilossy-hook") if background else None
 
     @property
-    def stats(self) -> "Optional[StepStats]":
+    def stats(self) -> Optional[StepStats]:
         return self._recorder.last
 
     @property

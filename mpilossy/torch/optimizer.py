@@ -81,16 +81,32 @@ def params_changed(engine: Any, optimizer: torch.optim.Optimizer) -> None:
                            "(add_param_group?): wrap it after adding every group")
 
 
-class _GradientAllreduce:
+class Engine:
+    """What a wrapper keeps: communicator, parameters, statistics, drift control."""
+
+    def __init__(self, lc: Communicator, params: List[torch.Tensor], op: str,
+                 drift: Optional[DriftController]) -> None:
+        self.lc, self.params, self.op, self.drift = lc, params, op, drift
+        self.ids = [id(p) for p in params]      # the optimizer's parameters
+        self.recorder = Recorder()
+
+    def finish(self) -> StepStats:
+        """Close the step: drift control when due, then the statistics."""
+        report = self.drift.step() if self.drift is not None else None
+        if report is None:
+            return self.recorder.finish()
+        return self.recorder.finish(sync_seconds=report.seconds, drift=report.drift,
+                                    broadcast=report.broadcast)
+
+
+class _GradientAllreduce(Engine):
     """The engine behind DistributedOptimizer."""
 
     def __init__(self, lc: Communicator, params: List[torch.Tensor], op: str,
                  bucket_bytes: int, drift: Optional[DriftController]) -> None:
-        self.lc, self.params, self.op, self.drift = lc, params, op, drift
-        self.ids = [id(p) for p in params]
+        super().__init__(lc, params, op, drift)
         self.flat = Flat(params)
         self.pieces = self.flat.pieces(bucket_bytes)
-        self.recorder = Recorder()
         self.synchronized = False
 
     def reduce(self) -> None:
@@ -110,13 +126,6 @@ class _GradientAllreduce:
                 else:
                     p.grad.copy_(reduced)
         self.synchronized = True
-
-    def finish(self) -> StepStats:
-        report = self.drift.step() if self.drift is not None else None
-        if report is None:
-            return self.recorder.finish()
-        return self.recorder.finish(sync_seconds=report.seconds, drift=report.drift,
-                                    broadcast=report.broadcast)
 
 
 class _DistributedOptimizer(_Wrapped):

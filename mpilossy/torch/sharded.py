@@ -29,18 +29,18 @@ from ..communicator import Communicator
 from ._common import Flat, as_bytes, check_tensors, lossy_communicator, optimizer_parameters
 from .broadcast import bcast_tensors
 from .drift import DriftController, every_problem
-from .optimizer import _Wrapped, already_wrapped, check_settings, params_changed, wrap
-from .stats import Recorder, StepStats
+from .optimizer import Engine, _Wrapped, already_wrapped, check_settings, params_changed, wrap
 
 __all__ = ["ShardedOptimizer"]
 
 
-class _ShardedExchange:
+class _ShardedExchange(Engine):
     """The engine behind ShardedOptimizer."""
 
     def __init__(self, lc: Communicator, comm: MPI.Intracomm, params: List[torch.Tensor],
                  groups: List[int], n_groups: int, op: str, root_rank: int) -> None:
-        self.lc, self.comm, self.params, self.op = lc, comm, params, op
+        super().__init__(lc, params, op, None)
+        self.comm = comm
         self.flat = Flat(params)            # the parameters themselves, from now on
         self.flat.pack(params)
         bcast_tensors(comm, list(self.flat.buffers.values()), root_rank)
@@ -51,9 +51,6 @@ class _ShardedExchange:
         self.bounds = {d: lc.chunk_bounds(b.numel()) for d, b in self.flat.buffers.items()}
         self.shard_grads = {d: torch.zeros(hi - lo, dtype=d) for d, (lo, hi) in self.bounds.items()}
         self.shards = self._shards(groups, n_groups)
-        self.ids: List[int] = []            # the optimizer's (chunk) parameters, once set
-        self.recorder = Recorder()
-        self.drift: Optional[DriftController] = None
 
     def _shards(self, groups: List[int],
                 n_groups: int) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
@@ -100,13 +97,6 @@ class _ShardedExchange:
             counts = [(hi - lo) * itemsize for lo, hi in bounds]
             displs = [lo * itemsize for lo, _ in bounds]
             self.comm.Allgatherv(MPI.IN_PLACE, [data, (counts, displs), MPI.BYTE])
-
-    def finish(self) -> StepStats:
-        report = self.drift.step() if self.drift is not None else None
-        if report is None:
-            return self.recorder.finish()
-        return self.recorder.finish(sync_seconds=report.seconds, drift=report.drift,
-                                    broadcast=report.broadcast)
 
 
 class _ShardedOptimizer(_Wrapped):
@@ -190,5 +180,5 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
                                        synchronize=engine.resynchronize)
     for group, views in zip(optimizer.param_groups, engine.shards):
         group["params"] = [view for view, _ in views]
-    engine.ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    engine.ids = [id(p) for g in optimizer.param_groups for p in g["params"]]   # the chunks
     return wrap(optimizer, _ShardedOptimizer, engine)
