@@ -11,7 +11,9 @@ import pytest
 
 pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
-from helpers import HERE, clean_subprocess_env  # noqa: E402
+from helpers import HERE, clean_subprocess_env, is_singleton  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not is_singleton(), reason="starts its own mpiexec: runs at size 1")
 
 DOC = HERE.parent / "docs" / "training.md"
 SCRIPTS = re.findall(r"```python\n(# mpiexec -n 4 python (\w+)\.py.*?)```",

@@ -11,7 +11,7 @@ torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip insta
 
 import mpilossy  # noqa: E402
 import mpilossy.torch as mt  # noqa: E402
-from helpers import all_ranks_raise, clean_subprocess_env  # noqa: E402
+from helpers import all_ranks_raise, clean_subprocess_env, is_singleton  # noqa: E402
 from torch_helpers import make_model  # noqa: E402
 
 
@@ -152,6 +152,7 @@ def test_settings_disagree_or_are_bad(comm, lc):
     all_ranks_raise(comm, lambda: mt.ShardedOptimizer(used, communicator=lc), ValueError)
 
 
+@pytest.mark.skipif(not is_singleton(), reason="starts its own Python: runs at size 1")
 def test_import_without_torch():
     """`import mpilossy` works without torch; `import mpilossy.torch` says what to install."""
     code = ("import sys; sys.modules['torch'] = None\n"
