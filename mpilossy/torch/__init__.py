@@ -1,0 +1,41 @@
+"""mpilossy for PyTorch: train under loss without changing model code.
+
+- a DDP communication hook (``ddp.register_comm_hook(AllreduceHookState(lc),
+  allreduce_hook)``) and ``init_process_group()`` for DDP under mpiexec;
+- without torch.distributed: ``DistributedOptimizer`` (Horovod style),
+  ``broadcast_parameters``, ``broadcast_optimizer_state``;
+- drift control: ``DriftController`` (periodic reliable broadcast, drift meter);
+- the sharded, bounded-drift mode: ``ShardedOptimizer``;
+- ``StepStats``: what each step's communication delivered.
+
+See docs/training.md.  Tensors must live on the CPU.
+"""
+
+try:
+    import torch as _torch  # noqa: F401
+except ImportError as _exc:
+    raise ImportError("mpilossy.torch needs PyTorch, which is not installed: "
+                      "pip install torch (or pip install 'mpilossy[torch]')") from _exc
+
+from .broadcast import broadcast_optimizer_state, broadcast_parameters, check_parameters
+from .drift import DriftController, DriftStep, measure_drift
+from .hooks import AllreduceHookState, allreduce_hook, destroy_process_group, init_process_group
+from .optimizer import DistributedOptimizer
+from .sharded import ShardedOptimizer
+from .stats import StepStats
+
+__all__ = [
+    "AllreduceHookState",
+    "DistributedOptimizer",
+    "DriftController",
+    "DriftStep",
+    "ShardedOptimizer",
+    "StepStats",
+    "allreduce_hook",
+    "broadcast_optimizer_state",
+    "broadcast_parameters",
+    "check_parameters",
+    "destroy_process_group",
+    "init_process_group",
+    "measure_drift",
+]

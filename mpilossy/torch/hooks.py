@@ -1,0 +1,149 @@
+"""DDP communication hook: each gradient bucket goes through the lossy
+all-reduce instead of the process group's, zero-copy through DLPack."""
+
+# (no `from __future__ import annotations`: DDP checks the hook's annotations
+# against the real dist.GradBucket and torch.futures.Future[torch.Tensor])
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from ..communicator import CollectiveStats, Communicator
+from ._common import check_tensors, lossy_communicator, named_tensors, reliable_comm
+from .optimizer import check_settings
+from .stats import Recorder, StepStats
+
+__all__ = ["AllreduceHookState", "allreduce_hook", "init_process_group",
+           "destroy_process_group"]
+
+
+class AllreduceHookState:
+    """State of allreduce_hook: the Communicator, options and statistics.
+
+    communicator:
+        the mpilossy.Communicator (timeout, loss); default
+        mpilossy.default_communicator().  The hook owns it during backward:
+        use it for nothing else at the same time.
+    op:
+        "avg" (DDP's default: the gradient average) or "sum".
+    background:
+        run the all-reduces on one worker thread, so that they overlap with
+        the rest of the backward pass (the core releases the GIL).  Off by
+        default: on the 2-core development machine it did not pay off
+        (docs/training.md).
+    model:
+        if given (a module), check collectively that every rank holds the
+        same parameters, as check_parameters() does.
+
+    ``stats`` is the StepStats of the last complete backward pass,
+    ``bucket_stats`` the CollectiveStats of each bucket's last call.
+    Construction is collective (one small allgather).
+    """
+
+    def __init__(self, communicator: Optional[Communicator] = None, *, op: str = "avg",
+                 background: bool = False, model: Optional[torch.nn.Module] = None) -> None:
+        self.communicator = lossy_communicator(communicator)
+        comm = self.communicator.comm
+        problem = check_settings(op)
+        if not isinstance(background, bool):
+            problem = problem or TypeError("background must be a bool")
+        named = [] if model is None else named_tensors(model.named_parameters())
+        check_tensors(comm, named, reducible=True, problem=problem, extra=op)
+        self.op = op
+        self.bucket_stats: Dict[int, CollectiveStats] = {}
+        self._recorder = Recorder()
+        self._worker = ThreadPoolExecutor(1, "mpilossy-hook") if background else None
+
+    @property
+    def stats(self) -> Optional[StepStats]:
+        return self._recorder.last
+
+    @property
+    def steps(self) -> int:
+        return self._recorder.steps
+
+    def close(self) -> None:
+        """Stop the worker thread (if any)."""
+        if self._worker is not None:
+            self._worker.shutdown()
+            self._worker = None
+
+    def _reduce(self, tensor: torch.Tensor, index: int, last: bool,
+                future: torch.futures.Future) -> None:
+        try:
+            stats = self.communicator.allreduce(tensor, op=self.op)
+        except BufferError as exc:
+            # Every rank gets this (the core spreads errors): say it in torch terms.
+            future.set_exception(BufferError(
+                f"gradient bucket {index} (shape {tuple(tensor.shape)}, device "
+                f"{tensor.device}, contiguous={tensor.is_contiguous()}) cannot be reduced: "
+                f"{exc}"))
+            return
+        except BaseException as exc:
+            future.set_exception(exc)
+            return
+        self.bucket_stats[index] = stats
+        self._recorder.add(stats)
+        if last:
+            self._recorder.finish()
+        future.set_result(tensor)
+
+
+def allreduce_hook(state: AllreduceHookState,
+                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP communication hook: lossy all-reduce of the bucket, in place.
+
+    ``ddp_model.register_comm_hook(state, mpilossy.torch.allreduce_hook)``.
+    Returns a Future whose value is the bucket's tensor, holding the average
+    (op="avg") of what arrived by the deadline."""
+    tensor = bucket.buffer()
+    future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    if state._worker is None:
+        state._reduce(tensor, bucket.index(), bucket.is_last(), future)
+    else:
+        state._worker.submit(state._reduce, tensor, bucket.index(), bucket.is_last(), future)
+    return future
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Intracomm] = None,
+                       timeout: Optional[timedelta] = None) -> None:
+    """Start torch.distributed under mpiexec: rank and world size from MPI,
+    MASTER_ADDR/MASTER_PORT from rank 0's environment if it sets them, else
+    127.0.0.1 (when all ranks share rank 0's host; rank 0's host name
+    otherwise) and a free port chosen by rank 0.  Collective; does nothing
+    if a process group already exists."""
+    comm = reliable_comm(comm)
+    if dist.is_initialized():
+        return
+    host = MPI.Get_processor_name()
+    hosts = comm.allgather(host)
+    choice = None
+    if comm.rank == 0:
+        same_host = all(h == host for h in hosts)
+        choice = (os.environ.get("MASTER_ADDR") or ("127.0.0.1" if same_host
+                                                    else socket.gethostname()),
+                  os.environ.get("MASTER_PORT") or str(_free_port()))
+    addr, port = comm.bcast(choice, 0)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=comm.rank,
+                            world_size=comm.size, **kwargs)
+
+
+def destroy_process_group() -> None:
+    """Barrier, then destroy the process group (without the barrier, about
+    one run in three aborted at exit on the development machine)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

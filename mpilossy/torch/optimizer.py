@@ -1,0 +1,201 @@
+"""Horovod-style optimizer wrapper: gradients go through the lossy all-reduce
+before every step, with no torch.distributed process group."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from ..communicator import Communicator
+from ._common import Flat, check_tensors, lossy_communicator, optimizer_parameters
+from .drift import DriftController, every_problem
+from .stats import Recorder, StepStats
+
+__all__ = ["DistributedOptimizer"]
+
+DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024    # the Communicator's default capacity
+
+
+class _Wrapped:
+    """Base of every wrapper class: what DistributedOptimizer and
+    ShardedOptimizer add to the wrapped optimizer's own class."""
+
+    _mpilossy: Any
+
+    @property
+    def stats(self) -> Optional[StepStats]:
+        """Statistics of the last step (None before the first)."""
+        return self._mpilossy.recorder.last
+
+    @property
+    def drift_control(self) -> Optional[DriftController]:
+        """The DriftController (if broadcast_every or measure_every was given)."""
+        return self._mpilossy.drift
+
+    @property
+    def communicator(self) -> Communicator:
+        return self._mpilossy.lc
+
+
+_classes: Dict[Tuple[type, type], type] = {}
+
+
+def wrap(optimizer: torch.optim.Optimizer, mixin: type, engine: Any) -> torch.optim.Optimizer:
+    """An object of a subclass of (mixin, type(optimizer)) that shares the
+    optimizer's __dict__: it *is* the same optimizer (param_groups, state,
+    hooks, state_dict) and stays an instance of its class (LR schedulers),
+    with the mixin's step()."""
+    cls = type(optimizer)
+    sub = _classes.get((mixin, cls))
+    if sub is None:
+        sub = type(cls.__name__, (mixin, cls), {"__module__": mixin.__module__})
+        _classes[(mixin, cls)] = sub
+    wrapped = object.__new__(sub)
+    wrapped.__dict__ = optimizer.__dict__
+    # An LR scheduler made before wrapping put the original's step() into
+    # the instance dict, which would hide ours (the scheduler warns once).
+    optimizer.__dict__.pop("step", None)
+    optimizer.__dict__["_mpilossy"] = engine
+    return wrapped
+
+
+def already_wrapped(optimizer: Any) -> Optional[Exception]:
+    if isinstance(optimizer, _Wrapped) or "_mpilossy" in getattr(optimizer, "__dict__", {}):
+        return ValueError("this optimizer is already wrapped by mpilossy.torch")
+    return None
+
+
+def check_settings(op: Any, bucket_bytes: Any = DEFAULT_BUCKET_BYTES) -> Optional[Exception]:
+    if op not in ("avg", "sum"):
+        return ValueError(f"op must be 'avg' or 'sum', got {op!r}")
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes < 64:
+        return ValueError(f"bucket_bytes must be an int >= 64, got {bucket_bytes!r}")
+    return None
+
+
+def params_changed(engine: Any, optimizer: torch.optim.Optimizer) -> None:
+    ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+    if ids != engine.ids:
+        raise RuntimeError("the optimizer's parameters changed after it was wrapped "
+                           "(add_param_group?): wrap it after adding every group")
+
+
+class Engine:
+    """What a wrapper keeps: communicator, parameters, statistics, drift control."""
+
+    def __init__(self, lc: Communicator, params: List[torch.Tensor], op: str,
+                 drift: Optional[DriftController]) -> None:
+        self.lc, self.params, self.op, self.drift = lc, params, op, drift
+        self.ids = [id(p) for p in params]      # the optimizer's parameters
+        self.recorder = Recorder()
+
+    def finish(self) -> StepStats:
+        """Close the step: drift control when due, then the statistics."""
+        report = self.drift.step() if self.drift is not None else None
+        if report is None:
+            return self.recorder.finish()
+        return self.recorder.finish(sync_seconds=report.seconds, drift=report.drift,
+                                    broadcast=report.broadcast)
+
+
+class _GradientAllreduce(Engine):
+    """The engine behind DistributedOptimizer."""
+
+    def __init__(self, lc: Communicator, params: List[torch.Tensor], op: str,
+                 bucket_bytes: int, drift: Optional[DriftController]) -> None:
+        super().__init__(lc, params, op, drift)
+        self.flat = Flat(params)
+        self.pieces = self.flat.pieces(bucket_bytes)
+        self.synchronized = False
+
+    def reduce(self) -> None:
+        """All-reduce every gradient (lossy, fused into few calls)."""
+        grads = [p.grad for p in self.params]
+        if any(g is not None and g.layout != torch.strided for g in grads):
+            raise TypeError("sparse gradients are not supported; use dense ones "
+                            "(e.g. nn.Embedding(sparse=False))")
+        self.flat.pack(grads)
+        for piece in self.pieces:
+            self.recorder.add(self.lc.allreduce(piece, op=self.op))
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                reduced = self.flat.view(i, p)
+                if p.grad is None:      # no gradient here: it counted as zeros
+                    p.grad = reduced.clone()
+                else:
+                    p.grad.copy_(reduced)
+        self.synchronized = True
+
+
+class _DistributedOptimizer(_Wrapped):
+
+    def synchronize(self) -> None:
+        """All-reduce the gradients now (to clip them, say); the next
+        step() uses them without reducing again."""
+        params_changed(self._mpilossy, self)
+        self._mpilossy.reduce()
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:
+        """All-reduce the gradients (unless synchronize() did), then step.
+        A closure is evaluated once, before the reduction."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        engine = self._mpilossy
+        if not engine.synchronized:
+            self.synchronize()
+        engine.synchronized = False
+        super().step(**kwargs)
+        engine.finish()
+        return loss
+
+
+def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
+                         communicator: Optional[Communicator] = None, *, op: str = "avg",
+                         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+                         broadcast_every: Optional[int] = None,
+                         measure_every: Optional[int] = None,
+                         broadcast_state: bool = False,
+                         root_rank: int = 0) -> torch.optim.Optimizer:
+    """Wrap `optimizer` so that step() first all-reduces the gradients through
+    mpilossy's lossy all-reduce (unbiased average, deadline-bound).
+
+    The result is the same optimizer (it shares param_groups, state,
+    state_dict, zero_grad) and stays an instance of its class.  Gradients
+    are copied into one flat buffer per dtype and reduced in pieces of at most
+    `bucket_bytes`.  A parameter without a gradient on a rank counts as zeros
+    there, and has a gradient after the step on every rank.
+
+    communicator:
+        the mpilossy.Communicator (timeout, loss); default
+        mpilossy.default_communicator() (settings from the environment).
+    broadcast_every, measure_every:
+        drift control (DriftController): every K steps, broadcast the
+        parameters (and the optimizer state if `broadcast_state`) from
+        `root_rank`; every M steps measure the drift (``stats.drift``).
+
+    Collective: checks on every rank that all ranks hold the same parameters
+    (names, shapes, dtypes, CPU); a problem raises on every rank.  Extra
+    attributes: ``stats`` (StepStats of the last step), ``drift_control``,
+    ``communicator``, ``synchronize()``.
+    """
+    lc = lossy_communicator(communicator)
+    comm = lc.comm
+    problem = (already_wrapped(optimizer) or check_settings(op, bucket_bytes)
+               or every_problem(broadcast_every=broadcast_every, measure_every=measure_every))
+    try:
+        named = optimizer_parameters(optimizer, named_parameters)
+    except (TypeError, ValueError) as exc:
+        problem, named = problem or exc, []
+    check_tensors(comm, named, reducible=True, problem=problem,
+                  extra=(op, bucket_bytes, broadcast_every, measure_every, broadcast_state,
+                         root_rank))
+    drift = None
+    if broadcast_every is not None or measure_every is not None:
+        drift = DriftController(named, comm=comm, broadcast_every=broadcast_every,
+                                measure_every=measure_every, root_rank=root_rank,
+                                optimizer=optimizer if broadcast_state else None)
+    engine = _GradientAllreduce(lc, [p for _, p in named], op, bucket_bytes, drift)
+    return wrap(optimizer, _DistributedOptimizer, engine)

@@ -1,0 +1,184 @@
+"""Bounded-drift parameter exchange (the sharded mode).
+
+The parameters live in one flat buffer per dtype, and the model's parameter
+tensors become views of it.  Each rank owns one chunk of every buffer
+(Communicator.chunk_bounds).  A step is:
+
+1. lossy reduce-scatter of the flat gradient: each rank receives the
+   (unbiased) average gradient of its own chunk;
+2. the wrapped optimizer updates that chunk only (its param_groups hold
+   views of the chunk, so its state covers this rank's chunk only);
+3. lossy all-gather of the flat parameters, in place: every rank receives
+   every owner's updated chunk.  A segment that does not arrive in time
+   keeps its previous values on that rank.
+
+The owner of a chunk is the only rank that updates it, and it sends the
+whole chunk every step: a rank that missed a segment is one step behind on
+it, and catches up as soon as a later all-gather gets through.  The drift
+therefore stays bounded without broadcasts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+from mpi4py import MPI
+
+from ..communicator import Communicator
+from ._common import Flat, as_bytes, check_tensors, lossy_communicator, optimizer_parameters
+from .broadcast import bcast_tensors
+from .drift import DriftController, every_problem
+from .optimizer import Engine, _Wrapped, already_wrapped, check_settings, params_changed, wrap
+
+__all__ = ["ShardedOptimizer"]
+
+
+class _ShardedExchange(Engine):
+    """The engine behind ShardedOptimizer."""
+
+    def __init__(self, lc: Communicator, comm: MPI.Intracomm, params: List[torch.Tensor],
+                 groups: List[int], n_groups: int, op: str, root_rank: int) -> None:
+        super().__init__(lc, params, op, None)
+        self.comm = comm
+        self.flat = Flat(params)            # the parameters themselves, from now on
+        self.flat.pack(params)
+        bcast_tensors(comm, list(self.flat.buffers.values()), root_rank)
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                p.data = self.flat.view(i, p)
+        self.grads = Flat(params)           # gradients, packed for the reduce-scatter
+        self.bounds = {d: lc.chunk_bounds(b.numel()) for d, b in self.flat.buffers.items()}
+        self.shard_grads = {d: torch.zeros(hi - lo, dtype=d) for d, (lo, hi) in self.bounds.items()}
+        self.shards = self._shards(groups, n_groups)
+
+    def _shards(self, groups: List[int],
+                n_groups: int) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
+        """Per param group: (view of this rank's chunk, its gradient view) for
+        every dtype in which the group's parameters meet this rank's chunk.
+        Parameters are laid out by dtype, then in group order, so a group's
+        parameters of one dtype are one contiguous range."""
+        ranges: Dict[Tuple[int, torch.dtype], List[int]] = {}
+        for (dtype, offset, n), group in zip(self.flat.slots, groups):
+            r = ranges.setdefault((group, dtype), [offset, offset])
+            r[1] = offset + n
+        shards: List[List[Tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(n_groups)]
+        for (group, dtype), (first, end) in ranges.items():
+            lo, hi = self.bounds[dtype]
+            a, b = max(first, lo), min(end, hi)
+            if a < b:
+                shards[group].append((self.flat.buffers[dtype][a:b],
+                                      self.shard_grads[dtype][a - lo:b - lo]))
+        return shards
+
+    def reduce_scatter(self) -> None:
+        grads = [p.grad for p in self.params]
+        if any(g is not None and g.layout != torch.strided for g in grads):
+            raise TypeError("sparse gradients are not supported")
+        self.grads.pack(grads)
+        for dtype, send in self.grads.arrays.items():
+            recv = self.shard_grads[dtype]
+            self.recorder.add(self.lc.reduce_scatter(send, recv, op=self.op))
+        for views in self.shards:
+            for view, grad in views:
+                view.grad = grad            # (zero_grad of the optimizer may have cleared it)
+
+    def allgather(self) -> None:
+        for dtype, full in self.flat.arrays.items():
+            lo, hi = self.bounds[dtype]
+            self.recorder.add(self.lc.allgather(full[lo:hi], full))
+
+    def resynchronize(self) -> None:
+        """Reliable all-gather of every owner's chunk: drift exactly 0."""
+        for dtype, buf in self.flat.buffers.items():
+            data = as_bytes(buf)
+            itemsize = buf.element_size()
+            bounds = [self.lc.chunk_bounds(buf.numel(), r) for r in range(self.comm.size)]
+            counts = [(hi - lo) * itemsize for lo, hi in bounds]
+            displs = [lo * itemsize for lo, _ in bounds]
+            self.comm.Allgatherv(MPI.IN_PLACE, [data, (counts, displs), MPI.BYTE])
+
+
+class _ShardedOptimizer(_Wrapped):
+
+    per_rank_state = True       # (broadcast_optimizer_state refuses it)
+
+    def step(self, closure: Any = None, **kwargs: Any) -> Any:
+        """Reduce-scatter the gradients, update this rank's chunk, all-gather
+        the parameters.  A closure is evaluated once, before the exchange."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        engine = self._mpilossy
+        params_changed(engine, self)
+        engine.reduce_scatter()
+        super().step(**kwargs)
+        engine.allgather()
+        engine.finish()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model's gradients (the optimizer itself holds views of
+        this rank's chunk, whose gradients are set at every step)."""
+        for p in self._mpilossy.params:
+            if p.grad is not None:
+                if set_to_none:
+                    p.grad = None
+                else:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+
+
+def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
+                     communicator: Optional[Communicator] = None, *, op: str = "avg",
+                     resync_every: Optional[int] = None, measure_every: Optional[int] = None,
+                     root_rank: int = 0) -> torch.optim.Optimizer:
+    """Wrap a freshly built `optimizer` for the sharded, bounded-drift mode
+    (see the module documentation).
+
+    At construction the model's parameters are moved into flat buffers (the
+    parameter tensors stay the same objects; their ``.data`` becomes a view)
+    and set to `root_rank`'s values, and the optimizer's param_groups are
+    rewritten to hold views of this rank's chunk, keeping their options.
+    The optimizer must be elementwise (SGD, Adam, AdamW, RMSprop, Adagrad...):
+    one that looks at a whole tensor (LARS, LAMB, Adafactor) would see chunks.
+
+    resync_every, measure_every:
+        every K steps a reliable all-gather of every owner's chunk (drift 0);
+        every M steps the drift meter (``stats.drift``).  Neither is needed
+        for the drift to stay bounded.
+
+    state_dict() holds this rank's chunk of the optimizer state.  Collective,
+    with the same checks as DistributedOptimizer.
+    """
+    lc = lossy_communicator(communicator)
+    comm = lc.comm
+    problem = (already_wrapped(optimizer) or check_settings(op)
+               or every_problem(resync_every=resync_every, measure_every=measure_every))
+    try:
+        named = optimizer_parameters(optimizer, named_parameters)
+    except (TypeError, ValueError) as exc:
+        problem, named = problem or exc, []
+    if problem is None and len(optimizer.state):
+        problem = ValueError("ShardedOptimizer needs a fresh optimizer (its state would not "
+                             "match the chunks): wrap it before the first step")
+    if not (isinstance(root_rank, int) and 0 <= root_rank < comm.size):
+        problem = problem or ValueError(f"root_rank must be a rank, got {root_rank!r}")
+    check_tensors(comm, named, reducible=True, problem=problem,
+                  extra=("sharded", op, resync_every, measure_every, root_rank))
+    params = [p for _, p in named]
+    groups = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
+    engine = _ShardedExchange(lc, comm, params, groups, len(optimizer.param_groups), op,
+                              root_rank)
+    if resync_every is not None or measure_every is not None:
+        engine.drift = DriftController(named, comm=comm, broadcast_every=resync_every,
+                                       measure_every=measure_every,
+                                       synchronize=engine.resynchronize)
+    for group, views in zip(optimizer.param_groups, engine.shards):
+        group["params"] = [view for view, _ in views]
+    engine.ids = [id(p) for g in optimizer.param_groups for p in g["params"]]   # the chunks
+    return wrap(optimizer, _ShardedOptimizer, engine)

@@ -1,0 +1,76 @@
+"""Per-step statistics: the lossy calls of one training step added up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+from ..communicator import CollectiveStats
+
+__all__ = ["StepStats"]
+
+
+@dataclass(frozen=True)
+class StepStats:
+    """What one training step's communication delivered, as this rank saw it."""
+
+    step: int
+    """Steps so far, this one included (1 for the first)."""
+    calls: int
+    """Lossy collective calls (buckets, pieces, dtypes)."""
+    nbytes: int
+    """Bytes given to those calls."""
+    delivered: float
+    """Fraction of contributions that arrived, weighted by bytes (1.0 = nothing lost)."""
+    fallback: float
+    """Share of elements, weighted by bytes, for which this rank kept its own
+    partial sum (allreduce) or its previous values (allgather): the source of drift."""
+    deadline_hits: int
+    """Calls in which this rank gave up waiting for something."""
+    min_contributors: int
+    """Fewest contributions in any block of any call (0 if no call)."""
+    lost_blocks: Tuple[int, int, int, int]
+    """Blocks not received, by cause (injected, late, gone, torn)."""
+    comm_seconds: float
+    """Seconds spent in the lossy calls."""
+    sync_seconds: float = 0.0
+    """Seconds spent in reliable traffic this step (drift broadcast, drift meter)."""
+    drift: Optional[float] = None
+    """Relative drift measured this step (before a broadcast of the same step), else None."""
+    broadcast: bool = False
+    """True if the parameters were re-synchronised this step."""
+
+    @classmethod
+    def of(cls, step: int, calls: Sequence[CollectiveStats], **extra) -> "StepStats":
+        nbytes = sum(c.nbytes for c in calls)
+
+        def weighted(field: str, empty: float) -> float:
+            if not nbytes:
+                return empty if not calls else sum(getattr(c, field) for c in calls) / len(calls)
+            return sum(getattr(c, field) * c.nbytes for c in calls) / nbytes
+
+        lost = [sum(c.lost_blocks[i] for c in calls) for i in range(4)]
+        return cls(step=step, calls=len(calls), nbytes=nbytes,
+                   delivered=weighted("delivered", 1.0), fallback=weighted("fallback", 0.0),
+                   deadline_hits=sum(bool(c.deadline_hit) for c in calls),
+                   min_contributors=min((c.min_contributors for c in calls), default=0),
+                   lost_blocks=tuple(lost), comm_seconds=sum(c.elapsed for c in calls),
+                   **extra)
+
+
+class Recorder:
+    """Collects the calls of the step under way; `finish` closes the step."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.last: Optional[StepStats] = None
+        self._calls: List[CollectiveStats] = []
+
+    def add(self, stats: CollectiveStats) -> None:
+        self._calls.append(stats)
+
+    def finish(self, **extra) -> StepStats:
+        self.steps += 1
+        self.last = StepStats.of(self.steps, self._calls, **extra)
+        self._calls = []
+        return self.last
