@@ -15,6 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _buffers, _core, loss as _loss
+from .deadline import AutoDeadline, size_bucket
 from .errors import MismatchError, MPILossyError
 
 __all__ = ["Communicator", "CollectiveStats", "AllreduceStats", "allreduce",
@@ -77,6 +78,8 @@ class CollectiveStats:
     torn).  'late' missed its deadline, 'gone' was already replaced by the
     producer's next call, 'torn' changed while being read."""
     collective: str = "allreduce"
+    timeout: Optional[float] = None
+    """The deadline this call had (with timeout="auto": the learned one)."""
 
 
 AllreduceStats = CollectiveStats
@@ -89,19 +92,25 @@ class _Unset:
 _UNSET: Any = _Unset()
 
 
-def _env_timeout() -> Optional[float]:
+def _env_timeout() -> Any:
     text = os.environ.get("MPILOSSY_TIMEOUT", "").strip().lower()
     if text in ("", "none", "inf"):
         return None
-    return float(text)
+    return "auto" if text == "auto" else float(text)
+
+
+AUTO = -2.0     # _check_timeout's answer for timeout="auto"
 
 
 def _check_timeout(timeout: Any) -> float:
-    """The core's timeout: seconds, or -1 for none.  Raises for bad values."""
+    """The core's timeout: seconds, -1 for none, AUTO for "auto".  Raises for
+    bad values."""
     if timeout is None:
         return -1.0
+    if isinstance(timeout, str) and timeout == "auto":
+        return AUTO
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds or None, not {type(timeout).__name__}")
+        raise TypeError(f"timeout must be a number of seconds, 'auto' or None, not {timeout!r}")
     if math.isinf(timeout) and timeout > 0:
         return -1.0
     if not math.isfinite(timeout) or timeout <= 0:
@@ -134,8 +143,12 @@ class Communicator:
         libfabric offers datagram hardware or FI_PROVIDER names a provider,
         rma otherwise).
     timeout:
-        Deadline of every call in seconds, or None to wait for everything
-        (the result is then exact).  Default: $MPILOSSY_TIMEOUT, else None.
+        Deadline of every call in seconds; "auto" for a deadline learned from
+        earlier calls and agreed by all ranks (mpilossy/deadline.py:
+        4x the recent 95th percentile of complete calls, between
+        MPILOSSY_AUTO_FLOOR=1 ms and MPILOSSY_AUTO_CAP=1 s); or None to wait
+        for everything (the result is then exact).  Default: $MPILOSSY_TIMEOUT,
+        else None.
     loss:
         Injected loss: a model of mpilossy.loss, a list of them, or a string
         in MPILOSSY_LOSS syntax.  Default: $MPILOSSY_LOSS, else none.
@@ -230,6 +243,9 @@ class Communicator:
         self._radix = radix
         self._channel = channel
         self._trace = self._open_trace(os.environ.get("MPILOSSY_TRACE"))
+        self._auto = AutoDeadline(self._comm.Dup(),
+                                  floor=float(os.environ.get("MPILOSSY_AUTO_FLOOR", 1e-3)),
+                                  cap=float(os.environ.get("MPILOSSY_AUTO_CAP", 1.0)))
         override = os.environ.get("MPILOSSY_TREE_MAX_BYTES")
         self._tree_max_bytes = int(override) if override else TREE_MAX_BYTES.get(
             self.size, TREE_MAX_BYTES_LARGE)
@@ -269,8 +285,18 @@ class Communicator:
         return self._channel
 
     @property
-    def timeout(self) -> Optional[float]:
+    def timeout(self) -> Any:
+        """Seconds, "auto", or None."""
+        if self._timeout == AUTO:
+            return "auto"
         return None if self._timeout < 0 else self._timeout
+
+    @property
+    def auto_timeouts(self) -> dict:
+        """timeout="auto": the deadline in force per kind of call
+        (collective, algorithm, bit length of the byte count)."""
+        return {(COLLECTIVE_NAMES[c], ALGORITHM_NAMES[a], b): t
+                for (c, a, b), t in self._auto.snapshot().items()}
 
     @property
     def loss(self) -> list:
@@ -305,6 +331,8 @@ class Communicator:
             self._trace = None
         core, self._core = self._core, None
         core.close()
+        self._auto.close()
+        self._auto.comm.Free()
         self._comm.Free()
 
     def __enter__(self) -> "Communicator":
@@ -395,17 +423,23 @@ class Communicator:
             tmo = self._timeout if timeout is _UNSET or not isinstance(timeout, (int, float)) \
                 else (timeout if timeout > 0 else self._timeout)
             result = self._core.fail(_core.ERRORS[_KINDS.get(type(exc), "value")], str(exc),
-                                     float(tmo))
+                                     float(tmo if tmo != AUTO else self._auto.cap))
             raise self._error(coll, result, type(exc)) from None
         dtype = _buffers.DTYPE_CODES[send.dtype]
+        key = (coll, algo, size_bucket(send.nbytes))
+        if tmo == AUTO:
+            tmo = self._auto.timeout(key)
         result = self._core.collective(send, recv, coll, dtype, opcode, algo, tmo)
+        start, anchor, end = result[10]
+        if anchor >= 0 and not result[0]:
+            self._auto.record(key, end - anchor, result[3] >= 1.0 and not result[5])
         if self._trace is not None:
             self._write_trace(result, coll, algo, send.nbytes, tmo)
         if result[0]:
             raise self._error(coll, result)
         return CollectiveStats(result[3], result[4], result[5], result[6], result[7],
                                ALGORITHM_NAMES[algo], send.nbytes, result[8], result[9],
-                               COLLECTIVE_NAMES[coll])
+                               COLLECTIVE_NAMES[coll], None if tmo < 0 else tmo)
 
     def _buffers(self, sendbuf: Any, recvbuf: Any, recv_required: bool, same_ok: bool,
                  overlap_ok: bool = False) -> tuple:
@@ -462,7 +496,7 @@ class Communicator:
 
     def _write_trace(self, result: tuple, coll: int, algo: int, nbytes: int,
                      timeout: float) -> None:
-        start, anchor = result[10]
+        start, anchor, _end = result[10]
         self._trace.write("\t".join(map(str, (
             result[8], f"{COLLECTIVE_NAMES[coll]}/{ALGORITHM_NAMES[algo]}", nbytes, timeout,
             f"{start:.6f}",

@@ -13,5 +13,8 @@ pip_install() { python -m pip install --disable-pip-version-check -q "$@" 2>&1 |
 # and the build sees the same mpich/mpi4py that will run it.
 pip_install "meson-python>=0.15" "meson>=1.1" ninja "cython>=3.0" "mpi4py>=4.0" "mpich>=4.2" "numpy>=1.23"
 pip_install --no-build-isolation ".[test]"
+# PyTorch for mpilossy.torch and its tests: 2.13.0 is a CPU wheel that pip
+# finds locally here; an unpinned `torch` would download GBs of CUDA.
+pip_install "torch==2.13.0" || echo "setup: torch not installed; mpilossy.torch tests will skip"
 # (from outside the checkout: its mpilossy/ is the source, not the build)
 (cd / && python -c "import mpilossy, mpi4py; print('mpilossy', mpilossy.__version__, 'on', ' '.join(mpi4py.MPI.Get_library_version().split()[:3]))")

@@ -109,7 +109,7 @@ cdef class Core:
         validated.  `timeout` < 0 waits for everything.  Returns
         (err_kind, err_rank, err_msg, delivered, elapsed, deadline_hit,
         fallback_fraction, min_contributors, seq, lost_blocks, timing) with
-        timing = (start, anchor) on the monotonic clock."""
+        timing = (start, anchor, end) on the monotonic clock."""
         cdef Py_buffer sb, rb
         PyObject_GetBuffer(sendbuf, &sb, PyBUF_SIMPLE)
         try:
@@ -161,7 +161,7 @@ cdef class Core:
         if self.size == 1:
             k_scale(dtype, 1.0, recv, send, call.count)    # every collective is a copy
             return (ERR_NONE, -1, "", 1.0, mpl_now() - t0, False, 0.0, 1, call.seq, (0, 0, 0, 0),
-                    (call.start, call.start))
+                    (call.start, call.start, mpl_now()))
         call.block_elems = max(1, min(self.block_bytes, self.chan.max_block_bytes())
                                // call.itemsize)
         alg.layout(call)
@@ -183,15 +183,16 @@ cdef class Core:
                     self.chan.abandon(&alg.streams[i])
         with nogil:
             self.chan.end(call, failed)
+        cdef double finished = mpl_now()
         if failed:
             return (self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
-                    0.0, mpl_now() - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
-                    (call.start, -1.0))
-        return (ERR_NONE, -1, "", alg.delivered(), mpl_now() - t0, alg.deadline_hit,
+                    0.0, finished - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
+                    (call.start, -1.0, finished))
+        return (ERR_NONE, -1, "", alg.delivered(), finished - t0, alg.deadline_hit,
                 alg.fallback_elems / <double>alg.result_elems if alg.result_elems else 0.0,
                 alg.min_count, call.seq,
                 (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
-                (call.start, call.anchor))
+                (call.start, call.anchor, finished))
 
     def fail(self, int kind, str message, double timeout):
         """This rank cannot take part in the next call (bad input): count the
@@ -212,4 +213,47 @@ cdef class Core:
                 self.chan.fail(call, &self.err)
                 self.chan.end(call, True)
         return (kind, self.rank, message, 0.0, 0.0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
-                (call.start, -1.0))
+                (call.start, -1.0, call.start))
+
+
+# -- kernels, for python -m mpilossy.bench.kernels ---------------------------
+
+cdef int kernel_buffers(object dst, object a, object b, Py_buffer* vd, Py_buffer* va,
+                        Py_buffer* vb, int* dtype) except -1:
+    import numpy as np
+    from mpilossy._buffers import DTYPE_CODES
+    dtype[0] = DTYPE_CODES[np.asarray(dst).dtype]
+    PyObject_GetBuffer(dst, vd, PyBUF_SIMPLE | PyBUF_WRITABLE)
+    PyObject_GetBuffer(a, va, PyBUF_SIMPLE)
+    PyObject_GetBuffer(b if b is not None else a, vb, PyBUF_SIMPLE)
+    if va.len != vd.len or vb.len != vd.len:
+        PyBuffer_Release(vd)
+        PyBuffer_Release(va)
+        PyBuffer_Release(vb)
+        raise ValueError("kernel buffers must have the same size")
+    return 0
+
+
+def kernel(str name, dst, a, b=None, double scale=1.0):
+    """Run one reduction kernel on NumPy arrays of one dtype, outside the GIL:
+    'add' dst = a + b, 'acc' dst += a, 'scale' dst = a * scale,
+    'add_scale' dst = (a + b) * scale."""
+    cdef Py_buffer vd, va, vb
+    cdef int dtype
+    kernel_buffers(dst, a, b, &vd, &va, &vb, &dtype)
+    cdef Py_ssize_t n = vd.len // ITEMSIZE[dtype]
+    cdef int which = {"add": 0, "acc": 1, "scale": 2, "add_scale": 3}[name]
+    try:
+        with nogil:
+            if which == 0:
+                k_add(dtype, vd.buf, va.buf, vb.buf, n)
+            elif which == 1:
+                k_acc(dtype, vd.buf, va.buf, n)
+            elif which == 2:
+                k_scale(dtype, scale, vd.buf, va.buf, n)
+            else:
+                k_add_scale(dtype, scale, vd.buf, va.buf, vb.buf, n)
+    finally:
+        PyBuffer_Release(&vd)
+        PyBuffer_Release(&va)
+        PyBuffer_Release(&vb)

@@ -59,16 +59,25 @@ cdef inline void _add_scale_float(wide_t* dst, const wide_t* a, const wide_t* b,
         dst[i] = (a[i] + b[i]) * s
 
 
+# float16: through F16C where the CPU has it (mpilossy_simd.h), element by
+# element for what is left.
 cdef void _add_f16(uint16_t* dst, const uint16_t* a, const uint16_t* b, Py_ssize_t n) noexcept nogil:
     cdef Py_ssize_t i
-    for i in range(n):
+    for i in range(<Py_ssize_t>mpl_f16_fast(0, dst, a, b, 1.0, n), n):
         dst[i] = mpl_f2h(mpl_h2f(a[i]) + mpl_h2f(b[i]))
 
 
 cdef void _scale_f16(uint16_t* dst, const uint16_t* src, float s, Py_ssize_t n) noexcept nogil:
     cdef Py_ssize_t i
-    for i in range(n):
+    for i in range(<Py_ssize_t>mpl_f16_fast(1, dst, src, src, s, n), n):
         dst[i] = mpl_f2h(mpl_h2f(src[i]) * s)
+
+
+cdef void _add_scale_f16(uint16_t* dst, const uint16_t* a, const uint16_t* b, float s,
+                         Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(<Py_ssize_t>mpl_f16_fast(2, dst, a, b, s, n), n):
+        dst[i] = mpl_f2h((mpl_h2f(a[i]) + mpl_h2f(b[i])) * s)
 
 
 cdef void _rescale_i32(int32_t* dst, const int32_t* src, double s, Py_ssize_t n) noexcept nogil:
@@ -96,9 +105,11 @@ cdef inline double scale_factor(int scaling, int op, uint32_t count, int nranks)
 cdef void k_add(int dt, void* dst, const void* a, const void* b, Py_ssize_t n) noexcept nogil:
     """dst = a + b"""
     if dt == DT_F32:
-        _add(<float*>dst, <const float*>a, <const float*>b, n)
+        if not mpl_stream_f32(0, <float*>dst, <const float*>a, <const float*>b, 1.0, n):
+            _add(<float*>dst, <const float*>a, <const float*>b, n)
     elif dt == DT_F64:
-        _add(<double*>dst, <const double*>a, <const double*>b, n)
+        if not mpl_stream_f64(0, <double*>dst, <const double*>a, <const double*>b, 1.0, n):
+            _add(<double*>dst, <const double*>a, <const double*>b, n)
     elif dt == DT_I32:
         _add(<uint32_t*>dst, <const uint32_t*>a, <const uint32_t*>b, n)
     elif dt == DT_I64:
@@ -127,9 +138,11 @@ cdef void k_scale(int dt, double s, void* dst, const void* src, Py_ssize_t n) no
         if dst != src:
             memcpy(dst, src, n * ITEMSIZE[dt])
     elif dt == DT_F32:
-        _scale_float(<float*>dst, <const float*>src, <float>s, n)
+        if not mpl_stream_f32(1, <float*>dst, <const float*>src, <const float*>src, <float>s, n):
+            _scale_float(<float*>dst, <const float*>src, <float>s, n)
     elif dt == DT_F64:
-        _scale_float(<double*>dst, <const double*>src, s, n)
+        if not mpl_stream_f64(1, <double*>dst, <const double*>src, <const double*>src, s, n):
+            _scale_float(<double*>dst, <const double*>src, s, n)
     elif dt == DT_I32:
         _rescale_i32(<int32_t*>dst, <const int32_t*>src, s, n)
     elif dt == DT_I64:
@@ -142,9 +155,13 @@ cdef void k_add_scale(int dt, double s, void* dst, const void* a, const void* b,
                       Py_ssize_t n) noexcept nogil:
     """dst = (a + b) * s, in one pass for floats."""
     if s != 1.0 and dt == DT_F32:
-        _add_scale_float(<float*>dst, <const float*>a, <const float*>b, <float>s, n)
+        if not mpl_stream_f32(2, <float*>dst, <const float*>a, <const float*>b, <float>s, n):
+            _add_scale_float(<float*>dst, <const float*>a, <const float*>b, <float>s, n)
     elif s != 1.0 and dt == DT_F64:
-        _add_scale_float(<double*>dst, <const double*>a, <const double*>b, s, n)
+        if not mpl_stream_f64(2, <double*>dst, <const double*>a, <const double*>b, s, n):
+            _add_scale_float(<double*>dst, <const double*>a, <const double*>b, s, n)
+    elif s != 1.0 and dt == DT_F16:
+        _add_scale_f16(<uint16_t*>dst, <const uint16_t*>a, <const uint16_t*>b, <float>s, n)
     else:
         k_add(dt, dst, a, b, n)
         k_scale(dt, s, dst, dst, n)

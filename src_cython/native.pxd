@@ -103,3 +103,10 @@ cdef extern from "mpilossy_fabric.h" nogil:
     void mpl_fab_close(mpl_fab_t *f)
     int mpl_udp_tune(const void *addr, size_t addrlen, int nbytes)
     long mpl_udp_drops(const void *addr, size_t addrlen)
+
+
+cdef extern from "mpilossy_simd.h" nogil:
+    size_t mpl_f16_fast(int op, uint16_t *dst, const uint16_t *a, const uint16_t *b,
+                        float s, size_t n)
+    int mpl_stream_f32(int op, float *dst, const float *a, const float *b, float s, size_t n)
+    int mpl_stream_f64(int op, double *dst, const double *a, const double *b, double s, size_t n)

@@ -4,7 +4,7 @@
     python tests/run.py --sizes 2,4 -k ring
 
 Size 1 runs every test (including those that start their own mpiexec);
-larger sizes run the MPI tests only.  Each size is bounded by --timeout
+larger sizes run the MPI tests (marked mpi) only.  Each size is bounded by --timeout
 seconds (and every single test by pytest-timeout), so a deadlock fails fast.
 """
 
@@ -49,7 +49,8 @@ def main() -> int:
                f"--timeout={args.per_test}", "--timeout-method=thread",
                f"--junitxml={out}/rank-{{rank}}.xml", str(HERE)]
         if size > 1:
-            cmd.insert(5, "--only-mpi")
+            # MPI tests only: the others ran at size 1 (deselected, not skipped)
+            cmd[5:5] = ["-m", "mpi"]
             cmd = [mpiexec, "-n", str(size), "-outfile-pattern", str(out / "out.%r"),
                    "-errfile-pattern", str(out / "out.%r")] + cmd
         cmd += pytest_args

@@ -4,11 +4,15 @@ MPI_Allreduce, side by side, nccl-tests style table on rank 0."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import sys
+from dataclasses import asdict
 
 from mpi4py import MPI
 
-from .harness import BenchConfig, format_table, run_allreduce_bench, write_json
+from .harness import (BenchConfig, format_table, format_tail, plot, run_allreduce_bench,
+                      run_tail_bench, write_json)
 
 SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
@@ -40,13 +44,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-a", "--algorithm", default="ring",
                    help="ring, tree, auto, or a comma-separated list")
     p.add_argument("-c", "--channel", default="rma", help="rma, ud, or a comma-separated list")
-    p.add_argument("-t", "--timeout", type=float, default=None, help="seconds; default: none")
-    p.add_argument("--loss", default=None, help="loss model, MPILOSSY_LOSS syntax")
+    p.add_argument("-t", "--timeout", type=parse_timeout,
+                   default=parse_timeout(os.environ.get("MPILOSSY_TIMEOUT", "none")),
+                   help="seconds, 'auto' or 'none' (default: $MPILOSSY_TIMEOUT, else none)")
+    p.add_argument("--loss", default=os.environ.get("MPILOSSY_LOSS") or None,
+                   help="loss model, MPILOSSY_LOSS syntax (default: $MPILOSSY_LOSS)")
+    p.add_argument("--scenario", default=None,
+                   help="tail latency: 'straggler:rank=R,delay=S,prob=P' or "
+                        "'microburst:p_good_to_bad=A,p_bad_to_good=B,rto=S', applied to "
+                        "MPI_Allreduce and mpilossy alike")
     p.add_argument("-n", "--iters", type=int, default=20)
     p.add_argument("-w", "--warmup", type=int, default=5)
     p.add_argument("--block-bytes", type=parse_size, default=None)
     p.add_argument("--json", metavar="FILE", help="write every number as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="busbw against size, and the latency CDF "
+                   "of the scenario (needs matplotlib)")
     return p
+
+
+def parse_timeout(text):
+    text = str(text).strip().lower()
+    if text in ("", "none", "inf"):
+        return None
+    return "auto" if text == "auto" else float(text)
 
 
 def main(argv=None) -> int:
@@ -59,11 +79,17 @@ def main(argv=None) -> int:
                       channels=[c.strip() for c in args.channel.split(",")],
                       timeout=args.timeout, loss=args.loss, iters=args.iters,
                       warmup=args.warmup, block_bytes=args.block_bytes)
-    rows = run_allreduce_bench(comm, cfg)
+    rows = run_allreduce_bench(comm, cfg) if not args.scenario else []
+    tail = run_tail_bench(comm, cfg, args.scenario) if args.scenario else []
     if comm.rank == 0:
-        print(format_table(rows, comm, cfg), flush=True)
+        if rows:
+            print(format_table(rows, comm, cfg), flush=True)
+        if tail:
+            print(format_tail(tail, comm, cfg), flush=True)
         if args.json:
-            write_json(args.json, rows, comm, cfg)
+            write_json(args.json, rows, comm, cfg, tail)
+        if args.plot:
+            plot(args.plot, rows, tail)
     return 0
 
 

@@ -182,13 +182,206 @@ def format_table(rows: list, comm: MPI.Comm, cfg: BenchConfig) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str, rows: list, comm: MPI.Comm, cfg: BenchConfig) -> None:
+def write_json(path: str, rows: list, comm: MPI.Comm, cfg: BenchConfig,
+               tail_rows: Sequence = ()) -> None:
     doc = {
         "ranks": comm.size,
-        "mpi": MPI.Get_library_version().splitlines()[0].strip(),
+        "mpi": " ".join(MPI.Get_library_version().split()[:3]),
         "mpilossy": mpilossy.__version__,
         "config": asdict(cfg),
         "rows": [asdict(r) for r in rows],
+        "tail": [asdict(r) for r in tail_rows],
     }
     with open(path, "w") as fh:
         json.dump(doc, fh, indent=1)
+
+
+# -- tail latency under stragglers and microbursts ------------------------------
+
+@dataclass
+class TailRow:
+    scenario: str
+    size: int
+    algorithm: str
+    channel: str
+    timeout: Optional[float]
+    mpi_p50_us: float
+    mpi_p99_us: float
+    mpi_max_us: float
+    p50_us: float
+    p99_us: float
+    max_us: float
+    p99_ratio: float          # MPI p99 / mpilossy p99 (> 1: mpilossy better)
+    delivered: float
+    lossy_timeouts: list = field(default_factory=list, repr=False)
+    times_us: list = field(default_factory=list, repr=False)
+    mpi_times_us: list = field(default_factory=list, repr=False)
+
+
+def parse_scenario(text: str) -> dict:
+    """'straggler:rank=3,delay=0.02,prob=0.05' or
+    'microburst:p_good_to_bad=0.01,p_bad_to_good=0.2,rto=0.005'."""
+    kind, _, args = text.partition(":")
+    params = {}
+    for item in filter(None, args.split(",")):
+        key, _, value = item.partition("=")
+        params[key.strip()] = float(value)
+    if kind == "straggler":
+        params.setdefault("rank", -1)
+        params.setdefault("delay", 0.02)
+        params.setdefault("prob", 0.05)
+    elif kind == "microburst":
+        params.setdefault("p_good_to_bad", 0.01)
+        params.setdefault("p_bad_to_good", 0.2)
+        params.setdefault("rto", 0.005)
+    else:
+        raise ValueError(f"unknown scenario {kind!r}: straggler or microburst")
+    params.setdefault("seed", 1)
+    return {"kind": kind, **params}
+
+
+def run_tail_bench(comm: MPI.Comm, cfg: BenchConfig, scenario: str) -> list:
+    """The same disturbance applied to MPI_Allreduce and to mpilossy.
+
+    Each rank's time *inside* the call is recorded, over every call and rank:
+    what a slow peer costs everyone else.  straggler: one rank (the last by
+    default) sleeps `delay` before `prob` of the calls, on both sides, decided
+    by the same seeded draws.  microburst: mpilossy runs under a
+    Gilbert-Elliott loss model; MPI_Allreduce, which loses nothing, is
+    charged one retransmission timeout `rto` on every rank in each call where
+    the burst hit any link (a reliable transport resends after a timeout and
+    every rank waits for the slowest) — an emulation, stated as such."""
+    s = parse_scenario(scenario)
+    rows = []
+    straggler = int(s["rank"]) if s["kind"] == "straggler" and s["rank"] >= 0 else comm.size - 1
+    loss = None
+    if s["kind"] == "microburst":
+        loss = mpilossy.loss.GilbertElliott(s["p_good_to_bad"], s["p_bad_to_good"],
+                                            seed=int(s["seed"]))
+    for channel in cfg.channels:
+        with mpilossy.Communicator(comm, channel=channel, timeout=cfg.timeout, loss=loss,
+                                   block_bytes=cfg.block_bytes,
+                                   capacity=max(4 << 20, 2 * max(cfg.sizes) + (1 << 20))) as lc:
+            for size in cfg.sizes:
+                for algorithm in cfg.algorithms:
+                    rows.append(_tail(comm, lc, cfg, s, straggler, size, algorithm, channel))
+    return rows
+
+
+def _tail(comm, lc, cfg, s, straggler, size, algorithm, channel) -> TailRow:
+    dtype = np.dtype(cfg.dtype)
+    send = _data(max(size // dtype.itemsize, 0), comm.rank, dtype)
+    recv, mpi_recv = np.empty_like(send), np.empty_like(send)
+    rng = np.random.default_rng(int(s["seed"]))          # the same draws on every rank
+    mine, mpi_mine, delivered, timeouts = [], [], [], []
+    for it in range(cfg.warmup + cfg.iters):
+        late = s["kind"] == "straggler" and rng.random() < s["prob"]
+        comm.Barrier()
+        if late and comm.rank == straggler:
+            time.sleep(s["delay"])
+        t0 = time.perf_counter()
+        stats = lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm)
+        t_lossy = time.perf_counter() - t0
+        burst = comm.allreduce(stats.lost_blocks[0] > 0, op=MPI.LOR) \
+            if s["kind"] == "microburst" else False
+        comm.Barrier()
+        if late and comm.rank == straggler:
+            time.sleep(s["delay"])
+        t0 = time.perf_counter()
+        comm.Allreduce(send, mpi_recv)
+        if burst:
+            time.sleep(s["rto"])
+        t_mpi = time.perf_counter() - t0
+        if it >= cfg.warmup:
+            mine.append(t_lossy)
+            mpi_mine.append(t_mpi)
+            delivered.append(stats.delivered)
+            timeouts.append(stats.timeout)
+    times = np.concatenate(comm.allgather(np.asarray(mine))) * 1e6
+    mpi_times = np.concatenate(comm.allgather(np.asarray(mpi_mine))) * 1e6
+    p99, mpi_p99 = float(np.percentile(times, 99)), float(np.percentile(mpi_times, 99))
+    name = (f"straggler(rank={straggler},delay={s['delay']},prob={s['prob']})"
+            if s["kind"] == "straggler" else
+            f"microburst(gb={s['p_good_to_bad']},bg={s['p_bad_to_good']},rto={s['rto']})")
+    return TailRow(
+        scenario=name, size=send.nbytes, algorithm=algorithm, channel=channel,
+        timeout=cfg.timeout if not isinstance(cfg.timeout, str) else None,
+        mpi_p50_us=float(np.percentile(mpi_times, 50)), mpi_p99_us=mpi_p99,
+        mpi_max_us=float(mpi_times.max()), p50_us=float(np.percentile(times, 50)),
+        p99_us=p99, max_us=float(times.max()), p99_ratio=mpi_p99 / p99 if p99 else math.nan,
+        delivered=float(np.mean(comm.allgather(float(np.mean(delivered))))),
+        lossy_timeouts=[t for t in timeouts if t is not None][-1:],
+        times_us=times.tolist(), mpi_times_us=mpi_times.tolist())
+
+
+def format_tail(rows: list, comm: MPI.Comm, cfg: BenchConfig) -> str:
+    lines = [
+        f"# tail latency: {comm.size} ranks, timeout {cfg.timeout}, iters {cfg.iters}; "
+        "time inside the call, every rank and call",
+        "#       size   algo  chan   mpi-p50   mpi-p99   mpi-max   lossy-p50 lossy-p99 "
+        "lossy-max  p99-ratio  delivered  deadline  scenario",
+        "#        (B)                  (us)      (us)      (us)        (us)      (us)      (us)"
+        "  (mpi/lossy)              (s)",
+    ]
+    for r in rows:
+        last = f"{r.lossy_timeouts[-1]:.4f}" if r.lossy_timeouts else "-"
+        lines.append(
+            f"{r.size:12d} {r.algorithm:>6s} {r.channel:>5s} {r.mpi_p50_us:9.1f} {r.mpi_p99_us:9.1f} "
+            f"{r.mpi_max_us:9.1f} {r.p50_us:11.1f} {r.p99_us:9.1f} {r.max_us:9.1f} "
+            f"{r.p99_ratio:10.2f} {r.delivered:10.4f} {last:>9s}  {r.scenario}")
+    return "\n".join(lines)
+
+
+def plot(path: str, rows: list, tail_rows: list) -> None:
+    """busbw against size (mpilossy and MPI_Allreduce), and, with a scenario,
+    the distribution of per-call times (CDF) of both."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = (1 if rows else 0) + (1 if tail_rows else 0)
+    fig, axes = plt.subplots(1, max(panels, 1), figsize=(6.5 * max(panels, 1), 4.5),
+                             squeeze=False)
+    axes = list(axes[0])
+    if rows:
+        _plot_busbw(axes.pop(0), rows)
+    if tail_rows:
+        _plot_cdf(axes.pop(0), tail_rows)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _plot_busbw(ax, rows) -> None:
+    groups = sorted({(r.algorithm, r.channel) for r in rows})
+    for algorithm, channel in groups:
+        sel = sorted((r for r in rows if (r.algorithm, r.channel) == (algorithm, channel)),
+                     key=lambda r: r.size)
+        ax.plot([r.size for r in sel], [r.busbw for r in sel], "o-",
+                label=f"mpilossy {algorithm}/{channel}")
+    if rows:
+        ref = {}
+        for r in rows:
+            ref.setdefault(r.size, []).append(r.mpi_busbw)
+        sizes = sorted(ref)
+        ax.plot(sizes, [float(np.mean(ref[s])) for s in sizes], "k--", label="MPI_Allreduce")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes)")
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title("all-reduce bus bandwidth, same run")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+
+
+def _plot_cdf(ax, tail_rows) -> None:
+    for r in tail_rows:
+        for label, times, style in ((f"mpilossy {r.algorithm}/{r.channel}", r.times_us, "-"),
+                                    ("MPI_Allreduce", r.mpi_times_us, "--")):
+            t = np.sort(np.asarray(times)) / 1e3
+            ax.plot(t, np.arange(1, len(t) + 1) / len(t), style, label=f"{label} ({r.size} B)")
+    ax.set_xscale("log")
+    ax.set_xlabel("time inside the call (ms), every rank")
+    ax.set_ylabel("fraction of calls")
+    ax.set_title(tail_rows[0].scenario, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)

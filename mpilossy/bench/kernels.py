@@ -1,0 +1,75 @@
+"""``python -m mpilossy.bench.kernels``: the reduction kernels against the
+machine's memory bandwidth, measured in the same run as a plain copy
+(np.copyto) of the same size.
+
+Bandwidth counts the bytes each operation must move: a copy reads one array
+and writes one (2 x size), an add reads two and writes one (3 x size), an
+accumulate reads two and writes one (3 x size), a scale reads one and writes
+one (2 x size).  efficiency = kernel bandwidth / copy bandwidth."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import numpy as np
+
+from mpilossy import _core
+
+from .__main__ import parse_size
+
+STREAMS = {"copy": 2, "add": 3, "acc": 3, "scale": 2, "add_scale": 3}
+
+
+def best_of(fn, repeat: int) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure(nbytes: int, dtype: str, repeat: int) -> dict:
+    n = nbytes // np.dtype(dtype).itemsize
+    a = np.ones(n, dtype)
+    b = np.full(n, 2, dtype)
+    dst = np.empty(n, dtype)
+    ops = {
+        "copy": lambda: np.copyto(dst, a),
+        "add": lambda: _core.kernel("add", dst, a, b),
+        "acc": lambda: _core.kernel("acc", dst, a),
+        "scale": lambda: _core.kernel("scale", dst, a, scale=0.25),
+        "add_scale": lambda: _core.kernel("add_scale", dst, a, b, scale=0.25),
+    }
+    # Interleave the operations so that load changes hit all alike.
+    best = {name: float("inf") for name in ops}
+    for _ in range(repeat):
+        for name, fn in ops.items():
+            best[name] = min(best[name], best_of(fn, 1))
+    gbs = {name: STREAMS[name] * nbytes / best[name] / 1e9 for name in ops}
+    return {"bytes": nbytes, "dtype": dtype, "gbs": gbs,
+            "efficiency": {k: gbs[k] / gbs["copy"] for k in ops if k != "copy"}}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mpilossy.bench.kernels", description=__doc__)
+    p.add_argument("--sizes", default="256K,4M,64M")
+    p.add_argument("-d", "--dtype", default="float32")
+    p.add_argument("-r", "--repeat", type=int, default=20)
+    args = p.parse_args(argv)
+    print(f"# reduction kernels vs np.copyto, {args.dtype}, best of {args.repeat}")
+    print("#      bytes   copy GB/s    add GB/s  eff   acc GB/s  eff  scale GB/s  eff "
+          " add_scale GB/s  eff")
+    for size in (parse_size(s) for s in args.sizes.split(",")):
+        r = measure(size, args.dtype, args.repeat)
+        g, e = r["gbs"], r["efficiency"]
+        print(f"{size:12d} {g['copy']:11.1f} {g['add']:11.1f} {e['add']:4.2f} {g['acc']:10.1f} "
+              f"{e['acc']:4.2f} {g['scale']:11.1f} {e['scale']:4.2f} {g['add_scale']:15.1f} "
+              f"{e['add_scale']:4.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
