@@ -62,5 +62,4 @@ def check_writable(arr: np.ndarray, name: str) -> None:
         raise BufferError(f"{name} is read-only; the result is written into it")
 
 
-def address(arr: np.ndarray) -> int:
-    return arr.__array_interface__["data"][0]
+address = _core.buffer_address

@@ -8,8 +8,7 @@ import itertools
 import math
 import os
 import weakref
-from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -39,7 +38,7 @@ DEFAULT_TREE_RADIX = 4
 # development machine (docs/performance.md).  Larger jobs could not be
 # measured there: they use TREE_MAX_BYTES_LARGE until calibrated
 # (MPILOSSY_TREE_MAX_BYTES overrides the table).
-TREE_MAX_BYTES = {1: 0, 2: 0, 3: 2 * 1024, 4: 8 * 1024}
+TREE_MAX_BYTES = {1: 0, 2: 1024, 3: 2 * 1024, 4: 16 * 1024}
 TREE_MAX_BYTES_LARGE = 32 * 1024
 
 _EXCEPTIONS = {
@@ -54,9 +53,9 @@ _KINDS = {TypeError: "type", ValueError: "value", BufferError: "buffer"}
 _serials = itertools.count()
 
 
-@dataclass(frozen=True)
-class CollectiveStats:
-    """What one call delivered, as this rank saw it."""
+class CollectiveStats(NamedTuple):
+    """What one call delivered, as this rank saw it.  (A named tuple: one is
+    built per call, and a frozen dataclass costs microseconds to build.)"""
 
     delivered: float
     """Fraction of all contributions (ranks x elements) in this rank's result, 0..1."""
@@ -241,6 +240,7 @@ class Communicator:
         _live.add(self)
         self._block_bytes = block
         self._radix = radix
+        self._size = self._comm.Get_size()
         self._channel = channel
         self._trace = self._open_trace(os.environ.get("MPILOSSY_TRACE"))
         self._auto = AutoDeadline(self._comm.Dup(),
@@ -431,7 +431,7 @@ class Communicator:
             tmo = self._auto.timeout(key)
         result = self._core.collective(send, recv, coll, dtype, opcode, algo, tmo)
         start, anchor, end = result[10]
-        if anchor >= 0 and not result[0]:
+        if anchor >= 0 and not result[0] and self._size > 1:
             self._auto.record(key, end - anchor, result[3] >= 1.0 and not result[5])
         if self._trace is not None:
             self._write_trace(result, coll, algo, send.nbytes, tmo)

@@ -22,7 +22,8 @@ from libc.stdio cimport snprintf
 from libc.math cimport llround
 from posix.stdlib cimport posix_memalign
 from posix.unistd cimport getpid
-from cpython.buffer cimport PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE
+from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE,
+                             PyBUF_ANY_CONTIGUOUS)
 
 from mpi4py cimport MPI
 from mpi4py.libmpi cimport *

@@ -39,6 +39,9 @@ cdef class Core:
                   str channel="rma", str provider="", str domain="",
                   Py_ssize_t datagram_bytes=8192, int recv_buffers=DEFAULT_RECV_BUFFERS,
                   int socket_bytes=32 << 20):
+        global SPIN_BEFORE_YIELD
+        import os
+        SPIN_BEFORE_YIELD = int(os.environ.get("MPILOSSY_SPIN", SPIN_BEFORE_YIELD))
         self.comm = comm
         self.scaling = SCALE_ZERO_FILL if zero_fill else SCALE_UNBIASED
         self.rotate = rotate
@@ -257,3 +260,13 @@ def kernel(str name, dst, a, b=None, double scale=1.0):
         PyBuffer_Release(&vd)
         PyBuffer_Release(&va)
         PyBuffer_Release(&vb)
+
+
+def buffer_address(obj) -> int:
+    """Address of the first byte of a contiguous buffer (cheaper than
+    numpy's __array_interface__, which builds a dict)."""
+    cdef Py_buffer view
+    PyObject_GetBuffer(obj, &view, PyBUF_ANY_CONTIGUOUS)
+    cdef size_t address = <size_t>view.buf
+    PyBuffer_Release(&view)
+    return address

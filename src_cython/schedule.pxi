@@ -196,6 +196,11 @@ cdef bint look_ahead(Algorithm alg, Channel chan, CallInfo* call, Stream* s, bin
     return took
 
 
+# Idle passes of the polling loop before it yields the core (sched_yield).
+# Set from MPILOSSY_SPIN by the core.
+cdef int SPIN_BEFORE_YIELD = 0
+
+
 cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
                      ErrorInfo* err) noexcept nogil:
     """Resolve every block of every stream.  0 on success; 1 with `err` set
@@ -206,6 +211,7 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
     cdef bint progressed
     cdef bint exact = call.timeout < 0
     cdef double now, patience = patience_end(call)
+    cdef int idle = 0
     call.anchor = -1.0
     alg.start()
     while True:
@@ -254,6 +260,10 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
                 unresolved += 1
         if unresolved == 0:
             return 0
-        if not progressed:
+        if progressed:
+            idle = 0
+        else:
             chan.progress()
-            mpl_yield()
+            idle += 1
+            if idle > SPIN_BEFORE_YIELD:
+                mpl_yield()

@@ -11,6 +11,18 @@ from mpilossy import deadline
 
 
 @pytest.mark.mpi
+def test_one_rank_learns_nothing(comm, monkeypatch):
+    # A single rank only copies: there is no peer to wait for, nothing to learn.
+    if comm.size != 1:
+        pytest.skip("one rank only")
+    monkeypatch.setenv("MPILOSSY_AUTO_CAP", "2.0")
+    x = np.ones(4096)
+    with mpilossy.Communicator(comm, timeout="auto") as lc:
+        used = {lc.allreduce(x, np.empty_like(x)).timeout for _ in range(3 * deadline.PERIOD)}
+        assert used == {2.0} and set(lc.auto_timeouts.values()) <= {2.0}
+
+
+@pytest.mark.mpi(min_size=2)
 def test_learned_deadline_is_agreed_and_shrinks(comm, monkeypatch):
     monkeypatch.setenv("MPILOSSY_AUTO_CAP", "2.0")
     x = np.ones(4096)
