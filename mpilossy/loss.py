@@ -10,7 +10,7 @@ A program runs under loss without changes through the environment::
 
     MPILOSSY_LOSS="bernoulli:0.1"                      # p
     MPILOSSY_LOSS="bernoulli:p=0.1,seed=3"
-    MPILOSSY_LOSS="gilbert-elliott:p_gb=0.01,p_bg=0.25,loss_bad=1"
+    MPILOSSY_LOSS="gilbert-elliott:p_good_to_bad=0.01,p_bad_to_good=0.25,loss_bad=1"
     MPILOSSY_LOSS="straggler:rank=1,delay=0.02,prob=0.05"
     MPILOSSY_LOSS="bernoulli:0.05+straggler:rank=0,delay=0.01,prob=0.1"
 """

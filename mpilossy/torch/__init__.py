@@ -6,6 +6,7 @@
   ``broadcast_parameters``, ``broadcast_optimizer_state``;
 - drift control: ``DriftController`` (periodic reliable broadcast, drift meter);
 - the sharded, bounded-drift mode: ``ShardedOptimizer``;
+- ``PhaseAwareTolerance``: tight loss tolerance early in training, loose later;
 - ``StepStats``: what each step's communication delivered.
 
 See docs/training.md.  Tensors must live on the CPU.
@@ -23,12 +24,14 @@ from .hooks import AllreduceHookState, allreduce_hook, destroy_process_group, in
 from .optimizer import DistributedOptimizer
 from .sharded import ShardedOptimizer
 from .stats import StepStats
+from .tolerance import PhaseAwareTolerance
 
 __all__ = [
     "AllreduceHookState",
     "DistributedOptimizer",
     "DriftController",
     "DriftStep",
+    "PhaseAwareTolerance",
     "ShardedOptimizer",
     "StepStats",
     "allreduce_hook",

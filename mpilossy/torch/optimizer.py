@@ -3,14 +3,17 @@ before every step, with no torch.distributed process group."""
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+from mpi4py import MPI
 
 from ..communicator import Communicator
 from ._common import Flat, check_tensors, lossy_communicator, optimizer_parameters
 from .drift import DriftController, every_problem
 from .stats import Recorder, StepStats
+from .tolerance import PhaseAwareTolerance
 
 __all__ = ["DistributedOptimizer"]
 
@@ -103,11 +106,13 @@ class _GradientAllreduce(Engine):
     """The engine behind DistributedOptimizer."""
 
     def __init__(self, lc: Communicator, params: List[torch.Tensor], op: str,
-                 bucket_bytes: int, drift: Optional[DriftController]) -> None:
+                 bucket_bytes: int, drift: Optional[DriftController],
+                 tolerance: Optional[PhaseAwareTolerance]) -> None:
         super().__init__(lc, params, op, drift)
         self.flat = Flat(params)
         self.pieces = self.flat.pieces(bucket_bytes)
         self.synchronized = False
+        self.tolerance = tolerance
 
     def reduce(self) -> None:
         """All-reduce every gradient (lossy, fused into few calls)."""
@@ -116,8 +121,23 @@ class _GradientAllreduce(Engine):
             raise TypeError("sparse gradients are not supported; use dense ones "
                             "(e.g. nn.Embedding(sparse=False))")
         self.flat.pack(grads)
-        for piece in self.pieces:
-            self.recorder.add(self.lc.allreduce(piece, op=self.op))
+        policy = self.tolerance
+        limit = policy.begin() if policy is not None else 1.0
+        if limit <= 0.0:
+            self.reduce_reliably()
+            policy.reliable += 1
+            if policy.critical_ended is None:       # the signal still votes
+                policy.agree(self.lc.comm, 0.0)
+        else:
+            for piece in self.pieces:
+                self.recorder.add(self.lc.allreduce(piece, op=self.op))
+            if policy is not None and policy.needs_agreement:
+                lost = 1.0 - self.recorder.pending_delivered()
+                if policy.agree(self.lc.comm, lost) > limit:
+                    # Too much lost for this phase: wait for the rest (re-send).
+                    self.flat.pack(grads)
+                    self.reduce_reliably()
+                    policy.repaired += 1
         with torch.no_grad():
             for i, p in enumerate(self.params):
                 reduced = self.flat.view(i, p)
@@ -125,7 +145,19 @@ class _GradientAllreduce(Engine):
                     p.grad = reduced.clone()
                 else:
                     p.grad.copy_(reduced)
+        if policy is not None and policy.grad_norm_threshold is not None:
+            policy.observe(math.sqrt(sum(float(torch.sum(b.double() ** 2))
+                                         for b in self.flat.buffers.values())))
         self.synchronized = True
+
+    def reduce_reliably(self) -> None:
+        """Exact reduction of the packed gradients (MPI_Allreduce)."""
+        comm = self.lc.comm
+        for arr in self.flat.arrays.values():
+            comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
+            if self.op == "avg":
+                arr /= comm.size
+        self.recorder.reliable = True
 
 
 class _DistributedOptimizer(_Wrapped):
@@ -158,7 +190,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          broadcast_every: Optional[int] = None,
                          measure_every: Optional[int] = None,
                          broadcast_state: bool = False,
-                         root_rank: int = 0) -> torch.optim.Optimizer:
+                         root_rank: int = 0,
+                         tolerance: Optional[PhaseAwareTolerance] = None) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that step() first all-reduces the gradients through
     mpilossy's lossy all-reduce (unbiased average, deadline-bound).
 
@@ -175,6 +208,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         drift control (DriftController): every K steps, broadcast the
         parameters (and the optimizer state if `broadcast_state`) from
         `root_rank`; every M steps measure the drift (``stats.drift``).
+    tolerance:
+        phase-aware loss tolerance (PhaseAwareTolerance): how much loss each
+        step may accept; a step that loses more re-sends its gradients
+        reliably.  Default None: accept whatever arrives by the deadline.
 
     Collective: checks on every rank that all ranks hold the same parameters
     (names, shapes, dtypes, CPU); a problem raises on every rank.  Extra
@@ -185,17 +222,20 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     comm = lc.comm
     problem = (already_wrapped(optimizer) or check_settings(op, bucket_bytes)
                or every_problem(broadcast_every=broadcast_every, measure_every=measure_every))
+    if problem is None and tolerance is not None and not isinstance(tolerance, PhaseAwareTolerance):
+        problem = TypeError(f"tolerance must be a PhaseAwareTolerance or None, "
+                            f"not {type(tolerance).__name__}")
     try:
         named = optimizer_parameters(optimizer, named_parameters)
     except (TypeError, ValueError) as exc:
         problem, named = problem or exc, []
     check_tensors(comm, named, reducible=True, problem=problem,
                   extra=(op, bucket_bytes, broadcast_every, measure_every, broadcast_state,
-                         root_rank))
+                         root_rank, repr(tolerance)))
     drift = None
     if broadcast_every is not None or measure_every is not None:
         drift = DriftController(named, comm=comm, broadcast_every=broadcast_every,
                                 measure_every=measure_every, root_rank=root_rank,
                                 optimizer=optimizer if broadcast_state else None)
-    engine = _GradientAllreduce(lc, [p for _, p in named], op, bucket_bytes, drift)
+    engine = _GradientAllreduce(lc, [p for _, p in named], op, bucket_bytes, drift, tolerance)
     return wrap(optimizer, _DistributedOptimizer, engine)

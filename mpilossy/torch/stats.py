@@ -39,6 +39,9 @@ class StepStats:
     """Relative drift measured this step (before a broadcast of the same step), else None."""
     broadcast: bool = False
     """True if the parameters were re-synchronised this step."""
+    reliable: bool = False
+    """True if the gradients were finally reduced reliably (phase-aware
+    tolerance: a tight phase, or more loss than the step could accept)."""
 
     @classmethod
     def of(cls, step: int, calls: Sequence[CollectiveStats], **extra) -> "StepStats":
@@ -65,12 +68,21 @@ class Recorder:
         self.steps = 0
         self.last: Optional[StepStats] = None
         self._calls: List[CollectiveStats] = []
+        self.reliable = False
+
+    def pending_delivered(self) -> float:
+        """Delivered fraction (by bytes) of the calls of the step under way."""
+        nbytes = sum(c.nbytes for c in self._calls)
+        if not nbytes:
+            return 1.0
+        return sum(c.delivered * c.nbytes for c in self._calls) / nbytes
 
     def add(self, stats: CollectiveStats) -> None:
         self._calls.append(stats)
 
     def finish(self, **extra) -> StepStats:
         self.steps += 1
-        self.last = StepStats.of(self.steps, self._calls, **extra)
+        self.last = StepStats.of(self.steps, self._calls, reliable=self.reliable, **extra)
         self._calls = []
+        self.reliable = False
         return self.last

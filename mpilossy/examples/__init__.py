@@ -1,0 +1,1 @@
+"""Runnable examples of mpilossy (``python -m mpilossy.examples.<name>``)."""

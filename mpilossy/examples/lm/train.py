@@ -1,0 +1,197 @@
+"""Data-parallel training of TinyGPT with mpilossy (or MPI_Allreduce, the
+reliable baseline): every rank samples its own windows of the training text,
+gradients are averaged by the chosen reduction, and drift is bounded by a
+periodic reliable broadcast of the parameters."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import mpilossy
+import mpilossy.torch as mt
+
+from . import corpus as corpus_mod
+from .model import TinyGPT
+
+__all__ = ["Config", "train"]
+
+
+@dataclass
+class Config:
+    reduce: str = "mpilossy"          # "mpilossy" or "mpi" (reliable MPI_Allreduce)
+    loss: str = ""                    # mpilossy.loss spec ("" = none)
+    timeout: float = 0.05             # deadline of every lossy call (s)
+    block_bytes: int = 4096           # loss unit: about one packet
+    zero_fill: bool = False           # ablation: no rescaling
+    broadcast_every: Optional[int] = 50   # drift correction (None = off)
+    phase_aware: bool = False         # phase-aware loss tolerance
+    critical_fraction: float = 0.2    # its critical phase: this share of the steps
+    steps: int = 300
+    batch: int = 16                   # windows per rank per step
+    context: int = 64
+    width: int = 96
+    layers: int = 2
+    heads: int = 4
+    lr: float = 3e-3
+    warmup: int = 20
+    seed: int = 0
+    val_windows: int = 256
+    measure_every: int = 25
+    threads: int = 1
+
+
+def lr_at(cfg: Config, step: int) -> float:
+    """Linear warm-up, then cosine decay to a tenth."""
+    if step < cfg.warmup:
+        return cfg.lr * (step + 1) / cfg.warmup
+    done = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
+    return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
+
+
+def windows(text: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
+    idx = starts[:, None] + np.arange(length)[None, :]
+    return torch.from_numpy(text[idx].astype(np.int64))
+
+
+@torch.no_grad()
+def perplexity(model: TinyGPT, val: torch.Tensor, batch: int = 64) -> float:
+    model.eval()
+    total = 0.0
+    for i in range(0, val.shape[0], batch):
+        part = val[i:i + batch]
+        total += float(model.loss(part)) * part.shape[0]
+    model.train()
+    return math.exp(total / val.shape[0])
+
+
+class MPIAllreduce:
+    """The reliable baseline: one MPI_Allreduce of all gradients per step."""
+
+    def __init__(self, comm: MPI.Intracomm, params: List[torch.Tensor]) -> None:
+        self.comm, self.params = comm, params
+        self.flat = torch.zeros(sum(p.numel() for p in params))
+
+    def __call__(self) -> float:
+        began = time.perf_counter()
+        torch.cat([p.grad.reshape(-1) for p in self.params], out=self.flat)
+        self.comm.Allreduce(MPI.IN_PLACE, self.flat.numpy(), op=MPI.SUM)
+        self.flat /= self.comm.size
+        offset = 0
+        for p in self.params:
+            p.grad.copy_(self.flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return time.perf_counter() - began
+
+
+def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = True) -> Dict[str, Any]:
+    """Train; collective.  Returns the results (the same dict on every rank)."""
+    if cfg.reduce not in ("mpilossy", "mpi"):
+        raise ValueError(f"reduce must be 'mpilossy' or 'mpi', got {cfg.reduce!r}")
+    torch.set_num_threads(cfg.threads)
+    rank, size = comm.rank, comm.size
+    began = time.perf_counter()
+    data = corpus_mod.load()
+    picker = np.random.default_rng(12345)      # the same validation windows everywhere
+    val = windows(data.val, picker.integers(0, data.val.size - cfg.context - 1, cfg.val_windows),
+                  cfg.context + 1)
+    sampler = np.random.default_rng([cfg.seed, rank])
+
+    torch.manual_seed(cfg.seed)
+    model = TinyGPT(corpus_mod.VOCAB, cfg.context, cfg.width, cfg.layers, cfg.heads)
+    mt.broadcast_parameters(model, comm=comm)
+    params = [p for p in model.parameters()]
+    inner = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+
+    lc = None
+    tolerance = None
+    if cfg.reduce == "mpi":
+        reduce_mpi = MPIAllreduce(comm, params)
+        optimizer = inner
+        drift_control = mt.DriftController(model, comm=comm, measure_every=cfg.measure_every)
+    else:
+        # Each seed draws its own losses too.
+        models = [dataclasses.replace(m, seed=m.seed + cfg.seed) if hasattr(m, "seed") else m
+                  for m in mpilossy.loss.parse(cfg.loss)] if cfg.loss else None
+        lc = mpilossy.Communicator(comm, timeout=cfg.timeout, loss=models,
+                                   block_bytes=cfg.block_bytes,
+                                   scaling="zero-fill" if cfg.zero_fill else "unbiased")
+        if cfg.phase_aware:
+            tolerance = mt.PhaseAwareTolerance(critical_steps=int(cfg.steps * cfg.critical_fraction))
+        optimizer = mt.DistributedOptimizer(inner, model.named_parameters(), lc,
+                                            broadcast_every=cfg.broadcast_every,
+                                            measure_every=cfg.measure_every,
+                                            tolerance=tolerance)
+        drift_control = optimizer.drift_control
+
+    bar = None
+    if progress and rank == 0:
+        from tqdm import tqdm
+        bar = tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
+    delivered: List[float] = []
+    comm_seconds = 0.0
+    losses: List[float] = []
+    train_began = time.perf_counter()
+    for step in range(cfg.steps):
+        for group in inner.param_groups:
+            group["lr"] = lr_at(cfg, step)
+        starts = sampler.integers(0, data.train.size - cfg.context - 1, cfg.batch)
+        loss = model.loss(windows(data.train, starts, cfg.context + 1))
+        inner.zero_grad(set_to_none=False)
+        loss.backward()
+        if cfg.reduce == "mpi":
+            comm_seconds += reduce_mpi()
+            inner.step()
+            drift_control.step()
+        else:
+            optimizer.step()
+            stats = optimizer.stats
+            delivered.append(stats.delivered)
+            comm_seconds += stats.comm_seconds + stats.sync_seconds
+        losses.append(loss.item())
+        if bar is not None:
+            bar.update(1)
+            if step % 10 == 0:
+                bar.set_postfix(loss=f"{losses[-1]:.3f}",
+                                delivered=f"{np.mean(delivered[-10:]) if delivered else 1.0:.3f}")
+    train_seconds = time.perf_counter() - train_began
+    if bar is not None:
+        bar.close()
+
+    # Final state, before any further synchronisation: the models as trained.
+    final_drift = drift_control.measure()
+    ppl = comm.allgather(perplexity(model, val))
+    mean_delivered = comm.allreduce(float(np.mean(delivered)) if delivered else 1.0) / size
+    history = drift_control.history
+    result = {
+        "config": asdict(cfg),
+        "ranks": size,
+        "val_perplexity": ppl[0],                 # rank 0's model
+        "val_perplexity_ranks": ppl,
+        "final_drift": final_drift,
+        "max_drift": max((d for _, d in history), default=0.0),
+        "delivered": mean_delivered,
+        "train_loss_first": float(np.mean(losses[:10])),
+        "train_loss_last": float(np.mean(losses[-10:])),
+        "train_seconds": comm.allreduce(train_seconds, op=MPI.MAX),
+        "comm_seconds": comm.allreduce(comm_seconds, op=MPI.MAX),
+        "wall_seconds": comm.allreduce(time.perf_counter() - began, op=MPI.MAX),
+        "parameters": sum(p.numel() for p in params),
+        "train_tokens": int(data.train.size),
+        "val_tokens": int(data.val.size),
+        "broadcasts": drift_control.broadcasts,
+    }
+    if tolerance is not None:
+        result["phase_aware"] = {"reliable_steps": tolerance.reliable,
+                                 "repaired_steps": tolerance.repaired,
+                                 "critical_ended": tolerance.critical_ended}
+    if lc is not None:
+        lc.free()
+    return result
