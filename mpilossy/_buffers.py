@@ -28,9 +28,6 @@ def as_array(obj: Any, name: str) -> np.ndarray:
         raise TypeError(f"{name} is a masked array; pass its .data (the mask would be ignored)")
     if isinstance(obj, np.ndarray):
         return obj
-    if hasattr(obj, "__cuda_array_interface__"):
-        raise BufferError(f"{name} lives on a GPU (__cuda_array_interface__); this build "
-                          f"reduces host memory only")
     if hasattr(obj, "__dlpack__"):
         try:
             return np.from_dlpack(obj)

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 from mpi4py import MPI
 
-from . import _buffers, _core, loss as _loss
+from . import _buffers, _core, device as _device, loss as _loss
 from .deadline import AutoDeadline, size_bucket
 from .errors import MismatchError, MPILossyError
 
@@ -241,6 +241,8 @@ class Communicator:
         self._block_bytes = block
         self._radix = radix
         self._size = self._comm.Get_size()
+        self._staging = _device.Staging()       # pinned host copies of GPU buffers
+        self._copy_back: Optional[tuple] = None
         self._channel = channel
         self._trace = self._open_trace(os.environ.get("MPILOSSY_TRACE"))
         self._auto = AutoDeadline(self._comm.Dup(),
@@ -416,6 +418,7 @@ class Communicator:
     def _run(self, coll: int, prepare, timeout: Any) -> CollectiveStats:
         """Validate (every failure goes to every rank), run, report."""
         self._alive()
+        self._copy_back = None
         try:
             send, recv, opcode, algo = prepare()
             tmo = self._timeout if timeout is _UNSET else _check_timeout(timeout)
@@ -429,7 +432,10 @@ class Communicator:
         key = (coll, algo, size_bucket(send.nbytes))
         if tmo == AUTO:
             tmo = self._auto.timeout(key)
+        copy_back, self._copy_back = self._copy_back, None
         result = self._core.collective(send, recv, coll, dtype, opcode, algo, tmo)
+        if copy_back is not None and not result[0]:
+            self._copy_out(*copy_back)
         start, anchor, end = result[10]
         if anchor >= 0 and not result[0] and self._size > 1:
             self._auto.record(key, end - anchor, result[3] >= 1.0 and not result[5])
@@ -443,6 +449,8 @@ class Communicator:
 
     def _buffers(self, sendbuf: Any, recvbuf: Any, recv_required: bool, same_ok: bool,
                  overlap_ok: bool = False) -> tuple:
+        if _device.is_device(sendbuf) or (recvbuf is not None and _device.is_device(recvbuf)):
+            return self._device_buffers(sendbuf, recvbuf, recv_required, same_ok, overlap_ok)
         send = _buffers.as_array(sendbuf, "sendbuf")
         _buffers.dtype_code(send, "sendbuf")
         _buffers.check_contiguous(send, "sendbuf")
@@ -462,6 +470,61 @@ class Communicator:
         if not same and not overlap_ok and np.may_share_memory(send, recv):
             raise ValueError("sendbuf and recvbuf overlap without being the same buffer")
         return send, recv
+
+    def _device_buffers(self, sendbuf: Any, recvbuf: Any, recv_required: bool, same_ok: bool,
+                        overlap_ok: bool) -> tuple:
+        """GPU buffers: validate, stage into pinned host memory (copies on
+        the arrays' streams, synchronised), and note the copy back."""
+        if recvbuf is None and recv_required:
+            raise TypeError("recvbuf is required")
+        staging = self._staging
+        back = staging.backend                          # raises without CuPy
+        for obj, name in ((sendbuf, "sendbuf"), (recvbuf, "recvbuf")):
+            if obj is not None and not _device.is_device(obj):
+                raise BufferError(f"{name} is in host memory and the other buffer on a GPU; "
+                                  f"pass both on the same side")
+        send = _device.describe(sendbuf, "sendbuf")
+        recv = send if recvbuf is None else _device.describe(recvbuf, "recvbuf")
+        for buf, name in ((send, "sendbuf"), (recv, "recvbuf")):
+            if buf.dtype not in _buffers.DTYPE_CODES:
+                raise TypeError(f"{name} has dtype {buf.dtype}; supported: {_buffers.SUPPORTED}")
+            if not buf.contiguous:
+                raise BufferError(f"{name} is not C-contiguous; pass a contiguous copy")
+        if recv.readonly:
+            raise BufferError("recvbuf is read-only; the result is written into it"
+                              if recvbuf is not None else
+                              "sendbuf (in place, no recvbuf) is read-only")
+        if recv.dtype != send.dtype:
+            raise TypeError(f"recvbuf has dtype {recv.dtype}, sendbuf {send.dtype}")
+        in_stream, out_stream = back.stream_of(send), back.stream_of(recv)
+        host_recv = staging.host(1, recv)
+        back.to_host(host_recv, recv, out_stream)       # kept where nothing arrives
+        same = send.ptr == recv.ptr and send.nbytes == recv.nbytes
+        s_lo, s_hi, r_lo, r_hi = send.ptr, send.ptr + send.nbytes, recv.ptr, recv.ptr + recv.nbytes
+        if same:
+            if recvbuf is not None and not same_ok:
+                raise ValueError("sendbuf and recvbuf must be different buffers")
+            host_send = host_recv
+        elif s_lo < r_hi and r_lo < s_hi:
+            offset = s_lo - r_lo
+            if not (overlap_ok and offset >= 0 and s_hi <= r_hi
+                    and offset % recv.dtype.itemsize == 0):
+                raise ValueError("sendbuf and recvbuf overlap without being the same buffer")
+            first = offset // recv.dtype.itemsize
+            host_send = host_recv.reshape(-1)[first:first + send.size]     # a chunk of recv
+        else:
+            host_send = staging.host(0, send)
+            back.to_host(host_send, send, in_stream)
+        back.synchronize(in_stream)
+        if out_stream != in_stream:
+            back.synchronize(out_stream)
+        self._copy_back = (recv, host_recv, out_stream)
+        return host_send.reshape(-1), host_recv.reshape(-1)
+
+    def _copy_out(self, recv: Any, host: np.ndarray, stream: int) -> None:
+        back = self._staging.backend
+        back.to_device(recv, host, stream)
+        back.synchronize(stream)
 
     @staticmethod
     def _op(op: Any, send: np.ndarray) -> int:

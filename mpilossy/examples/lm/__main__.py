@@ -38,6 +38,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--broadcast-every", type=int, default=d.broadcast_every,
                     help="reliable parameter broadcast every K steps")
     ap.add_argument("--no-drift-correction", action="store_true", help="ablation: no broadcast")
+    ap.add_argument("--no-align", action="store_true",
+                    help="no barrier before each lossy reduction: compute skew between ranks "
+                    "then counts as (straggler) loss")
     ap.add_argument("--phase-aware", action="store_true",
                     help="phase-aware loss tolerance: reliable during the critical phase")
     ap.add_argument("--critical-fraction", type=float, default=d.critical_fraction,
@@ -56,7 +59,8 @@ def main(argv=None) -> int:
     cfg = Config(reduce=args.reduce, loss=loss_spec(args.loss), timeout=args.timeout,
                  block_bytes=args.block_bytes, zero_fill=args.zero_fill,
                  broadcast_every=None if args.no_drift_correction else args.broadcast_every,
-                 phase_aware=args.phase_aware, critical_fraction=args.critical_fraction,
+                 align=not args.no_align, phase_aware=args.phase_aware,
+                 critical_fraction=args.critical_fraction,
                  steps=args.steps, batch=args.batch, context=args.context, width=args.width,
                  layers=args.layers, heads=args.heads, lr=args.lr, warmup=args.warmup,
                  seed=args.seed, val_windows=args.val_windows,

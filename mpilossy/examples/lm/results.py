@@ -39,6 +39,8 @@ ROWS: List[Tuple[str, str, List[str]]] = [
     ("no-drift-30", "30%, no drift correction", ["--loss", "0.3", "--no-drift-correction"]),
     ("phase-aware-10", "10%, phase-aware tolerance", ["--loss", "0.1", "--phase-aware"]),
     ("phase-aware-30", "30%, phase-aware tolerance", ["--loss", "0.3", "--phase-aware"]),
+    ("unaligned-10", "10%, ranks not lined up (compute skew adds straggler loss)",
+     ["--loss", "0.1", "--no-align"]),
 ]
 
 
