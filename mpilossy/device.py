@@ -47,6 +47,8 @@ class DeviceBuffer(NamedTuple):
 
 
 def is_device(obj: Any) -> bool:
+    if type(obj) is np.ndarray:        # the common case, checked first: it is per call
+        return False
     if hasattr(obj, "__cuda_array_interface__"):
         return True
     device = getattr(obj, "__dlpack_device__", None)

@@ -34,6 +34,8 @@ def parser() -> argparse.ArgumentParser:
                     "MPILOSSY_LOSS spec such as gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1")
     ap.add_argument("--timeout", type=float, default=d.timeout, help="deadline of each call (s)")
     ap.add_argument("--block-bytes", type=int, default=d.block_bytes, help="loss unit (bytes)")
+    ap.add_argument("--algorithm", choices=("auto", "ring", "tree"), default=d.algorithm,
+                    help="of the lossy all-reduce (auto: ring for this model)")
     ap.add_argument("--zero-fill", action="store_true", help="ablation: no rescaling")
     ap.add_argument("--broadcast-every", type=int, default=d.broadcast_every,
                     help="reliable parameter broadcast every K steps")
@@ -57,7 +59,8 @@ def parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
     cfg = Config(reduce=args.reduce, loss=loss_spec(args.loss), timeout=args.timeout,
-                 block_bytes=args.block_bytes, zero_fill=args.zero_fill,
+                 block_bytes=args.block_bytes, algorithm=args.algorithm,
+                 zero_fill=args.zero_fill,
                  broadcast_every=None if args.no_drift_correction else args.broadcast_every,
                  align=not args.no_align, phase_aware=args.phase_aware,
                  critical_fraction=args.critical_fraction,

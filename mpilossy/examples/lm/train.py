@@ -30,6 +30,7 @@ class Config:
     loss: str = ""                    # mpilossy.loss spec ("" = none)
     timeout: float = 0.05             # deadline of every lossy call (s)
     block_bytes: int = 4096           # loss unit: about one packet
+    algorithm: str = "auto"           # of the lossy all-reduce
     zero_fill: bool = False           # ablation: no rescaling
     broadcast_every: Optional[int] = 50   # drift correction (None = off)
     align: bool = True                # barrier before each lossy reduction (see below)
@@ -122,7 +123,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
         models = [dataclasses.replace(m, seed=m.seed + cfg.seed) if hasattr(m, "seed") else m
                   for m in mpilossy.loss.parse(cfg.loss)] if cfg.loss else None
         lc = mpilossy.Communicator(comm, timeout=cfg.timeout, loss=models,
-                                   block_bytes=cfg.block_bytes,
+                                   block_bytes=cfg.block_bytes, algorithm=cfg.algorithm,
                                    scaling="zero-fill" if cfg.zero_fill else "unbiased")
         if cfg.phase_aware:
             tolerance = mt.PhaseAwareTolerance(critical_steps=int(cfg.steps * cfg.critical_fraction))
