@@ -103,3 +103,19 @@ def test_not_a_policy_raises_on_every_rank(comm, lc):
     all_ranks_raise(comm, lambda: mt.DistributedOptimizer(
         torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), lc,
         tolerance=bad), TypeError)
+
+
+@pytest.mark.mpi
+def test_reliable_steps_reduce_float16_gradients(comm, lc):
+    # Not every MPI has a half type: the reliable path must average float16 anyway.
+    model = make_model(dtype=torch.float16)
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                  model.named_parameters(), lc,
+                                  tolerance=mt.PhaseAwareTolerance(critical_steps=1))
+    got = grads_after_step(comm, opt, model, 0)
+    ref = make_model(dtype=torch.float16)
+    backward(ref, comm.rank, 0)
+    local = np.concatenate([p.grad.detach().numpy().ravel() for p in ref.parameters()])
+    want = sum(comm.allgather(local.astype(np.float64))) / comm.size
+    gather_check(comm, opt.stats.reliable and np.allclose(got, want, rtol=1e-2, atol=1e-3),
+                 f"largest difference {np.abs(got - want).max():.3g}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -146,17 +147,22 @@ class _GradientAllreduce(Engine):
                 else:
                     p.grad.copy_(reduced)
         if policy is not None and policy.grad_norm_threshold is not None:
-            policy.observe(math.sqrt(sum(float(torch.sum(b.double() ** 2))
-                                         for b in self.flat.buffers.values())))
+            policy.observe(math.sqrt(sum(
+                float(torch.linalg.vector_norm(b, dtype=torch.float64)) ** 2
+                for b in self.flat.buffers.values())))
         self.synchronized = True
 
     def reduce_reliably(self) -> None:
         """Exact reduction of the packed gradients (MPI_Allreduce)."""
         comm = self.lc.comm
         for arr in self.flat.arrays.values():
-            comm.Allreduce(MPI.IN_PLACE, arr, op=MPI.SUM)
+            # Not every MPI has a half-precision type: float16 goes through float32.
+            wide = arr.astype(np.float32) if arr.dtype == np.float16 else arr
+            comm.Allreduce(MPI.IN_PLACE, wide, op=MPI.SUM)
             if self.op == "avg":
-                arr /= comm.size
+                wide /= comm.size
+            if wide is not arr:
+                arr[...] = wide
         self.recorder.reliable = True
 
 
