@@ -497,22 +497,34 @@ class Communicator:
         if recv.dtype != send.dtype:
             raise TypeError(f"recvbuf has dtype {recv.dtype}, sendbuf {send.dtype}")
         in_stream, out_stream = back.stream_of(send), back.stream_of(recv)
-        host_recv = staging.host(1, recv)
-        back.to_host(host_recv, recv, out_stream)       # kept where nothing arrives
         same = send.ptr == recv.ptr and send.nbytes == recv.nbytes
         s_lo, s_hi, r_lo, r_hi = send.ptr, send.ptr + send.nbytes, recv.ptr, recv.ptr + recv.nbytes
         if same:
             if recvbuf is not None and not same_ok:
                 raise ValueError("sendbuf and recvbuf must be different buffers")
-            host_send = host_recv
+            host_send = host_recv = staging.host(1, recv)
+            back.to_host(host_recv, recv, out_stream)
         elif s_lo < r_hi and r_lo < s_hi:
             offset = s_lo - r_lo
             if not (overlap_ok and offset >= 0 and s_hi <= r_hi
                     and offset % recv.dtype.itemsize == 0):
                 raise ValueError("sendbuf and recvbuf overlap without being the same buffer")
+            host_recv = staging.host(1, recv)
+            back.to_host(host_recv, recv, out_stream)
             first = offset // recv.dtype.itemsize
             host_send = host_recv.reshape(-1)[first:first + send.size]     # a chunk of recv
+        elif same_ok and not overlap_ok:
+            # allreduce out of place: reduce the staged send data in place,
+            # then copy it to recvbuf (recvbuf's old contents are not needed).
+            if recv.nbytes != send.nbytes:
+                raise ValueError(f"recvbuf has {recv.size} elements, sendbuf {send.size}")
+            host_send = host_recv = staging.host(1, send)
+            back.to_host(host_send, send, in_stream)
         else:
+            # reduce_scatter, allgather: recvbuf's old contents stay where
+            # nothing arrives (allgather keeps a missing chunk's previous values)
+            host_recv = staging.host(1, recv)
+            back.to_host(host_recv, recv, out_stream)
             host_send = staging.host(0, send)
             back.to_host(host_send, send, in_stream)
         back.synchronize(in_stream)

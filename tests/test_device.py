@@ -81,7 +81,9 @@ def test_device_allreduce_equals_mpi_and_reuses_staging(comm, lc, copies, inplac
             buf = np.full_like(x, -1)
             lc.allreduce(FakeDevice(x.copy()), FakeDevice(buf))
         np.testing.assert_array_equal(buf, want)
-    assert copies.pinned_calls <= 2             # allocated once per slot, then reused
+    assert copies.pinned_calls == 1             # allocated once, then reused
+    if not inplace:                             # recvbuf's old contents are never read
+        assert ("to_host", 7) in copies.log and copies.log.count(("to_host", 7)) == 3
 
 
 @pytest.mark.mpi
@@ -115,6 +117,7 @@ BAD = {
     "strided": (lambda x: FakeDevice(x, strides=(8,)), BufferError, "contiguous"),
     "dtype": (lambda x: FakeDevice(x.astype(np.uint8)), TypeError, "dtype"),
     "host-and-device": (lambda x: x, BufferError, "same side"),
+    "size": (lambda x: FakeDevice(x[:16]), ValueError, "elements"),
 }
 
 
