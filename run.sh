@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job: set up, then train the example language model under 10%
-# injected loss with 4 ranks (a few minutes on 2 cores; docs/results.md).
+# injected loss with 4 ranks (about a minute on 2 cores; docs/results.md).
 #   bash run.sh                  # the language model, 10% loss
 #   LOSS=0 bash run.sh           # without loss
 #   NP=2 bash run.sh             # other rank count
