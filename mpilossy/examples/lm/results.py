@@ -156,9 +156,11 @@ def plot(data: Dict[str, List[dict]], base_ppl: float, base_sd: float, path: Pat
                 xs.append(pct), ys.append(m), es.append(s)
         if xs:
             ax.errorbar(xs, ys, yerr=es, fmt=style, capsize=3, label=label)
-    if "microburst" in data:
-        m, s = spread([r["val_perplexity"] for r in data["microburst"]])
-        ax.errorbar([9], [m], yerr=[s], fmt="*", ms=10, capsize=3, label="Gilbert-Elliott (~9%)")
+    for name, x, style, label in (("microburst", 9, "*", "Gilbert-Elliott (~9%)"),
+                                  ("tree-10", 10.4, "P", "tree all-reduce (10%)")):
+        if name in data:
+            m, s = spread([r["val_perplexity"] for r in data[name]])
+            ax.errorbar([x], [m], yerr=[s], fmt=style, ms=9, capsize=3, label=label)
     ax.set_xlabel("injected block loss (%)")
     ax.set_ylabel("validation perplexity (lower is better)")
     ax.set_title("Byte-level transformer, 4 ranks, stdlib corpus")
