@@ -81,7 +81,8 @@ class PhaseAwareTolerance:
         """Steps begun so far."""
         self.critical_ended: Optional[int] = None if grad_norm_threshold is not None else \
             self.critical_steps
-        """Step at which the critical phase ended (None while it lasts)."""
+        """Last step of the critical phase: critical_steps by schedule; with the
+        gradient-norm signal, None until the ranks agree that it ended."""
         self.repaired = 0
         """Steps whose loss exceeded their tolerance and were re-sent reliably."""
         self.reliable = 0
