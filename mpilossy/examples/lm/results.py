@@ -42,6 +42,8 @@ ROWS: List[Tuple[str, str, List[str]]] = [
     ("phase-aware-30", "30%, phase-aware tolerance", ["--loss", "0.3", "--phase-aware"]),
     ("tree-10", "10%, tree all-reduce (a lost block costs one contribution)",
      ["--loss", "0.1", "--algorithm", "tree"]),
+    ("tree-phase-aware-10", "10%, tree all-reduce and phase-aware tolerance",
+     ["--loss", "0.1", "--algorithm", "tree", "--phase-aware"]),
     ("unaligned-10", "10%, ranks not lined up (compute skew adds straggler loss)",
      ["--loss", "0.1", "--no-align"]),
 ]
