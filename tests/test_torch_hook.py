@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 import mpilossy  # noqa: E402
 import mpilossy.torch as mt  # noqa: E402
-from torch_helpers import backward, flat, gather_check, make_model, same_on_every_rank  # noqa: E402
+from torch_helpers import (assert_matches_reference, backward, flat, gather_check,  # noqa: E402
+                           make_model)
 
 STEPS = 8
 BUCKET_MB = 0.004           # about 4 KB: the 13 KB model makes several buckets
@@ -51,11 +52,7 @@ def test_lossless_hook_equals_ddp_default(comm, lc, background):
             backward(m, comm.rank, step)
             o.step()
     state.close()
-    got, want = flat(model), flat(ref)
-    identical = same_on_every_rank(comm, got)
-    gather_check(comm, np.allclose(got, want, rtol=1e-5, atol=1e-6),
-                 f"largest difference {np.abs(got - want).max():.3g}")
-    assert identical
+    assert_matches_reference(comm, model, ref)
     buckets = len(state.bucket_stats)
     assert buckets >= 2, "the test wants several buckets"
     assert state.steps == STEPS

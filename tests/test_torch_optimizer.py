@@ -10,8 +10,9 @@ import numpy as np  # noqa: E402
 
 import mpilossy  # noqa: E402
 import mpilossy.torch as mt  # noqa: E402
-from torch_helpers import (backward, flat, gather_check, make_model, reliable_average,  # noqa: E402
-                           same_on_every_rank, train_reference)
+from torch_helpers import (assert_matches_reference, backward, flat, gather_check,  # noqa: E402
+                           make_model, reliable_average, same_on_every_rank,
+                           train_reference)
 
 STEPS = 12
 OPTIMIZERS = {
@@ -33,11 +34,7 @@ def test_lossless_equals_reliable_averaging(comm, lc, name, bucket_bytes):
         opt.zero_grad()
         backward(model, comm.rank, step)
         opt.step()
-    got, want = flat(model), flat(ref)
-    identical = same_on_every_rank(comm, got)
-    gather_check(comm, np.allclose(got, want, rtol=1e-5, atol=1e-6),
-                 f"largest difference {np.abs(got - want).max():.3g}")
-    assert identical, "ranks ended with different parameters without loss"
+    assert_matches_reference(comm, model, ref)
     stats = opt.stats
     nbytes = sum(p.numel() * 4 for p in model.parameters())
     assert stats.step == STEPS and stats.delivered == 1.0 and stats.deadline_hits == 0

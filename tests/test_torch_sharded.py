@@ -10,8 +10,9 @@ import numpy as np  # noqa: E402
 
 import mpilossy  # noqa: E402
 import mpilossy.torch as mt  # noqa: E402
-from torch_helpers import (backward, flat, gather_check, make_model, reliable_average,  # noqa: E402
-                           same_on_every_rank, train_reference)
+from torch_helpers import (assert_matches_reference, backward, flat, gather_check,  # noqa: E402
+                           make_model, reliable_average, same_on_every_rank,
+                           train_reference)
 
 STEPS = 12
 
@@ -43,11 +44,7 @@ def test_lossless_equals_reliable_training(comm, lc, name):
         opt.zero_grad()
         backward(model, comm.rank, step)
         opt.step()
-    got, want = flat(model), flat(ref)
-    identical = same_on_every_rank(comm, got)
-    gather_check(comm, np.allclose(got, want, rtol=1e-5, atol=1e-6),
-                 f"largest difference {np.abs(got - want).max():.3g}")
-    assert identical
+    assert_matches_reference(comm, model, ref)
     assert list(model.parameters()) == params_before        # the same tensors, now views
     assert opt.stats.calls == 2 and opt.stats.delivered == 1.0
     assert opt.param_groups[1]["lr"] == 0.02                # group options kept

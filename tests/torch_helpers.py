@@ -77,3 +77,13 @@ def gather_check(comm: MPI.Comm, ok: bool, detail: object = "") -> None:
 
 def same_on_every_rank(comm: MPI.Comm, values: np.ndarray) -> bool:
     return all(np.array_equal(v, values) for v in comm.allgather(values))
+
+
+def assert_matches_reference(comm: MPI.Comm, model, ref) -> None:
+    """Every rank's parameters equal the reference's and each other's
+    (the collectives run before any assertion: no rank is left waiting)."""
+    got, want = flat(model), flat(ref)
+    identical = same_on_every_rank(comm, got)
+    gather_check(comm, np.allclose(got, want, rtol=1e-5, atol=1e-6),
+                 f"largest difference {np.abs(got - want).max():.3g}")
+    assert identical, "ranks ended with different parameters without loss"
