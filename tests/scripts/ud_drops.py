@@ -52,6 +52,7 @@ if comm.rank == 0:
         "mean_ms": 1e3 * float(times.mean()), "p99_ms": 1e3 * float(np.percentile(times, 99)),
         "max_ms": 1e3 * float(times.max()),
         "overshoot_ms": 1e3 * float(max(0.0, times.max() - args.timeout)),
+        "late_30ms": int((times > args.timeout + 0.03).sum()),   # calls (x ranks) past T + 30 ms
         "delivered": float(np.mean([np.mean(d) for *_, d, _, _ in everything])),
         "lost_blocks": [int(x) for x in sum(l for *_, l, _ in everything)],
         "queue_drops": int(sum(max(q, 0) for *_, q in everything)),
