@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _buffers, _core, device as _device, loss as _loss
+from .contributors import Contributors
 from .deadline import AutoDeadline, size_bucket
 from .errors import MismatchError, MPILossyError
 
@@ -21,7 +22,7 @@ __all__ = ["Communicator", "CollectiveStats", "AllreduceStats", "allreduce",
            "reduce_scatter", "allgather", "default_communicator"]
 
 OPS = {"sum": _core.SUM, "avg": _core.AVG}
-ALGORITHMS = {"ring": _core.RING, "tree": _core.TREE}
+ALGORITHMS = {"ring": _core.RING, "tree": _core.TREE, "direct": _core.DIRECT}
 ALGORITHM_NAMES = {_core.RING: "ring", _core.TREE: "tree", _core.DIRECT: "direct"}
 COLLECTIVE_NAMES = {_core.ALLREDUCE: "allreduce", _core.REDUCE_SCATTER: "reduce_scatter",
                     _core.ALLGATHER: "allgather"}
@@ -40,6 +41,10 @@ DEFAULT_TREE_RADIX = 4
 # (MPILOSSY_TREE_MAX_BYTES overrides the table).
 TREE_MAX_BYTES = {1: 0, 2: 1024, 3: 2 * 1024, 4: 16 * 1024}
 TREE_MAX_BYTES_LARGE = 32 * 1024
+# algorithm="auto" above the tree's sizes, for calls without a deadline: the
+# ring (True) or direct (False), whichever was faster without loss
+# (docs/performance.md).  Calls with a deadline take direct.
+RING_WITHOUT_DEADLINE = True
 
 _EXCEPTIONS = {
     _core.ERRORS["type"]: TypeError,
@@ -79,6 +84,19 @@ class CollectiveStats(NamedTuple):
     collective: str = "allreduce"
     timeout: Optional[float] = None
     """The deadline this call had (with timeout="auto": the learned one)."""
+    agreed: float = 1.0
+    """Fraction of all contributions in the blocks whose reduced value
+    arrived (fallbacks left out): what the reduction itself kept."""
+    contributors: Optional[Contributors] = None
+    """algorithm="direct": which ranks' data is in each block of the result."""
+
+    def contributed(self, rank: Optional[int] = None) -> float:
+        """Fraction of this rank's result that holds `rank`'s data (default:
+        this rank's own).  Only algorithm="direct" records who contributed."""
+        if self.contributors is None:
+            raise ValueError(f"algorithm={self.algorithm!r} does not record who contributed; "
+                             f"use algorithm='direct'")
+        return self.contributors.fraction(rank)
 
 
 AllreduceStats = CollectiveStats
@@ -152,7 +170,8 @@ class Communicator:
         Injected loss: a model of mpilossy.loss, a list of them, or a string
         in MPILOSSY_LOSS syntax.  Default: $MPILOSSY_LOSS, else none.
     algorithm:
-        Default algorithm of allreduce: "ring", "tree" or "auto".
+        Default algorithm of allreduce: "ring", "tree", "direct" or "auto"
+        (the tree for small messages, direct above: docs/performance.md).
     block_bytes:
         Pipelining and loss unit (default 256 KiB, $MPILOSSY_BLOCK_BYTES).
     capacity:
@@ -362,28 +381,33 @@ class Communicator:
         sum * size / count, where count is the number of ranks whose data
         reached each block in time.  Returns this rank's statistics.
         """
-        def prepare():
+        def prepare(deadline: bool):
             send, recv = self._buffers(sendbuf, recvbuf, recv_required=False, same_ok=True)
             if recv.size != send.size:
                 raise ValueError(f"recvbuf has {recv.size} elements, sendbuf {send.size}")
             algo = self._resolve_algorithm(
                 self._algorithm if algorithm is None else self._check_algorithm(algorithm),
-                send.nbytes)
+                send.nbytes, deadline)
             return send, recv, self._op(op, send), algo
         return self._run(_core.ALLREDUCE, prepare, timeout)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, *, op: str = "sum",
-                       timeout: Any = _UNSET) -> CollectiveStats:
+                       algorithm: str = "auto", timeout: Any = _UNSET) -> CollectiveStats:
         """Lossy reduce-scatter: `recvbuf` receives this rank's chunk
         (chunk_bounds) of the reduction of every rank's `sendbuf`, scaled as
-        in allreduce.  Ring algorithm; unbiased like allreduce."""
-        def prepare():
+        in allreduce.  algorithm: "ring", "direct" or "auto" (as allreduce
+        chooses above the tree's sizes); unbiased like allreduce."""
+        def prepare(deadline: bool):
             send, recv = self._buffers(sendbuf, recvbuf, recv_required=True, same_ok=False)
             lo, hi = self.chunk_bounds(send.size)
             if recv.size != hi - lo:
                 raise ValueError(f"recvbuf has {recv.size} elements; this rank's chunk of "
                                  f"{send.size} has {hi - lo} (Communicator.chunk_bounds)")
-            return send, recv, self._op(op, send), _core.RING
+            if algorithm not in ("ring", "direct", "auto"):
+                raise ValueError(f"reduce_scatter's algorithm must be 'ring', 'direct' or "
+                                 f"'auto', got {algorithm!r}")
+            algo = self._resolve_algorithm(algorithm, send.nbytes, deadline, tree_ok=False)
+            return send, recv, self._op(op, send), algo
         return self._run(_core.REDUCE_SCATTER, prepare, timeout)
 
     def allgather(self, sendbuf: Any, recvbuf: Any, *, timeout: Any = _UNSET) -> CollectiveStats:
@@ -403,7 +427,7 @@ class Communicator:
                     and np.may_share_memory(send, recv)):
                 raise ValueError("sendbuf overlaps recvbuf without being this rank's chunk of it")
             return send, recv, _core.SUM, _core.DIRECT
-        return self._run(_core.ALLGATHER, prepare, timeout)
+        return self._run(_core.ALLGATHER, lambda deadline: prepare(), timeout)
 
     def chunk_bounds(self, count: int, rank: Optional[int] = None) -> tuple:
         """(first, end) of `rank`'s chunk (default: this rank's) of a vector of
@@ -420,8 +444,8 @@ class Communicator:
         self._alive()
         self._copy_back = None
         try:
-            send, recv, opcode, algo = prepare()
             tmo = self._timeout if timeout is _UNSET else _check_timeout(timeout)
+            send, recv, opcode, algo = prepare(tmo != -1.0)
         except (TypeError, ValueError, BufferError) as exc:
             tmo = self._timeout if timeout is _UNSET or not isinstance(timeout, (int, float)) \
                 else (timeout if timeout > 0 else self._timeout)
@@ -443,9 +467,16 @@ class Communicator:
             self._write_trace(result, coll, algo, send.nbytes, tmo)
         if result[0]:
             raise self._error(coll, result)
+        contributors = None
+        if algo == _core.DIRECT and coll != _core.ALLGATHER:
+            contributors = Contributors(
+                result[12], size=self._size, rank=self._comm.Get_rank(), count=send.size,
+                chunks=(self._comm.Get_rank(),) if coll == _core.REDUCE_SCATTER
+                else tuple(range(self._size)))
         return CollectiveStats(result[3], result[4], result[5], result[6], result[7],
                                ALGORITHM_NAMES[algo], send.nbytes, result[8], result[9],
-                               COLLECTIVE_NAMES[coll], None if tmo < 0 else tmo)
+                               COLLECTIVE_NAMES[coll], None if tmo < 0 else tmo, result[11],
+                               contributors)
 
     def _buffers(self, sendbuf: Any, recvbuf: Any, recv_required: bool, same_ok: bool,
                  overlap_ok: bool = False) -> tuple:
@@ -549,14 +580,25 @@ class Communicator:
 
     @staticmethod
     def _check_algorithm(algorithm: Any) -> str:
-        if algorithm not in ("ring", "tree", "auto"):
-            raise ValueError(f"algorithm must be 'ring', 'tree' or 'auto', got {algorithm!r}")
+        if algorithm not in ("ring", "tree", "direct", "auto"):
+            raise ValueError(f"algorithm must be 'ring', 'tree', 'direct' or 'auto', "
+                             f"got {algorithm!r}")
         return algorithm
 
-    def _resolve_algorithm(self, algorithm: str, nbytes: int) -> int:
-        if algorithm == "auto":
-            algorithm = "tree" if nbytes <= self._tree_max_bytes else "ring"
-        return ALGORITHMS[algorithm]
+    def _resolve_algorithm(self, algorithm: str, nbytes: int, deadline: bool,
+                           tree_ok: bool = True) -> int:
+        """algorithm="auto" (docs/performance.md): the tree up to its measured
+        crossover; above it, direct whenever the call has a deadline (the
+        ring loses whole partial sums: at 3 ranks and more it keeps fewer
+        contributions than direct), else the faster of ring and direct
+        without loss (RING_WITHOUT_DEADLINE)."""
+        if algorithm != "auto":
+            return ALGORITHMS[algorithm]
+        if tree_ok and nbytes <= self._tree_max_bytes:
+            return _core.TREE
+        if deadline or not RING_WITHOUT_DEADLINE:
+            return _core.DIRECT
+        return _core.RING
 
     def _open_trace(self, directory: Optional[str]):
         """MPILOSSY_TRACE=DIR: one line per call and rank, for tuning deadlines."""

@@ -1,6 +1,6 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 # cython: initializedcheck=False, embedsignature=True
-"""mpilossy's compiled core: kernels, the one-sided channel, ring and tree.
+"""mpilossy's compiled core: kernels, channels, ring, tree and direct.
 
 One module, one concern per included file (the layout of mpi4py's MPI.pyx):
   kernels.pxi    accumulate and unbiased scaling, per dtype, outside the GIL
@@ -10,6 +10,7 @@ One module, one concern per included file (the layout of mpi4py's MPI.pyx):
   schedule.pxi   the engine: streams, deadlines, the polling loop
   ring.pxi       ring all-reduce and reduce-scatter
   tree.pxi       k-nomial tree all-reduce
+  direct.pxi     direct (one-hop) all-reduce and reduce-scatter
   gather.pxi     direct all-gather
   lossmodel.pxi  injected loss, decided from counters
   core.pxi       per-communicator state and the entry points
@@ -39,6 +40,7 @@ include "dgram.pxi"
 include "schedule.pxi"
 include "ring.pxi"
 include "tree.pxi"
+include "direct.pxi"
 include "gather.pxi"
 include "lossmodel.pxi"
 include "core.pxi"
@@ -60,6 +62,7 @@ PKT_DATA = MPL_PKT_DATA
 PKT_HELLO = MPL_PKT_HELLO
 PKT_ERROR = MPL_PKT_ERROR
 PKT_NACK = MPL_PKT_NACK
+PKT_END = MPL_PKT_END
 ERRORS = {
     "type": ERR_TYPE, "value": ERR_VALUE, "buffer": ERR_BUFFER,
     "mismatch": ERR_MISMATCH, "protocol": ERR_PROTOCOL, "mpi": ERR_MPI,

@@ -25,7 +25,7 @@ cdef enum:
 cdef enum:
     ALGO_RING = 0
     ALGO_TREE = 1
-    ALGO_DIRECT = 2       # every rank reads every other rank once (allgather)
+    ALGO_DIRECT = 2       # one hop to the owner of each chunk (and the allgather)
 
 # The collectives; each chunk of a reduce-scatter/allgather vector of
 # `count` elements belongs to rank c = its index (chunk_bounds in core.pxi).
@@ -54,6 +54,7 @@ cdef struct CallInfo:
     int nblocks           # blocks per slot
     Py_ssize_t block_elems
     Py_ssize_t block_bytes
+    Py_ssize_t max_block  # largest record payload the channel moves as one unit
     double start
     double timeout        # < 0: no deadline
     double anchor         # when every peer was seen in this call (or patience
@@ -87,6 +88,8 @@ cdef struct Stream:
     int cursor            # first block not resolved yet
     unsigned char* drop   # injected loss, one flag per block
     unsigned char* done   # blocks resolved ahead of the cursor
+    bint drop_end         # injected loss of the producer's end mark
+    double end_at         # when the end mark was seen (< 0: not yet)
     # Channel.
     int index             # the stream's number in the call (set by the channel)
     int cstate
@@ -173,6 +176,11 @@ cdef class Channel:
     cdef bint confirm(self, Stream* s, int block) noexcept nogil:
         """After using a READY payload in place: was it stable meanwhile?"""
         return True
+
+    cdef bint closed(self, Stream* s) noexcept nogil:
+        """Has the producer of `s` marked its slot complete in this call
+        (every block of it sent; what has not come may still be in flight)?"""
+        return False
 
     cdef void progress(self) noexcept nogil:
         """Drive the transport while nothing else happens."""

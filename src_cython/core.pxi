@@ -24,6 +24,7 @@ cdef class Core:
     cdef RmaChannel rma              # chan, when it is the one-sided channel
     cdef Ring ring
     cdef Tree tree
+    cdef Direct direct
     cdef Gather gather
     cdef LossState loss
     cdef uint64_t seq
@@ -39,9 +40,10 @@ cdef class Core:
                   str channel="rma", str provider="", str domain="",
                   Py_ssize_t datagram_bytes=8192, int recv_buffers=DEFAULT_RECV_BUFFERS,
                   int socket_bytes=32 << 20):
-        global SPIN_BEFORE_YIELD
+        global SPIN_BEFORE_YIELD, EARLY_CLOSE_GRACE
         import os
-        SPIN_BEFORE_YIELD = int(os.environ.get("MPILOSSY_SPIN", SPIN_BEFORE_YIELD))
+        SPIN_BEFORE_YIELD = int(os.environ.get("MPILOSSY_SPIN", DEFAULT_SPIN))
+        EARLY_CLOSE_GRACE = float(os.environ.get("MPILOSSY_EARLY_CLOSE", DEFAULT_EARLY_CLOSE))
         self.comm = comm
         self.scaling = SCALE_ZERO_FILL if zero_fill else SCALE_UNBIASED
         self.rotate = rotate
@@ -51,6 +53,7 @@ cdef class Core:
         self.ring = Ring(self.rank, self.size)
         self.tree = Tree(self.rank, self.size)
         self.tree.set_radix(radix)
+        self.direct = Direct(self.rank, self.size)
         self.gather = Gather(self.rank, self.size)
         self.loss = LossState(self.size)
         cdef DgramChannel ud
@@ -111,8 +114,10 @@ cdef class Core:
         """Run one collective call (COLL_*) on buffers the Python layer has
         validated.  `timeout` < 0 waits for everything.  Returns
         (err_kind, err_rank, err_msg, delivered, elapsed, deadline_hit,
-        fallback_fraction, min_contributors, seq, lost_blocks, timing) with
-        timing = (start, anchor, end) on the monotonic clock."""
+        fallback_fraction, min_contributors, seq, lost_blocks, timing, agreed,
+        contributors) with timing = (start, anchor, end) on the monotonic clock
+        and contributors (direct only, else None) = (bitmap bytes, entries,
+        nblocks, block_elems, words)."""
         cdef Py_buffer sb, rb
         PyObject_GetBuffer(sendbuf, &sb, PyBUF_SIMPLE)
         try:
@@ -137,6 +142,8 @@ cdef class Core:
         if coll == COLL_ALLGATHER:
             alg = self.gather
             algo = ALGO_DIRECT
+        elif algo == ALGO_DIRECT:
+            alg = self.direct
         elif coll == COLL_REDUCE_SCATTER or algo == ALGO_RING:
             alg = self.ring
             algo = ALGO_RING
@@ -164,9 +171,9 @@ cdef class Core:
         if self.size == 1:
             k_scale(dtype, 1.0, recv, send, call.count)    # every collective is a copy
             return (ERR_NONE, -1, "", 1.0, mpl_now() - t0, False, 0.0, 1, call.seq, (0, 0, 0, 0),
-                    (call.start, call.start, mpl_now()))
-        call.block_elems = max(1, min(self.block_bytes, self.chan.max_block_bytes())
-                               // call.itemsize)
+                    (call.start, call.start, mpl_now()), 1.0, None)
+        call.max_block = self.chan.max_block_bytes()
+        call.block_elems = max(1, min(self.block_bytes, call.max_block) // call.itemsize)
         alg.layout(call)
         call.sig = mpl_hash4(<uint64_t>call.count,
                              <uint64_t>(dtype | op << 8 | algo << 16 | self.tree.radix << 24
@@ -190,12 +197,13 @@ cdef class Core:
         if failed:
             return (self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
                     0.0, finished - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
-                    (call.start, -1.0, finished))
+                    (call.start, -1.0, finished), 0.0, None)
         return (ERR_NONE, -1, "", alg.delivered(), finished - t0, alg.deadline_hit,
                 alg.fallback_elems / <double>alg.result_elems if alg.result_elems else 0.0,
                 alg.min_count, call.seq,
                 (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
-                (call.start, call.anchor, finished))
+                (call.start, call.anchor, finished), alg.agreed(),
+                self.direct.contributors() if alg is self.direct else None)
 
     def fail(self, int kind, str message, double timeout):
         """This rank cannot take part in the next call (bad input): count the
@@ -216,7 +224,7 @@ cdef class Core:
                 self.chan.fail(call, &self.err)
                 self.chan.end(call, True)
         return (kind, self.rank, message, 0.0, 0.0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
-                (call.start, -1.0, call.start))
+                (call.start, -1.0, call.start), 0.0, None)
 
 
 # -- kernels, for python -m mpilossy.bench.kernels ---------------------------

@@ -17,7 +17,9 @@
 # Errors go to every peer as ERROR datagrams.  Without a deadline
 # (timeout=None) a reader asks again (NACK) for blocks that do not come, so
 # that the result is exact even on a lossy network; with a deadline it never
-# does.
+# does.  After the last block of a slot the sender sends END, twice, to the
+# slot's readers: a reader that has it stops waiting for what is still
+# missing after a short grace (early close, schedule.pxi).
 
 cdef enum:
     HEADER_BYTES = 64              # sizeof(mpl_packet_t)
@@ -60,6 +62,8 @@ cdef class DgramChannel(Channel):
     cdef int out_nblocks[2]
     cdef int out_records[2]
     cdef unsigned char* published[2]
+    cdef int* published_blocks        # per slot, in this call
+    cdef Py_ssize_t published_cap
     # control datagrams (HELLO, ERROR, NACK)
     cdef char* cbuf
     cdef void* cbuf_mr
@@ -77,6 +81,7 @@ cdef class DgramChannel(Channel):
     cdef uint32_t* counts
     cdef uint32_t* sizes
     cdef double* last_nack
+    cdef unsigned char* ended         # per stream: END arrived
     cdef Py_ssize_t state_cap
     cdef int* stream_of               # peer * nslots + slot -> stream, or -1
     cdef Py_ssize_t stream_of_cap
@@ -234,6 +239,8 @@ cdef class DgramChannel(Channel):
         free(self.counts)
         free(self.sizes)
         free(self.last_nack)
+        free(self.ended)
+        free(self.published_blocks)
         free(self.stream_of)
 
     cdef Py_ssize_t max_block_bytes(self) noexcept nogil:
@@ -282,6 +289,14 @@ cdef class DgramChannel(Channel):
                                 &self.out_mr[parity], &self.out_desc[parity], self.errbuf, 256):
                 raise MPILossyChannelError(self.errbuf.decode(errors="replace"))
         memset(self.published[parity], 0, records)
+        if call.nslots > self.published_cap:
+            free(self.published_blocks)
+            self.published_blocks = <int*>malloc(call.nslots * sizeof(int))
+            if self.published_blocks == NULL:
+                self.published_cap = 0
+                raise MemoryError()
+            self.published_cap = call.nslots
+        memset(self.published_blocks, 0, call.nslots * sizeof(int))
         self.out_seq[parity] = call.seq
         self.out_nblocks[parity] = call.nblocks
         self.out_records[parity] = <int>records
@@ -323,6 +338,10 @@ cdef class DgramChannel(Channel):
                 raise MemoryError()
             self.state_cap = blocks
         self.last_nack = <double*>realloc(self.last_nack, (i + 1) * sizeof(double))
+        self.ended = <unsigned char*>realloc(self.ended, i + 1)
+        if self.last_nack == NULL or self.ended == NULL:
+            raise MemoryError()
+        self.ended[i] = 0
         memset(self.arrived + <Py_ssize_t>i * c.nblocks, 0, c.nblocks)
         self.last_nack[i] = mpl_now()
         return 0
@@ -350,6 +369,10 @@ cdef class DgramChannel(Channel):
         self.published[parity][record] = 1
         for i in range(ndests):
             self.send(dests[i], buf, self.prefix + HEADER_BYTES + nbytes, parity)
+        self.published_blocks[slot] += 1
+        if self.published_blocks[slot] == self.cur.nblocks and ndests:
+            for i in range(2):          # datagrams get lost: say it twice
+                self.send_control_to(MPL_PKT_END, self.cur.seq, slot, 0, NULL, 0, dests, ndests)
 
     cdef void fill_header(self, mpl_packet_t* hdr, int kind, uint64_t seq, uint32_t slot,
                           uint32_t block, uint32_t count, uint32_t nbytes) noexcept nogil:
@@ -408,6 +431,12 @@ cdef class DgramChannel(Channel):
     cdef void send_control(self, int kind, uint64_t seq, uint32_t slot, uint32_t block,
                            const void* payload, uint32_t nbytes, int peer) noexcept nogil:
         """A HELLO/ERROR/NACK to `peer`, or to every peer when peer < 0."""
+        self.send_control_to(kind, seq, slot, block, payload, nbytes, &peer, 1 if peer >= 0 else -1)
+
+    cdef void send_control_to(self, int kind, uint64_t seq, uint32_t slot, uint32_t block,
+                              const void* payload, uint32_t nbytes, const int* peers,
+                              int npeers) noexcept nogil:
+        """A control datagram to `npeers` peers, or to every peer when npeers < 0."""
         cdef int owner, p
         cdef char* buf = self.control_buffer(&owner)
         if buf == NULL:
@@ -417,8 +446,12 @@ cdef class DgramChannel(Channel):
         if nbytes:
             memcpy(buf + self.prefix + HEADER_BYTES, payload, nbytes)
         hdr.sum = mpl_packet_sum(hdr, buf + self.prefix + HEADER_BYTES)
+        if npeers >= 0:
+            for p in range(npeers):
+                self.send(peers[p], buf, self.prefix + HEADER_BYTES + nbytes, owner)
+            return
         for p in range(self.size):
-            if p != self.rank and (peer < 0 or p == peer):
+            if p != self.rank:
                 self.send(p, buf, self.prefix + HEADER_BYTES + nbytes, owner)
 
     cdef void send_hello(self) noexcept nogil:
@@ -497,6 +530,19 @@ cdef class DgramChannel(Channel):
             self.take_error(<const mpl_error_t*>(data + HEADER_BYTES))
         elif hdr.kind == MPL_PKT_DATA:
             self.place(&hdr, data + HEADER_BYTES)
+        elif hdr.kind == MPL_PKT_END:
+            self.mark_end(&hdr)
+
+    cdef void mark_end(self, const mpl_packet_t* hdr) noexcept nogil:
+        cdef int stream
+        if hdr.slot >= <uint32_t>self.cur.nslots or hdr.nbytes:
+            self.n_unexpected += 1
+            return
+        stream = self.stream_of[hdr.src * self.cur.nslots + hdr.slot]
+        if stream < 0:
+            self.n_unexpected += 1
+            return
+        self.ended[stream] = 1
 
     cdef void place(self, const mpl_packet_t* hdr, const char* payload) noexcept nogil:
         cdef CallInfo* c = &self.cur
@@ -628,6 +674,11 @@ cdef class DgramChannel(Channel):
     cdef bint random_access(self, Stream* s) noexcept nogil:
         return True
 
+    cdef bint closed(self, Stream* s) noexcept nogil:
+        if not self.ended[s.index]:
+            self.service()
+        return self.ended[s.index]
+
     cdef int entered(self) noexcept nogil:
         cdef int p, k = 1
         self.service()
@@ -671,7 +722,7 @@ cdef int check_packet(const char* data, Py_ssize_t length, uint64_t token, int s
     if hdr.magic != MPL_PKT_MAGIC or hdr.version != MPL_PKT_VERSION or hdr.token != token:
         return PACKET_FOREIGN
     if hdr.src >= <uint32_t>size or hdr.src == <uint32_t>me or hdr.kind < MPL_PKT_DATA \
-            or hdr.kind > MPL_PKT_NACK:
+            or hdr.kind > MPL_PKT_END:
         return PACKET_FOREIGN
     if <Py_ssize_t>hdr.nbytes != length - HEADER_BYTES:
         return PACKET_TRUNCATED

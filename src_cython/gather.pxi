@@ -83,5 +83,5 @@ cdef class Gather(Algorithm):
 
     cdef void lose(self, Stream* s, int block) noexcept nogil:
         cdef Py_ssize_t n = self.block_len(s.tag, block)
-        self.add_result(0, n)
+        self.add_result(0, n, False)
         self.fallback_elems += n

@@ -25,6 +25,9 @@ cdef enum:
     SCALE_UNBIASED = 0
     SCALE_ZERO_FILL = 1
 
+cdef enum:
+    SUM_TILE_BYTES = 16384     # k_sum's tile: a few of them fit in L1/L2
+
 cdef Py_ssize_t ITEMSIZE[5]
 ITEMSIZE[:] = [2, 4, 8, 4, 8]
 
@@ -165,3 +168,21 @@ cdef void k_add_scale(int dt, double s, void* dst, const void* a, const void* b,
     else:
         k_add(dt, dst, a, b, n)
         k_scale(dt, s, dst, dst, n)
+
+
+cdef void k_sum(int dt, double s, void* dst, const char** srcs, int nsrc,
+                Py_ssize_t n) noexcept nogil:
+    """dst = (srcs[0] + ... + srcs[nsrc-1]) * s, nsrc >= 2, tile by tile so
+    that the partial sums stay in cache: each source is read once and dst
+    written once.  dst must not be one of the sources."""
+    cdef Py_ssize_t isz = ITEMSIZE[dt], tile = SUM_TILE_BYTES // ITEMSIZE[dt], off, m
+    cdef int k
+    cdef char* out = <char*>dst
+    off = 0
+    while off < n:
+        m = min(tile, n - off)
+        k_add(dt, out + off * isz, srcs[0] + off * isz, srcs[1] + off * isz, m)
+        for k in range(2, nsrc):
+            k_acc(dt, out + off * isz, srcs[k] + off * isz, m)
+        k_scale(dt, s, out + off * isz, out + off * isz, m)
+        off += m

@@ -52,7 +52,9 @@ cdef class LossState:
 
     cdef void fill(self, Algorithm alg, uint64_t seq) noexcept nogil:
         """Mark the blocks that this call loses, stream by stream, block by
-        block, in plan order (the order a Gilbert-Elliott link walks)."""
+        block, in plan order (the order a Gilbert-Elliott link walks), and
+        each stream's end mark: it is lost when both of the two datagrams
+        that carry it on the datagram channel would be."""
         cdef int i, b
         cdef Stream* s
         cdef uint64_t link, index = 0
@@ -75,6 +77,25 @@ cdef class LossState:
                     loss = self.params.loss_bad if bad else self.params.loss_good
                     if mpl_unit(mpl_hash4(self.params.gilbert_seed, seq, link, 2 * index + 1)) < loss:
                         s.drop[b] = 1
+            s.drop_end = self.lost_twice(seq, link, i)
+
+    cdef bint lost_twice(self, uint64_t seq, uint64_t link, int stream) noexcept nogil:
+        """Are both copies of a stream's end mark lost (under the loss the
+        link is in now)?"""
+        cdef uint64_t tag = (<uint64_t>1 << 62) | (<uint64_t>stream << 1)
+        cdef double p = 0.0
+        if self.params.bernoulli:
+            p = self.params.p
+            if (mpl_unit(mpl_hash4(self.params.bernoulli_seed, seq, link, tag)) < p
+                    and mpl_unit(mpl_hash4(self.params.bernoulli_seed, seq, link, tag | 1)) < p):
+                return True
+        if self.params.gilbert:
+            p = self.params.loss_bad if self.bad[(link >> 32) % <uint64_t>self.size] \
+                else self.params.loss_good
+            if (mpl_unit(mpl_hash4(self.params.gilbert_seed, seq, link, tag)) < p
+                    and mpl_unit(mpl_hash4(self.params.gilbert_seed, seq, link, tag | 1)) < p):
+                return True
+        return False
 
     cdef double delay(self, uint64_t seq, int rank) noexcept nogil:
         """Seconds this rank sleeps before the call (straggler model)."""

@@ -128,7 +128,8 @@ static inline uint64_t mpl_record_check(uint64_t seq, uint64_t sig, uint64_t slo
  * `sum` zero, and payload) is right; then it is judged by its call number. */
 #define MPL_PKT_MAGIC 0x4D504C44u      /* "MPLD" */
 #define MPL_PKT_VERSION 1
-enum { MPL_PKT_DATA = 1, MPL_PKT_HELLO = 2, MPL_PKT_ERROR = 3, MPL_PKT_NACK = 4 };
+/* END: the sender has sent every block of `slot` to this receiver (early close). */
+enum { MPL_PKT_DATA = 1, MPL_PKT_HELLO = 2, MPL_PKT_ERROR = 3, MPL_PKT_NACK = 4, MPL_PKT_END = 5 };
 
 typedef struct {
     uint32_t magic;

@@ -48,6 +48,7 @@ cdef extern from "mpilossy_native.h" nogil:
     enum: MPL_PKT_HELLO
     enum: MPL_PKT_ERROR
     enum: MPL_PKT_NACK
+    enum: MPL_PKT_END
 
     ctypedef struct mpl_packet_t:
         uint32_t magic

@@ -204,11 +204,11 @@ cdef class Ring(Algorithm):
             self.fallback_elems += n
             if c.scaling == SCALE_ZERO_FILL:
                 memset(dst, 0, n * c.itemsize)
-                self.add_result(0, n)
+                self.add_result(0, n, False)
                 return
             k_scale(c.dtype, call_scale(c, self.rs_count[position * c.nblocks + block], self.size),
                     dst, self.chan.mine(position, block), n)
-            self.add_result(self.rs_count[position * c.nblocks + block], n)
+            self.add_result(self.rs_count[position * c.nblocks + block], n, False)
             return
         # The chain broke before me: it restarts with my own data.
         position = s.tag

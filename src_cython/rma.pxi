@@ -8,6 +8,10 @@
 # are read with plain loads, without copies and without MPI progress.  Other
 # peers are read with MPI_Rget, polled with MPI_Test, which also drives MPI
 # progress for the peers that read us.
+#
+# Window: [status][done word per rank][end word per slot][records, two
+# regions by call parity].  A slot's end word takes the call number once the
+# slot's last record is published (early close, schedule.pxi).
 
 cdef enum:
     GET_IDLE = 0
@@ -55,6 +59,13 @@ cdef class RmaChannel(Channel):
     cdef int seen_next                # network path: next peer whose status to get
     cdef MPI_Request seen_req
     cdef GetBuffers* seen_gb
+    cdef int nslots_max               # end words per window
+    cdef Py_ssize_t ends_offset
+    cdef int* published_blocks        # per slot, in this call
+    cdef uint64_t* ends_seen          # network path: peer * nslots_max + slot
+    cdef MPI_Request ends_req         # network path: one get of a peer's end words
+    cdef int ends_peer
+    cdef GetBuffers* ends_gb
     cdef unsigned char* published_to
     cdef uint64_t* done_out        # origin buffers of the done signals
     cdef MPI_Request* done_req
@@ -74,7 +85,12 @@ cdef class RmaChannel(Channel):
         self.rank = rank
         self.size = size
         self.use_shared = use_shared
-        self.rec_offset = round_up(MPL_STATUS_BYTES + 8 * size, MPL_CACHELINE)
+        self.nslots_max = max(size, 2)
+        self.ends_offset = MPL_STATUS_BYTES + 8 * size
+        self.rec_offset = round_up(self.ends_offset + 8 * self.nslots_max, MPL_CACHELINE)
+        self.published_blocks = <int*>calloc(self.nslots_max, sizeof(int))
+        self.ends_seen = <uint64_t*>calloc(<Py_ssize_t>size * self.nslots_max, sizeof(uint64_t))
+        self.ends_req = MPI_REQUEST_NULL
         self.peer_base = <char**>calloc(size, sizeof(char*))
         self.consumed_from = <unsigned char*>calloc(size, 1)
         self.seen = <unsigned char*>calloc(size, 1)
@@ -83,7 +99,7 @@ cdef class RmaChannel(Channel):
         self.done_out = <uint64_t*>calloc(size, sizeof(uint64_t))
         self.done_req = <MPI_Request*>malloc(size * sizeof(MPI_Request))
         if not (self.peer_base and self.consumed_from and self.seen and self.published_to
-                and self.done_out and self.done_req):
+                and self.done_out and self.done_req and self.published_blocks and self.ends_seen):
             raise MemoryError()
         for p in range(size):
             self.done_req[p] = MPI_REQUEST_NULL
@@ -154,6 +170,9 @@ cdef class RmaChannel(Channel):
         free(self.consumed_from)
         free(self.seen)
         free_getbuffers(self.seen_gb)
+        free_getbuffers(self.ends_gb)
+        free(self.published_blocks)
+        free(self.ends_seen)
         free(self.published_to)
         free(self.done_out)
         free(self.done_req)
@@ -184,6 +203,11 @@ cdef class RmaChannel(Channel):
         self.seen_next = 0
         if self.seen_gb == NULL and not self.all_shared:
             self.seen_gb = new_getbuffers(0)
+        if self.ends_gb == NULL and not self.all_shared:
+            self.ends_gb = new_getbuffers(8 * self.nslots_max)
+        if call.nslots > self.nslots_max:
+            raise ValueError(f"{call.nslots} slots per call; windows hold {self.nslots_max}")
+        memset(self.published_blocks, 0, self.nslots_max * sizeof(int))
         cdef Py_ssize_t need = <Py_ssize_t>call.nslots * call.nblocks * self.stride
         if need > self.region:
             if self.grow(call, need):
@@ -223,6 +247,41 @@ cdef class RmaChannel(Channel):
         mpl_store_release(&hdr.seq, self.call.seq)
         for i in range(ndests):
             self.published_to[dests[i]] = 1
+        self.published_blocks[slot] += 1
+        if self.published_blocks[slot] == self.call.nblocks:
+            mpl_store_release(self.end_word(self.base, slot), self.call.seq)
+
+    cdef inline uint64_t* end_word(self, char* window, int slot) noexcept nogil:
+        return <uint64_t*>(window + self.ends_offset + 8 * slot)
+
+    cdef bint closed(self, Stream* s) noexcept nogil:
+        """The producer's end word for the slot has reached this call.  Its
+        records were visible before the word, so a block still missing is one
+        that injected loss dropped, or one whose get is still in flight
+        (then: not closed yet)."""
+        cdef int flag
+        cdef uint64_t cur = self.call.seq
+        cdef uint64_t* seen
+        if self.peer_base[s.peer] != NULL:
+            return mpl_load_acquire(self.end_word(self.peer_base[s.peer], s.slot)) >= cur
+        if s.cstate != GET_IDLE:
+            return False
+        seen = self.ends_seen + <Py_ssize_t>s.peer * self.nslots_max
+        if seen[s.slot] >= cur:
+            return True
+        # Network path: one get of one peer's end words at a time.
+        if self.ends_req != MPI_REQUEST_NULL:
+            MPI_Test(&self.ends_req, &flag, MPI_STATUS_IGNORE)
+            if not flag:
+                return False
+            memcpy(self.ends_seen + <Py_ssize_t>self.ends_peer * self.nslots_max,
+                   self.ends_gb.payload, 8 * self.nslots_max)
+            if seen[s.slot] >= cur:
+                return True
+        self.ends_peer = s.peer
+        self.rget(self.ends_gb.payload, 8 * self.nslots_max, s.peer, self.ends_offset,
+                  &self.ends_req)
+        return False
 
     # -- reading peers -------------------------------------------------------
     cdef inline bint record_valid(self, const mpl_record_t* hdr, uint64_t seq, int slot, int block) noexcept nogil:
@@ -475,6 +534,10 @@ cdef class RmaChannel(Channel):
             self.bury(self.seen_req, self.seen_gb)
             self.seen_req = MPI_REQUEST_NULL
             self.seen_gb = NULL         # begin() allocates a fresh one
+        if self.ends_req != MPI_REQUEST_NULL:
+            self.bury(self.ends_req, self.ends_gb)
+            self.ends_req = MPI_REQUEST_NULL
+            self.ends_gb = NULL
         for p in range(self.size):
             if p != self.rank and self.peer_base[p] == NULL and (failed or self.consumed_from[p]):
                 self.send_done(p, call)

@@ -7,6 +7,14 @@
 # polls every stream until all blocks are resolved; no block waits past the
 # end of its stage, so a call never outlives its deadline by more than the
 # time to finish the blocks already in hand.
+#
+# Early close: a producer marks a slot complete once it has sent every block
+# of it (Channel.closed).  A block still missing EARLY_CLOSE_GRACE after the
+# mark was seen will not come: it is lost then, not at the stage deadline.
+# The mark can be lost too (injected loss drops it as it would drop both of
+# the two datagrams that carry it on the datagram channel); then the block
+# waits for its deadline as before.  A producer that is late has not set its
+# mark, so its data is still waited for until the deadline.
 
 cdef class Algorithm:
     cdef int rank, size
@@ -22,6 +30,8 @@ cdef class Algorithm:
     # results of the call, as this rank sees them
     cdef double weighted           # sum over result blocks of count * elements
     cdef double weighted_blocks    # sum over result blocks of count
+    cdef double agreed_weighted    # the same over blocks whose reduced value arrived
+    cdef Py_ssize_t agreed_elems
     cdef Py_ssize_t result_blocks
     cdef Py_ssize_t fallback_elems
     cdef uint32_t min_count
@@ -65,6 +75,8 @@ cdef class Algorithm:
         self.result_elems = call.count
         self.weighted = 0
         self.weighted_blocks = 0
+        self.agreed_weighted = 0
+        self.agreed_elems = 0
         self.result_blocks = 0
         self.fallback_elems = 0
         self.min_count = <uint32_t>self.size
@@ -87,6 +99,8 @@ cdef class Algorithm:
                 self.drop_cap[i] = s.nblocks
             memset(s.drop, 0, s.nblocks)
             memset(s.done, 0, s.nblocks)
+            s.drop_end = False
+            s.end_at = -1.0
             chan.prepare(s)
         return 0
 
@@ -105,6 +119,11 @@ cdef class Algorithm:
     cdef void start(self) noexcept nogil:
         pass
 
+    cdef bint produce(self) noexcept nogil:
+        """Publish more of what this rank sends, a piece per pass of the
+        polling loop (so reading starts before all is sent).  True if it did."""
+        return False
+
     cdef bint ready(self, Stream* s, int block) noexcept nogil:
         return True
 
@@ -122,12 +141,24 @@ cdef class Algorithm:
         cdef Stream* s = &self.streams[stream]
         return block < s.cursor or s.done[block]
 
-    cdef inline void add_result(self, uint32_t count, Py_ssize_t elems) noexcept nogil:
+    cdef inline void add_result(self, uint32_t count, Py_ssize_t elems,
+                                bint agreed=True) noexcept nogil:
+        """A block of my result holds `count` contributions; `agreed`: it is
+        the reduced value every rank gets, not my own fallback."""
         self.weighted += <double>count * elems
         self.weighted_blocks += count
         self.result_blocks += 1
+        if agreed:
+            self.agreed_weighted += <double>count * elems
+            self.agreed_elems += elems
         if count < self.min_count:
             self.min_count = count
+
+    cdef double agreed(self) noexcept nogil:
+        """Fraction of contributions in the reduced values that arrived."""
+        if self.agreed_elems > 0:
+            return self.agreed_weighted / (<double>self.size * self.agreed_elems)
+        return self.delivered() if self.fallback_elems == 0 else 0.0
 
     cdef double delivered(self) noexcept nogil:
         if self.result_elems > 0:
@@ -198,7 +229,25 @@ cdef bint look_ahead(Algorithm alg, Channel chan, CallInfo* call, Stream* s, bin
 
 # Idle passes of the polling loop before it yields the core (sched_yield).
 # Set from MPILOSSY_SPIN by the core.
-cdef int SPIN_BEFORE_YIELD = 0
+cdef int DEFAULT_SPIN = 0
+cdef int SPIN_BEFORE_YIELD = DEFAULT_SPIN
+
+# Seconds a missing block is still waited for after its producer's end mark
+# (datagrams may be reordered; one-sided records are visible before the mark).
+# Set from MPILOSSY_EARLY_CLOSE by the core; < 0 turns early close off.
+cdef double DEFAULT_EARLY_CLOSE = 100e-6
+cdef double EARLY_CLOSE_GRACE = DEFAULT_EARLY_CLOSE
+
+
+cdef inline bint stream_ended(Channel chan, Stream* s, double now) noexcept nogil:
+    """Has the producer of `s` sent all it will send, a grace period ago?"""
+    if s.drop_end or EARLY_CLOSE_GRACE < 0:
+        return False
+    if s.end_at < 0:
+        if not chan.closed(s):
+            return False
+        s.end_at = now
+    return now >= s.end_at + EARLY_CLOSE_GRACE
 
 
 cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
@@ -208,14 +257,14 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
     cdef int i, block, verdict, unresolved, failed = 0
     cdef Stream* s
     cdef Incoming inc
-    cdef bint progressed
+    cdef bint progressed, ended
     cdef bint exact = call.timeout < 0
     cdef double now, patience = patience_end(call)
     cdef int idle = 0
     call.anchor = -1.0
     alg.start()
     while True:
-        progressed = False
+        progressed = alg.produce()
         unresolved = 0
         now = mpl_now()
         if call.anchor < 0 and not exact:
@@ -239,18 +288,25 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
                 else:
                     verdict = chan.poll(s, block, &inc)
                 if verdict == POLL_WAIT:
-                    if exact or now < stage_deadline(call, s.stage):
+                    if exact:
+                        ended = False
+                    else:
+                        ended = stream_ended(chan, s, now)
+                    if not ended and (exact or now < stage_deadline(call, s.stage)):
                         if look_ahead(alg, chan, call, s, lossy, err, &failed):
                             if failed:
                                 return 1
                             progressed = True
                         break
-                    alg.deadline_hit = True
                     chan.abandon(s)
                     if s.drop[block]:
                         alg.lost_injected += 1
+                    elif ended:
+                        alg.lost_gone += 1
                     else:
                         alg.lost_late += 1
+                    if not ended:
+                        alg.deadline_hit = True
                     alg.lose(s, block)
                 elif settle(alg, chan, call, s, block, verdict, &inc, lossy, err):
                     return 1
@@ -259,6 +315,8 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
             if s.cursor < s.nblocks:
                 unresolved += 1
         if unresolved == 0:
+            while alg.produce():    # what peers still need from me
+                pass
             return 0
         if progressed:
             idle = 0

@@ -167,12 +167,12 @@ cdef class Tree(Algorithm):
         self.fallback_elems += n
         if c.scaling == SCALE_ZERO_FILL:
             memset(self.recv + self.block_first(block) * c.itemsize, 0, n * c.itemsize)
-            self.add_result(0, n)
+            self.add_result(0, n, False)
         else:
             k_scale(c.dtype, call_scale(c, self.count[block], self.size),
                     self.recv + self.block_first(block) * c.itemsize,
                     self.chan.mine(TREE_PARTIAL, block), n)
-            self.add_result(self.count[block], n)
+            self.add_result(self.count[block], n, False)
         if self.nchildren:
             self.chan.claim(TREE_RESULT, block)
             self.publish_result(block, 0)

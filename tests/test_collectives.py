@@ -20,13 +20,15 @@ VALID = [(d, op) for d in DTYPES for op in ("sum", "avg")
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["ring", "direct"])
 @pytest.mark.parametrize("dtype,op", VALID, ids=lambda v: getattr(v, "__name__", str(v)))
 @pytest.mark.parametrize("n", SIZES)
-def test_reduce_scatter_equals_mpi(comm, lc, dtype, n, op):
+def test_reduce_scatter_equals_mpi(comm, lc, dtype, n, op, algorithm):
     x = small_ints(n, comm.rank, dtype)
     lo, hi = lc.chunk_bounds(n)
     out = np.full(hi - lo, 99, dtype)
-    stats = lc.reduce_scatter(x, out, op=op)
+    stats = lc.reduce_scatter(x, out, op=op, algorithm=algorithm)
+    assert stats.algorithm == algorithm
     expected = mpi_sum(comm, x)[lo:hi].astype(np.float64) / (comm.size if op == "avg" else 1)
     tol = 1e-3 if dtype == np.float16 else 1e-6
     np.testing.assert_allclose(out.astype(np.float64), expected, rtol=tol)

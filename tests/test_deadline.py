@@ -22,7 +22,7 @@ def warm_up(lc, x, algorithm):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 @pytest.mark.parametrize("op", ["avg", "sum"])
 def test_a_rank_sleeping_ten_timeouts_is_left_out(comm, algorithm, op):
     sleeper = comm.size - 1
@@ -70,7 +70,7 @@ def test_straggler_model_sleeps_and_is_left_out(comm):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 def test_lagging_rank_never_mixes_calls(comm, algorithm):
     """One rank falls behind by several calls.  Every rank passes the call's
     number as data, so a value from another call in any result would show."""

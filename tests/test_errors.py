@@ -68,9 +68,10 @@ def test_different_ops(comm, lct):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_different_algorithms(comm, lct):
+@pytest.mark.parametrize("theirs", ["tree", "direct"])
+def test_different_algorithms(comm, lct, theirs):
     x = np.ones(64, np.float32)
-    algorithm = "tree" if culprit(comm) else "ring"
+    algorithm = theirs if culprit(comm) else "ring"
     all_ranks_raise(comm, lambda: lct.allreduce(x, algorithm=algorithm),
                     mpilossy.MismatchError)
     still_works(comm, lct)

@@ -11,7 +11,7 @@ BIG = 16 * 1024 * 1024                # bytes
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("n", SIZES)
 def test_sum_equals_mpi_allreduce(comm, lc, algorithm, dtype, n):
@@ -28,7 +28,7 @@ def test_sum_equals_mpi_allreduce(comm, lc, algorithm, dtype, n):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 def test_sum_16MiB(comm, lc, algorithm, dtype):
     n = BIG // np.dtype(dtype).itemsize
@@ -39,7 +39,7 @@ def test_sum_16MiB(comm, lc, algorithm, dtype):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 @pytest.mark.parametrize("dtype", FLOATS, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("n", [1, 7, 100_003, BIG // 4])
 def test_avg_is_sum_over_size(comm, lc, algorithm, dtype, n):
@@ -52,7 +52,7 @@ def test_avg_is_sum_over_size(comm, lc, algorithm, dtype, n):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
 def test_random_floats_match_to_rounding(comm, lc, algorithm, dtype):
     rng = np.random.default_rng(1000 + comm.rank)
@@ -68,7 +68,7 @@ def test_random_floats_match_to_rounding(comm, lc, algorithm, dtype):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 @pytest.mark.parametrize("op", ["sum", "avg"])
 def test_in_place(comm, lc, algorithm, op):
     # avg multiplies by 1/size: equal to sum/size to rounding.
@@ -90,7 +90,7 @@ def test_sizes_change_between_calls(comm, lc):
     for _ in range(60):
         n = int(rng.integers(0, 20_000))
         dtype = DTYPES[int(rng.integers(len(DTYPES)))]
-        algorithm = ["ring", "tree", "auto"][int(rng.integers(3))]
+        algorithm = ["ring", "tree", "direct", "auto"][int(rng.integers(4))]
         x = small_ints(n, comm.rank, dtype)
         out = np.empty_like(x)
         lc.allreduce(x, out, algorithm=algorithm)

@@ -30,7 +30,7 @@ def udc():
 
 # -- lossless: exact ------------------------------------------------------------
 @pytest.mark.mpi
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int64],
                          ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("n", [0, 1, 7, 1407, 100_003, (1 << 18) + 13])
@@ -51,6 +51,9 @@ def test_reduce_scatter_and_allgather(comm, udc):
     out = np.empty(hi - lo)
     udc.reduce_scatter(x, out)
     np.testing.assert_array_equal(out, mpi_sum(comm, x)[lo:hi])
+    out[:] = -1
+    udc.reduce_scatter(x, out, algorithm="direct")
+    np.testing.assert_array_equal(out, mpi_sum(comm, x)[lo:hi])
     full = np.zeros(n)
     udc.allgather(out, full)
     np.testing.assert_array_equal(full, mpi_sum(comm, x))
@@ -67,7 +70,7 @@ def test_channel_info(comm, udc):
 
 # -- under loss -----------------------------------------------------------------
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 def test_injected_loss_is_unbiased(comm, algorithm):
     from test_unbiased import T_LIMIT, rank_averaged_t, run
     results, _, delivered = run(comm, algorithm, 0.1, channel="ud")
@@ -191,7 +194,7 @@ def dropping_namespace():
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 def test_real_kernel_drops(dropping_namespace, algorithm):
     """10% of all UDP datagrams dropped by the kernel: every call ends within
     its deadline, the delivered fraction is what 10% injected loss gives, and

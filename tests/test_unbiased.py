@@ -66,7 +66,7 @@ def rank_averaged_t(comm, results):
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("p", [0.1, 0.3])
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 def test_unbiased_for_different_data(comm, algorithm, p):
     results, _, delivered = run(comm, algorithm, p)
     t = rank_averaged_t(comm, results)
@@ -75,7 +75,7 @@ def test_unbiased_for_different_data(comm, algorithm, p):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 def test_fixed_chain_start_is_biased(comm, algorithm):
     """Without rotation the rank that owns a chunk (roots the tree) is always
     in its sum while others drop out: the check must catch it."""
@@ -85,7 +85,7 @@ def test_fixed_chain_start_is_biased(comm, algorithm):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 def test_zero_fill_is_biased(comm, algorithm):
     results, _, _ = run(comm, algorithm, 0.5, calls=CALLS_BIASED, scaling="zero-fill")
     t = rank_averaged_t(comm, results)
@@ -93,7 +93,7 @@ def test_zero_fill_is_biased(comm, algorithm):
 
 
 @pytest.mark.mpi(min_size=2)
-@pytest.mark.parametrize("algorithm", ["ring", "tree"])
+@pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 def test_each_rank_unbiased_for_look_alike_data(comm, algorithm):
     """Every rank draws fresh noise around a common mean each call: then each
     rank's own result, fallbacks included, is unbiased for that mean."""

@@ -34,7 +34,7 @@ def parser() -> argparse.ArgumentParser:
                     "MPILOSSY_LOSS spec such as gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1")
     ap.add_argument("--timeout", type=float, default=d.timeout, help="deadline of each call (s)")
     ap.add_argument("--block-bytes", type=int, default=d.block_bytes, help="loss unit (bytes)")
-    ap.add_argument("--algorithm", choices=("auto", "ring", "tree"), default=d.algorithm,
+    ap.add_argument("--algorithm", choices=("auto", "ring", "tree", "direct"), default=d.algorithm,
                     help="of the lossy all-reduce (auto: ring for this model)")
     ap.add_argument("--zero-fill", action="store_true", help="ablation: no rescaling")
     ap.add_argument("--broadcast-every", type=int, default=d.broadcast_every,

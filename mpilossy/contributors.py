@@ -1,0 +1,92 @@
+"""Who contributed to each block of a direct call's result.
+
+The direct algorithm's reduced blocks carry a bitmap of the ranks whose data
+they hold (src_cython/direct.pxi).  The core hands the bitmaps of the last
+call over as bytes; this record decodes them only when asked, so a call that
+nobody asks about pays for one small copy.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import numpy as np
+
+__all__ = ["Contributors"]
+
+
+class Contributors:
+    """Which ranks' data is in each block of this rank's result.
+
+    Blocks are numbered as the result is laid out: chunk by chunk
+    (``Communicator.chunk_bounds``), ``block_elems`` elements per block within
+    a chunk.  A block that this rank did not receive holds its own
+    contribution only (its fallback), and is recorded as such.
+    """
+
+    __slots__ = ("size", "rank", "count", "block_elems", "_bits", "_entries", "_nblocks",
+                 "_chunks", "_members")
+
+    def __init__(self, raw: Optional[tuple], *, size: int, rank: int, count: int,
+                 chunks: Tuple[int, ...]) -> None:
+        """`raw`: the core's (bitmap bytes, entries, nblocks, block_elems,
+        words), or None for a job of one rank.  `count`: elements of the
+        reduced vector; `chunks`: the chunks that make up this rank's result,
+        in order."""
+        self.size, self.rank, self.count = size, rank, count
+        self._chunks = chunks
+        self._members: Optional[np.ndarray] = None
+        if raw is None:                         # one rank: everything is its own
+            self._bits = np.ones((1, 1), np.uint64)
+            self._entries, self._nblocks, self.block_elems = 1, 1, max(count, 1)
+            return
+        data, self._entries, self._nblocks, self.block_elems, words = raw
+        self._bits = np.frombuffer(data, np.uint64).reshape(self._entries, words)
+
+    def members(self) -> np.ndarray:
+        """Bool array (blocks, size): [b, r] is True if rank r's data is in block b."""
+        if self._members is None:
+            as_bytes = self._bits.astype("<u8").view(np.uint8)
+            bits = np.unpackbits(as_bytes, axis=1, bitorder="little")
+            self._members = bits[:, :self.size].astype(bool)
+        return self._members
+
+    def blocks(self) -> Tuple[np.ndarray, np.ndarray]:
+        """(first, length) of every block, as offsets into this rank's result."""
+        firsts, lengths = [], []
+        offset = 0
+        for chunk in self._chunks:
+            base, extra = divmod(self.count, self.size)
+            chunk_len = base + (1 if chunk < extra else 0)
+            starts = np.arange(self._nblocks, dtype=np.int64) * self.block_elems
+            firsts.append(offset + starts)
+            lengths.append(np.clip(chunk_len - starts, 0, self.block_elems))
+            offset += chunk_len
+        if self.size == 1 or not firsts:
+            return np.zeros(1, np.int64), np.array([self.count], np.int64)
+        return np.concatenate(firsts), np.concatenate(lengths)
+
+    def fraction(self, rank: Optional[int] = None) -> float:
+        """Fraction of this rank's result elements whose value holds `rank`'s
+        data (default: this rank's own)."""
+        rank = self.rank if rank is None else rank
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is not in 0..{self.size - 1}")
+        _, lengths = self.blocks()
+        total = int(lengths.sum())
+        if total == 0:
+            return 1.0
+        return float(lengths[self.members()[:, rank]].sum()) / total
+
+    def mask(self, rank: Optional[int] = None) -> np.ndarray:
+        """Bool per element of this rank's result: does its value hold
+        `rank`'s data?  (For error feedback: what a sender's data missed.)"""
+        rank = self.rank if rank is None else rank
+        if not 0 <= rank < self.size:
+            raise ValueError(f"rank {rank} is not in 0..{self.size - 1}")
+        _, lengths = self.blocks()
+        return np.repeat(self.members()[:, rank], lengths)
+
+    def __repr__(self) -> str:
+        return (f"<Contributors of {self._entries} block(s), rank {self.rank} of {self.size}: "
+                f"own data in {self.fraction():.3f}>")
