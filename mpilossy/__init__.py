@@ -32,6 +32,7 @@ except ImportError as _exc:  # pragma: no cover - depends on how Python was star
 from . import loss
 from .communicator import (AllreduceStats, CollectiveStats, Communicator, allgather, allreduce,
                            default_communicator, reduce_scatter)
+from .contributors import Contributors
 from .errors import MismatchError, MPILossyError
 
 __version__ = "0.1.0"
@@ -40,6 +41,7 @@ __all__ = [
     "AllreduceStats",
     "CollectiveStats",
     "Communicator",
+    "Contributors",
     "MPILossyError",
     "MismatchError",
     "allgather",

@@ -79,8 +79,9 @@ class CollectiveStats(NamedTuple):
     """Call number on this communicator (1 for the first call)."""
     lost_blocks: tuple = (0, 0, 0, 0)
     """Blocks this rank did not receive, by cause: (injected, late, gone,
-    torn).  'late' missed its deadline, 'gone' was already replaced by the
-    producer's next call, 'torn' changed while being read."""
+    torn).  'late' missed its deadline; 'gone': its producer had finished
+    sending (moved past the call, or marked the stream complete: early
+    close) and it never came; 'torn' changed while being read."""
     collective: str = "allreduce"
     timeout: Optional[float] = None
     """The deadline this call had (with timeout="auto": the learned one)."""

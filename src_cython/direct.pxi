@@ -253,6 +253,12 @@ cdef class Direct(Algorithm):
             self.chan.publish(chunk, b, 1, <uint32_t>(n * isz), &reducer, 1)
         return True
 
+    cdef bint ready(self, Stream* s, int block) noexcept nogil:
+        # A reduced block may overwrite my send data (in place), and its
+        # fallback reads my contribution from the channel: both only once
+        # that row of my contributions has been produced.
+        return s.stage == 0 or block < self.next_row
+
     cdef bint take(self, Stream* s, int block, Incoming* inc) noexcept nogil:
         cdef CallInfo* c = self.call
         cdef int chunk, k, total = 0

@@ -58,6 +58,43 @@ def test_bitmaps_say_whose_data_is_in_each_block(comm, collective):
         assert missing > 0, "no loss happened: the test would prove nothing"
 
 
+def check_against_bitmaps(out, contributors):
+    """Every block's value is the average of the signatures of its members."""
+    members = contributors.members()
+    firsts, lengths = contributors.blocks()
+    for first, length, who in zip(firsts, lengths, members):
+        if length:
+            expected = sum(signature(r) for r in np.flatnonzero(who)) / who.sum()
+            np.testing.assert_allclose(out[first:first + length], expected, rtol=1e-12)
+
+
+@pytest.mark.mpi(min_size=2)
+def test_late_rank_in_place_many_rows(comm, monkeypatch):
+    """A rank that enters after the others finished finds every reduced block
+    published at once; its sends are still produced row by row.  In place, a
+    reduced block must not overwrite (and a fallback must not read) a row of
+    its own data before that row was sent: its result must still match the
+    bitmaps, fallbacks included.  (Grace 0: dropped blocks resolve at once.)"""
+    monkeypatch.setenv("MPILOSSY_EARLY_CLOSE", "0")
+    late = comm.size - 1
+    loss = mpilossy.loss.Bernoulli(0.3, seed=9)
+    wrong = []
+    with mpilossy.Communicator(comm, timeout=0.1, loss=loss, block_bytes=64) as lc:
+        for call in range(4):
+            x = np.full(4000, signature(comm.rank))
+            comm.Barrier()
+            if comm.rank == late:
+                time.sleep(0.15)
+            st = lc.allreduce(x, op="avg", algorithm="direct")
+            try:
+                check_against_bitmaps(x, st.contributors)
+            except AssertionError as exc:      # collectives first, assertions after
+                wrong.append(f"call {call}: {str(exc)[:300]}")
+        comm.Barrier()
+    everyone = comm.allgather(wrong)
+    assert not any(everyone), everyone
+
+
 @pytest.mark.mpi
 def test_other_algorithms_do_not_claim_to_know(comm, lc):
     st = lc.allreduce(np.ones(10), algorithm="ring")

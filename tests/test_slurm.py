@@ -85,7 +85,7 @@ def test_bench(slurm, tmp_path):
         doc = json.loads((tmp_path / f"mpilossy-bench-{job}-{kind}.json").read_text())
         assert doc["ranks"] == 4
         rows = {(r["size"], r["algorithm"]) for r in doc["rows"]}
-        assert rows == {(s, a) for s in (4096, 262144) for a in ("ring", "tree")}, rows
+        assert rows == {(s, a) for s in (4096, 262144) for a in ("ring", "tree", "direct")}, rows
         for r in doc["rows"]:
             assert r["time_us"] > 0 and r["mpi_time_us"] > 0
             if kind == "lossless":

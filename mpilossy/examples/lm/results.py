@@ -138,7 +138,10 @@ def report(runs: Path, out: Path) -> str:
     noise = 100 * base_sd / base_ppl
     lines += ["", f"Baseline seed noise: sd {base_sd:.3f} = {noise:.2f}% of its mean "
               f"perplexity {base_ppl:.3f}.", "", "Commands (S = seed):", ""]
-    lines += [f"- {what}: `{data[name][0]['command']}`" for name, what, _ in ROWS if name in data]
+    # The row's command as it reproduces the row today (runs saved before a
+    # default changed carry an older spelling of it).
+    lines += [f"- {what}: `{shown(data[name][0]['ranks'], args, [])}`"
+              for name, what, args in ROWS if name in data]
     table = "\n".join(lines) + "\n"
     (out / "lm-table.md").write_text(table)
     plot(data, base_ppl, base_sd, out / "lm.png")
