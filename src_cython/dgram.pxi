@@ -633,7 +633,9 @@ cdef class DgramChannel(Channel):
         cdef CallInfo* c = &self.cur
         cdef Py_ssize_t at = <Py_ssize_t>s.index * c.nblocks + block
         cdef double now
-        if not self.arrived[at]:
+        if not self.arrived[at] and block == s.cursor:
+            # Drain for the cursor only: a look-ahead over many missing
+            # blocks would otherwise make a system call per block.
             self.service()
         if self.error.kind != ERR_NONE:
             return POLL_FAIL
