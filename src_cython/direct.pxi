@@ -33,6 +33,9 @@
 # the full budget.
 
 cdef enum:
+    FUSE_SCAN = 16       # streams looked at for contributions to add in one pass
+
+cdef enum:
     SUM_IN_SEND = 0      # nothing added yet: my own data, in the send buffer
     SUM_IN_RECORD = 1
     SUM_IN_SCRATCH = 2
@@ -78,7 +81,7 @@ cdef class Direct(Algorithm):
         self.chunk_lo = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
         self.chunk_len = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
         self.others = <int*>calloc(size, sizeof(int))
-        self.sources = <const char**>calloc(size + 1, sizeof(char*))
+        self.sources = <const char**>calloc(FUSE_SCAN + 2, sizeof(char*))
         self.taken = <int*>calloc(size, sizeof(int))
         if not (self.chunk_lo and self.chunk_len and self.others and self.sources and self.taken):
             raise MemoryError()
@@ -287,7 +290,8 @@ cdef class Direct(Algorithm):
         now, to the running sum, into the other buffer."""
         cdef CallInfo* c = self.call
         cdef Py_ssize_t n = self.block_len(self.reduced_chunk, block)
-        cdef int i, nsrc = 2
+        cdef int i, k, nsrc = 2
+        cdef int mine = <int>(s - self.streams), ncontrib = self.size - 1
         cdef Stream* t
         cdef Incoming other
         if inc.count != 1 or inc.nbytes != n * c.itemsize:
@@ -295,10 +299,13 @@ cdef class Direct(Algorithm):
         self.sources[0] = self.location(block, self.where[block])
         self.sources[1] = inc.data
         self.ntaken = 0
-        for i in range(self.size - 1):          # stage-0 streams come first (plan)
+        # The streams after this one (stage-0 streams come first in the plan),
+        # at most FUSE_SCAN of them: the cost per arrival stays bounded at
+        # any rank count.
+        for k in range(1, min(ncontrib, FUSE_SCAN + 1)):
+            i = (mine + k) % ncontrib
             t = &self.streams[i]
-            if (t == s or self.resolved(i, block) or t.drop[block]
-                    or not self.chan.random_access(t)):
+            if self.resolved(i, block) or t.drop[block] or not self.chan.random_access(t):
                 continue
             if self.chan.poll(t, block, &other) != POLL_READY:
                 continue
