@@ -28,7 +28,7 @@ cdef enum:
     ALGO_DIRECT = 2       # one hop to the owner of each chunk (and the allgather)
 
 # The collectives; each chunk of a reduce-scatter/allgather vector of
-# `count` elements belongs to rank c = its index (chunk_bounds in core.pxi).
+# `count` elements belongs to rank c = its index (chunk_bounds, below).
 cdef enum:
     COLL_ALLREDUCE = 0
     COLL_REDUCE_SCATTER = 1

@@ -49,9 +49,7 @@ cdef inline int popcount64(uint64_t x) noexcept nogil:
     return k
 
 
-cdef class Direct(Algorithm):
-    cdef Py_ssize_t* chunk_lo
-    cdef Py_ssize_t* chunk_len
+cdef class Direct(Chunked):
     cdef int* others               # every rank but me, nearest below me first
     cdef int rotation
     cdef int reduced_chunk         # the chunk I reduce in this call
@@ -78,12 +76,10 @@ cdef class Direct(Algorithm):
     cdef double stage_end[2]
 
     def __cinit__(self, int rank, int size):
-        self.chunk_lo = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
-        self.chunk_len = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
         self.others = <int*>calloc(size, sizeof(int))
         self.sources = <const char**>calloc(FUSE_SCAN + 2, sizeof(char*))
         self.taken = <int*>calloc(size, sizeof(int))
-        if not (self.chunk_lo and self.chunk_len and self.others and self.sources and self.taken):
+        if not (self.others and self.sources and self.taken):
             raise MemoryError()
         cdef int k
         for k in range(1, size):
@@ -93,8 +89,6 @@ cdef class Direct(Algorithm):
         self.stage_end[1] = 1.0
 
     def __dealloc__(self):
-        free(self.chunk_lo)
-        free(self.chunk_len)
         free(self.others)
         free(self.sources)
         free(self.taken)
@@ -107,18 +101,14 @@ cdef class Direct(Algorithm):
         free(self.result_members)
 
     cdef int layout(self, CallInfo* call) except -1:
-        cdef int c
         cdef Py_ssize_t trailer = 8 * self.words
-        for c in range(self.size):
-            chunk_bounds(call.count, self.size, c, &self.chunk_lo[c], &self.chunk_len[c])
         if call.max_block < trailer + 8 + call.itemsize:
             raise ValueError(f"algorithm='direct' needs {trailer + 8 + call.itemsize} bytes per "
                              f"record at {self.size} ranks; the channel moves {call.max_block}")
         # The bitmap goes in the same record as the block it describes.
         if round_up(call.block_elems * call.itemsize, 8) + trailer > call.max_block:
             call.block_elems = (call.max_block - trailer - 8) // call.itemsize
-        call.block_elems = max(1, min(call.block_elems, self.chunk_len[0]))
-        call.nblocks = <int>max(1, (self.chunk_len[0] + call.block_elems - 1) // call.block_elems)
+        self.cut(call)
         self.data_bytes = round_up(call.block_elems * call.itemsize, 8)
         call.block_bytes = self.data_bytes + trailer
         call.nslots = self.size
@@ -182,15 +172,6 @@ cdef class Direct(Algorithm):
 
     cdef inline int chunk_of(self, int reducer) noexcept nogil:
         return (reducer - self.rotation + self.size) % self.size
-
-    cdef inline Py_ssize_t block_first(self, int chunk, int block) noexcept nogil:
-        return self.chunk_lo[chunk] + <Py_ssize_t>block * self.call.block_elems
-
-    cdef inline Py_ssize_t block_len(self, int chunk, int block) noexcept nogil:
-        cdef Py_ssize_t rest = self.chunk_len[chunk] - <Py_ssize_t>block * self.call.block_elems
-        if rest <= 0:
-            return 0
-        return min(rest, self.call.block_elems)
 
     cdef inline bint wanted(self, int chunk) noexcept nogil:
         return self.call.coll == COLL_ALLREDUCE or chunk == self.rank

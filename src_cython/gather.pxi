@@ -5,17 +5,13 @@
 # misses a segment of the new parameters keeps its old values).  One stage,
 # the whole budget.
 
-cdef class Gather(Algorithm):
-    cdef Py_ssize_t* chunk_lo
-    cdef Py_ssize_t* chunk_len
+cdef class Gather(Chunked):
     cdef int* others
     cdef double stage_end[1]
 
     def __cinit__(self, int rank, int size):
-        self.chunk_lo = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
-        self.chunk_len = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
         self.others = <int*>calloc(size, sizeof(int))
-        if not (self.chunk_lo and self.chunk_len and self.others):
+        if self.others == NULL:
             raise MemoryError()
         cdef int k
         for k in range(1, size):
@@ -23,18 +19,10 @@ cdef class Gather(Algorithm):
         self.stage_end[0] = 1.0
 
     def __dealloc__(self):
-        free(self.chunk_lo)
-        free(self.chunk_len)
         free(self.others)
 
     cdef int layout(self, CallInfo* call) except -1:
-        cdef int c
-        for c in range(self.size):
-            chunk_bounds(call.count, self.size, c, &self.chunk_lo[c], &self.chunk_len[c])
-        cdef Py_ssize_t longest = self.chunk_len[0]
-        call.block_elems = max(1, min(call.block_elems, longest))
-        call.nblocks = <int>max(1, (longest + call.block_elems - 1) // call.block_elems)
-        call.block_bytes = call.block_elems * call.itemsize
+        self.cut(call)
         call.nslots = 1
         call.nstages = 1
         call.stage_end = self.stage_end
@@ -47,15 +35,6 @@ cdef class Gather(Algorithm):
             # changes while being read never overwrites the previous contents.
             self.add_stream(self.others[k], 0, 0, self.others[k], True)
         return 0
-
-    cdef inline Py_ssize_t block_first(self, int chunk, int block) noexcept nogil:
-        return self.chunk_lo[chunk] + <Py_ssize_t>block * self.call.block_elems
-
-    cdef inline Py_ssize_t block_len(self, int chunk, int block) noexcept nogil:
-        cdef Py_ssize_t rest = self.chunk_len[chunk] - <Py_ssize_t>block * self.call.block_elems
-        if rest <= 0:
-            return 0
-        return min(rest, self.call.block_elems)
 
     cdef void start(self) noexcept nogil:
         cdef CallInfo* c = self.call

@@ -21,9 +21,7 @@
 # Stages: reduce-scatter position j ends at j / (2 (size-1)) of the budget,
 # the gather at the full budget.
 
-cdef class Ring(Algorithm):
-    cdef Py_ssize_t* chunk_lo
-    cdef Py_ssize_t* chunk_len
+cdef class Ring(Chunked):
     cdef uint32_t* rs_count        # my record's count, per (position, block)
     cdef Py_ssize_t rs_cap
     cdef int* others               # every rank but me: readers of my final chunk
@@ -31,11 +29,9 @@ cdef class Ring(Algorithm):
     cdef double* stage_end
 
     def __cinit__(self, int rank, int size):
-        self.chunk_lo = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
-        self.chunk_len = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
         self.others = <int*>calloc(size, sizeof(int))
         self.stage_end = <double*>calloc(size + 1, sizeof(double))
-        if not (self.chunk_lo and self.chunk_len and self.others and self.stage_end):
+        if not (self.others and self.stage_end):
             raise MemoryError()
         self.left = (rank - 1 + size) % size
         self.right = (rank + 1) % size
@@ -46,20 +42,13 @@ cdef class Ring(Algorithm):
                 k += 1
 
     def __dealloc__(self):
-        free(self.chunk_lo)
-        free(self.chunk_len)
         free(self.rs_count)
         free(self.others)
         free(self.stage_end)
 
     cdef int layout(self, CallInfo* call) except -1:
-        cdef int n = self.size, c, k
-        for c in range(n):
-            chunk_bounds(call.count, n, c, &self.chunk_lo[c], &self.chunk_len[c])
-        cdef Py_ssize_t longest = self.chunk_len[0]
-        call.block_elems = max(1, min(call.block_elems, longest))
-        call.nblocks = <int>max(1, (longest + call.block_elems - 1) // call.block_elems)
-        call.block_bytes = call.block_elems * call.itemsize
+        cdef int n = self.size, k
+        self.cut(call)
         call.nslots = n
         call.nstages = n
         for k in range(n - 1):
@@ -109,15 +98,6 @@ cdef class Ring(Algorithm):
     cdef inline int position_of(self, int chunk) noexcept nogil:
         """My position in the chain of `chunk`."""
         return (self.rank - self.reducer_of(chunk) - 1 + self.size) % self.size
-
-    cdef inline Py_ssize_t block_first(self, int chunk, int block) noexcept nogil:
-        return self.chunk_lo[chunk] + <Py_ssize_t>block * self.call.block_elems
-
-    cdef inline Py_ssize_t block_len(self, int chunk, int block) noexcept nogil:
-        cdef Py_ssize_t rest = self.chunk_len[chunk] - <Py_ssize_t>block * self.call.block_elems
-        if rest <= 0:
-            return 0
-        return min(rest, self.call.block_elems)
 
     cdef inline bint wanted(self, int chunk) noexcept nogil:
         """Is `chunk` part of my result?"""

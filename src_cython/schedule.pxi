@@ -168,6 +168,42 @@ cdef class Algorithm:
         return 1.0
 
 
+cdef class Chunked(Algorithm):
+    """An algorithm over the vector cut into `size` chunks (chunk_bounds),
+    each cut into blocks of call.block_elems: ring, direct, the all-gather."""
+    cdef Py_ssize_t* chunk_lo
+    cdef Py_ssize_t* chunk_len
+
+    def __cinit__(self, int rank, int size):
+        self.chunk_lo = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
+        self.chunk_len = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
+        if self.chunk_lo == NULL or self.chunk_len == NULL:
+            raise MemoryError()
+
+    def __dealloc__(self):
+        free(self.chunk_lo)
+        free(self.chunk_len)
+
+    cdef void cut(self, CallInfo* call) noexcept nogil:
+        """Chunks of this call, and its blocks: call.block_elems (at most the
+        longest chunk), nblocks (of the longest chunk), block_bytes."""
+        cdef int c
+        for c in range(self.size):
+            chunk_bounds(call.count, self.size, c, &self.chunk_lo[c], &self.chunk_len[c])
+        call.block_elems = max(1, min(call.block_elems, self.chunk_len[0]))
+        call.nblocks = <int>max(1, (self.chunk_len[0] + call.block_elems - 1) // call.block_elems)
+        call.block_bytes = call.block_elems * call.itemsize
+
+    cdef inline Py_ssize_t block_first(self, int chunk, int block) noexcept nogil:
+        return self.chunk_lo[chunk] + <Py_ssize_t>block * self.call.block_elems
+
+    cdef inline Py_ssize_t block_len(self, int chunk, int block) noexcept nogil:
+        cdef Py_ssize_t rest = self.chunk_len[chunk] - <Py_ssize_t>block * self.call.block_elems
+        if rest <= 0:
+            return 0
+        return min(rest, self.call.block_elems)
+
+
 cdef int settle(Algorithm alg, Channel chan, CallInfo* call, Stream* s, int block,
                 int verdict, Incoming* inc, bint lossy, ErrorInfo* err) noexcept nogil:
     """Resolve `block` of `s` by what the poll said (WAIT is not passed here).
