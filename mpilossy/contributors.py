@@ -55,15 +55,13 @@ class Contributors:
         """(first, length) of every block, as offsets into this rank's result."""
         firsts, lengths = [], []
         offset = 0
-        for chunk in self._chunks:
-            base, extra = divmod(self.count, self.size)
+        base, extra = divmod(self.count, self.size)
+        starts = np.arange(self._nblocks, dtype=np.int64) * self.block_elems
+        for chunk in self._chunks:          # never empty: all chunks, or mine
             chunk_len = base + (1 if chunk < extra else 0)
-            starts = np.arange(self._nblocks, dtype=np.int64) * self.block_elems
             firsts.append(offset + starts)
             lengths.append(np.clip(chunk_len - starts, 0, self.block_elems))
             offset += chunk_len
-        if self.size == 1 or not firsts:
-            return np.zeros(1, np.int64), np.array([self.count], np.int64)
         return np.concatenate(firsts), np.concatenate(lengths)
 
     def fraction(self, rank: Optional[int] = None) -> float:
