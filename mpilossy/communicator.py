@@ -89,14 +89,17 @@ class CollectiveStats(NamedTuple):
     """Fraction of all contributions in the blocks whose reduced value
     arrived (fallbacks left out): what the reduction itself kept."""
     contributors: Optional[Contributors] = None
-    """algorithm="direct": which ranks' data is in each block of the result."""
+    """algorithm="direct" and the all-gather: which ranks' data is in each
+    block of the result (all-gather: the owner's for a block that arrived,
+    none for one that kept its previous contents)."""
 
     def contributed(self, rank: Optional[int] = None) -> float:
         """Fraction of this rank's result that holds `rank`'s data (default:
-        this rank's own).  Only algorithm="direct" records who contributed."""
+        this rank's own).  Only algorithm="direct" and the all-gather record
+        who contributed."""
         if self.contributors is None:
-            raise ValueError(f"algorithm={self.algorithm!r} does not record who contributed; "
-                             f"use algorithm='direct'")
+            raise ValueError(f"the {self.algorithm} {self.collective} does not record who "
+                             f"contributed; use algorithm='direct'")
         return self.contributors.fraction(rank)
 
 
@@ -183,10 +186,13 @@ class Communicator:
     tree_radix:
         Fan-out of the k-nomial tree (2 = binomial; default 4).
     scaling, rotate:
-        Ablations, for experiments only.  scaling="zero-fill" counts missing
-        contributions as zeros instead of dividing by what arrived, and
-        rotate=False keeps every chain start and tree root in place: both
-        bias the result (docs/unbiasedness.md).
+        scaling="zero-fill" counts missing contributions as zeros instead of
+        dividing by what arrived (sum / size): the plain average that error
+        feedback needs (mpilossy.torch; the lost part is re-sent, not
+        rescaled).  rotate=False keeps every chain start, tree root and
+        direct reducer in place; the sharded training mode uses it so that
+        each shard's owner is its reducer (one hop).  Each biases a single
+        call over arbitrary inputs (docs/unbiasedness.md, docs/training.md).
 
     Construction and free() are collective over `comm`.
     """
@@ -260,6 +266,8 @@ class Communicator:
         _live.add(self)
         self._block_bytes = block
         self._radix = radix
+        self._scaling = scaling
+        self._rotate = rotate
         self._size = self._comm.Get_size()
         self._staging = _device.Staging()       # pinned host copies of GPU buffers
         self._copy_back: Optional[tuple] = None
@@ -319,6 +327,15 @@ class Communicator:
         (collective, algorithm, bit length of the byte count)."""
         return {(COLLECTIVE_NAMES[c], ALGORITHM_NAMES[a], b): t
                 for (c, a, b), t in self._auto.snapshot().items()}
+
+    @property
+    def scaling(self) -> str:
+        """"unbiased" (sum / contributions) or "zero-fill" (sum / size)."""
+        return self._scaling
+
+    @property
+    def rotate(self) -> bool:
+        return self._rotate
 
     @property
     def loss(self) -> list:
@@ -469,9 +486,10 @@ class Communicator:
         if result[0]:
             raise self._error(coll, result)
         contributors = None
-        if algo == _core.DIRECT and coll != _core.ALLGATHER:
+        if algo == _core.DIRECT:
             contributors = Contributors(
-                result[12], size=self._size, rank=self._comm.Get_rank(), count=send.size,
+                result[12], size=self._size, rank=self._comm.Get_rank(),
+                count=recv.size if coll == _core.ALLGATHER else send.size,
                 chunks=(self._comm.Get_rank(),) if coll == _core.REDUCE_SCATTER
                 else tuple(range(self._size)))
         return CollectiveStats(result[3], result[4], result[5], result[6], result[7],

@@ -1,7 +1,8 @@
-"""Who contributed to each block of a direct call's result.
+"""Who contributed to each block of a direct call's or an all-gather's result.
 
 The direct algorithm's reduced blocks carry a bitmap of the ranks whose data
-they hold (src_cython/direct.pxi).  The core hands the bitmaps of the last
+they hold (src_cython/direct.pxi); the all-gather records which blocks
+arrived (src_cython/gather.pxi).  The core hands the bitmaps of the last
 call over as bytes; this record decodes them only when asked, so a call that
 nobody asks about pays for one small copy.
 """
@@ -20,8 +21,11 @@ class Contributors:
 
     Blocks are numbered as the result is laid out: chunk by chunk
     (``Communicator.chunk_bounds``), ``block_elems`` elements per block within
-    a chunk.  A block that this rank did not receive holds its own
-    contribution only (its fallback), and is recorded as such.
+    a chunk.  A reduced block that this rank did not receive holds its own
+    contribution only (its fallback) and is recorded as such; with
+    scaling="zero-fill" it holds zeros and nobody.  In an all-gather a block
+    holds its owner's data if it arrived, and nobody's (the previous
+    contents) if not.
     """
 
     __slots__ = ("size", "rank", "count", "block_elems", "_bits", "_entries", "_nblocks",
@@ -84,6 +88,35 @@ class Contributors:
             raise ValueError(f"rank {rank} is not in 0..{self.size - 1}")
         _, lengths = self.blocks()
         return np.repeat(self.members()[:, rank], lengths)
+
+    def received(self) -> np.ndarray:
+        """Bool per element of this rank's result: does its value hold
+        anyone's data?  (All-gather: did its block arrive?)"""
+        _, lengths = self.blocks()
+        return np.repeat(self.members().any(axis=1), lengths)
+
+    def layout_bits(self) -> np.ndarray:
+        """Bitmaps (size * nblocks, words) of every chunk's blocks, chunk by
+        chunk, with this rank's where its result has the chunk and zeros
+        elsewhere: the same shape on every rank, ready for a bitwise OR."""
+        if self._entries == 1 and self.size == 1:
+            return self._bits.copy()
+        out = np.zeros((self.size * self._nblocks, self._bits.shape[1]), np.uint64)
+        for i, chunk in enumerate(self._chunks):
+            out[chunk * self._nblocks:(chunk + 1) * self._nblocks] = \
+                self._bits[i * self._nblocks:(i + 1) * self._nblocks]
+        return out
+
+    def of_every_chunk(self, bits: np.ndarray) -> "Contributors":
+        """A record of the whole reduced vector (every chunk) with the given
+        bitmaps, laid out as layout_bits(): for instance the OR of every
+        rank's layout_bits(), which is exact wherever one rank knew."""
+        if self.size == 1:
+            return self
+        raw = (np.ascontiguousarray(bits, np.uint64).tobytes(), self.size * self._nblocks,
+               self._nblocks, self.block_elems, self._bits.shape[1])
+        return Contributors(raw, size=self.size, rank=self.rank, count=self.count,
+                            chunks=tuple(range(self.size)))
 
     def __repr__(self) -> str:
         return (f"<Contributors of {self._entries} block(s), rank {self.rank} of {self.size}: "

@@ -203,7 +203,8 @@ cdef class Core:
                 alg.min_count, call.seq,
                 (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
                 (call.start, call.anchor, finished), alg.agreed(),
-                self.direct.contributors() if alg is self.direct else None)
+                (<Chunked>alg).contributors()
+                if alg is self.direct or alg is self.gather else None)
 
     def fail(self, int kind, str message, double timeout):
         """This rank cannot take part in the next call (bad input): count the

@@ -54,7 +54,6 @@ cdef class Direct(Chunked):
     cdef int rotation
     cdef int reduced_chunk         # the chunk I reduce in this call
     cdef int next_row              # the next block index to send (produce)
-    cdef int words                 # bitmap words per block
     cdef Py_ssize_t data_bytes     # payload bytes of a full block, before the bitmap
     # per block of the chunk I reduce
     cdef uint32_t* count
@@ -69,10 +68,6 @@ cdef class Direct(Chunked):
     cdef uint64_t* members           # bitmap of the running sum
     cdef char* scratch
     cdef Py_ssize_t block_cap, scratch_cap
-    # who is in each block of my result: entry chunk * nblocks + block
-    # (all-reduce) or block (reduce-scatter)
-    cdef uint64_t* result_members
-    cdef Py_ssize_t result_entries, result_cap
     cdef double stage_end[2]
 
     def __cinit__(self, int rank, int size):
@@ -84,7 +79,6 @@ cdef class Direct(Chunked):
         cdef int k
         for k in range(1, size):
             self.others[k - 1] = (rank - k + size) % size
-        self.words = (size + 63) // 64
         self.stage_end[0] = 0.5
         self.stage_end[1] = 1.0
 
@@ -98,7 +92,6 @@ cdef class Direct(Chunked):
         free(self.scaled)
         free(self.members)
         free(self.scratch)
-        free(self.result_members)
 
     cdef int layout(self, CallInfo* call) except -1:
         cdef Py_ssize_t trailer = 8 * self.words
@@ -141,14 +134,9 @@ cdef class Direct(Chunked):
             if self.scratch == NULL:
                 raise MemoryError()
             self.scratch_cap = <Py_ssize_t>nb * self.data_bytes
-        self.result_entries = nb if c.coll == COLL_REDUCE_SCATTER else <Py_ssize_t>n * nb
-        if self.result_entries > self.result_cap:
-            free(self.result_members)
-            self.result_members = <uint64_t*>malloc(self.result_entries * self.words * 8)
-            self.result_cap = 0
-            if self.result_members == NULL:
-                raise MemoryError()
-            self.result_cap = self.result_entries
+        # who is in each block of my result: entry chunk * nblocks + block
+        # (all-reduce) or block (reduce-scatter)
+        self.reserve_members(nb if c.coll == COLL_REDUCE_SCATTER else <Py_ssize_t>n * nb)
         self.rotation = <int>(mpl_mix64(c.seq ^ 0x444952454354ull) % <uint64_t>n) \
             if c.rotate else 0
         self.reduced_chunk = self.chunk_of(self.rank)
@@ -378,8 +366,3 @@ cdef class Direct(Chunked):
             memcpy(self.result_entry(me, block), bits, 8 * self.words)
             self.add_result(self.count[block], n)
 
-    # -- for the Python layer ------------------------------------------------
-    cdef object contributors(self):
-        """(bitmap bytes, entries, nblocks, block_elems, words) of the last call."""
-        return ((<char*>self.result_members)[:self.result_entries * self.words * 8],
-                self.result_entries, self.call.nblocks, self.call.block_elems, self.words)

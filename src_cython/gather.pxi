@@ -3,7 +3,8 @@
 # scale: a block that does not arrive in time leaves the receiver's previous
 # contents in place (the sharded training mode relies on this: a rank that
 # misses a segment of the new parameters keeps its old values).  One stage,
-# the whole budget.
+# the whole budget.  The result's bitmaps say which blocks arrived: the
+# owner's bit for a block that did, none for one that kept its contents.
 
 cdef class Gather(Chunked):
     cdef int* others
@@ -30,6 +31,7 @@ cdef class Gather(Chunked):
 
     cdef int plan(self) except -1:
         cdef int k
+        self.reserve_members(<Py_ssize_t>self.size * self.call.nblocks)
         for k in range(self.size - 1):
             # Stable: validated before it is copied in, so that a block that
             # changes while being read never overwrites the previous contents.
@@ -48,6 +50,7 @@ cdef class Gather(Chunked):
             memcpy(self.chan.claim(0, b), self.send + (self.block_first(me, b) - self.chunk_lo[me])
                    * c.itemsize, n * c.itemsize)
             self.chan.publish(0, b, 1, <uint32_t>(n * c.itemsize), self.others, self.size - 1)
+            self.arrived(me, b)
             self.add_result(self.size, n)
 
     cdef bint take(self, Stream* s, int block, Incoming* inc) noexcept nogil:
@@ -58,7 +61,13 @@ cdef class Gather(Chunked):
         return True
 
     cdef void commit(self, Stream* s, int block, Incoming* inc) noexcept nogil:
+        self.arrived(s.tag, block)
         self.add_result(self.size, self.block_len(s.tag, block))
+
+    cdef inline void arrived(self, int owner, int block) noexcept nogil:
+        cdef uint64_t* bits = self.result_members + \
+            (<Py_ssize_t>owner * self.call.nblocks + block) * self.words
+        bits[owner >> 6] |= 1ull << (owner & 63)
 
     cdef void lose(self, Stream* s, int block) noexcept nogil:
         cdef Py_ssize_t n = self.block_len(s.tag, block)

@@ -170,19 +170,44 @@ cdef class Algorithm:
 
 cdef class Chunked(Algorithm):
     """An algorithm over the vector cut into `size` chunks (chunk_bounds),
-    each cut into blocks of call.block_elems: ring, direct, the all-gather."""
+    each cut into blocks of call.block_elems: ring, direct, the all-gather.
+    Direct and the all-gather also record who is in each block of the
+    result: a bitmap of ceil(size / 64) words per block."""
     cdef Py_ssize_t* chunk_lo
     cdef Py_ssize_t* chunk_len
+    cdef int words
+    cdef uint64_t* result_members
+    cdef Py_ssize_t result_entries, result_cap
 
     def __cinit__(self, int rank, int size):
         self.chunk_lo = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
         self.chunk_len = <Py_ssize_t*>calloc(size, sizeof(Py_ssize_t))
         if self.chunk_lo == NULL or self.chunk_len == NULL:
             raise MemoryError()
+        self.words = (size + 63) // 64
 
     def __dealloc__(self):
         free(self.chunk_lo)
         free(self.chunk_len)
+        free(self.result_members)
+
+    cdef int reserve_members(self, Py_ssize_t entries) except -1:
+        """Room for the bitmaps of `entries` result blocks, all cleared."""
+        if entries > self.result_cap:
+            free(self.result_members)
+            self.result_members = <uint64_t*>malloc(entries * self.words * 8)
+            self.result_cap = 0
+            if self.result_members == NULL:
+                raise MemoryError()
+            self.result_cap = entries
+        self.result_entries = entries
+        memset(self.result_members, 0, entries * self.words * 8)
+        return 0
+
+    cdef object contributors(self):
+        """(bitmap bytes, entries, nblocks, block_elems, words) of the last call."""
+        return ((<char*>self.result_members)[:self.result_entries * self.words * 8],
+                self.result_entries, self.call.nblocks, self.call.block_elems, self.words)
 
     cdef void cut(self, CallInfo* call) noexcept nogil:
         """Chunks of this call, and its blocks: call.block_elems (at most the

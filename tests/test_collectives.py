@@ -87,6 +87,13 @@ def test_allgather_under_loss_keeps_previous_values(comm):
             for r, (a, b) in enumerate(bounds):
                 ok = (full[a:b] == 100 * call + r) | (full[a:b] == -7.0)
                 assert ok.all(), f"call {call}, chunk {r}: {np.unique(full[a:b])}"
+            # The arrival record says exactly which elements arrived, and from whom.
+            arrived = stats.contributors.received()
+            np.testing.assert_array_equal(arrived, full != -7.0)
+            for r, (a, b) in enumerate(bounds):
+                np.testing.assert_array_equal(stats.contributors.mask(r)[a:b], arrived[a:b])
+                assert not stats.contributors.mask(r)[:a].any()
+            assert arrived[lo:hi].all()                 # my own chunk
             kept += stats.fallback
             assert stats.delivered == pytest.approx(1.0 - stats.fallback)
     assert comm.allreduce(kept) > 0, "nothing was lost: the test proved nothing"

@@ -20,9 +20,13 @@ TINY = ["--steps", "40", "--width", "32", "--layers", "1", "--heads", "2", "--co
         "--measure-every", "10", "--broadcast-every", "10"]
 
 
-@pytest.mark.parametrize("extra", [["--reduce", "mpi"], ["--loss", "0"], ["--loss", "0.1"],
-                                   ["--loss", "0.3", "--phase-aware"]],
-                         ids=["reliable-baseline", "lossless", "loss-10", "loss-30-phase-aware"])
+@pytest.mark.parametrize("extra", [
+    ["--reduce", "mpi"], ["--loss", "0"], ["--loss", "0.1"],
+    ["--mode", "sharded", "--no-error-feedback", "--loss", "0.1"],
+    ["--mode", "replicated", "--error-feedback", "--resync", "average", "--loss", "0.1"],
+    ["--mode", "replicated", "--no-error-feedback", "--loss", "0.3", "--phase-aware"]],
+    ids=["reliable-baseline", "lossless", "loss-10-defaults", "sharded-loss-10",
+         "replicated-feedback-average-loss-10", "replicated-loss-30-phase-aware"])
 def test_short_run_learns(tmp_path, extra):
     out = tmp_path / "result.json"
     done = run_bounded([mpiexec(), "-n", "2", sys.executable, "-m", "mpilossy.examples.lm",
@@ -34,7 +38,7 @@ def test_short_run_learns(tmp_path, extra):
     assert r["ranks"] == 2
     assert r["train_loss_last"] < r["train_loss_first"] - 0.5, r
     assert all(math.isfinite(p) and 1 < p < 100 for p in r["val_perplexity_ranks"]), r
-    if "--loss" in extra and extra[1] != "0":
+    if "--loss" in extra and extra[extra.index("--loss") + 1] != "0":
         assert r["delivered"] < 1.0, r          # loss was really injected
     else:
         assert r["delivered"] == 1.0 and r["final_drift"] == 0.0, r

@@ -7,6 +7,7 @@ import pytest
 torch = pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
 
 import numpy as np  # noqa: E402
+from mpi4py import MPI  # noqa: E402
 
 import mpilossy  # noqa: E402
 import mpilossy.torch as mt  # noqa: E402
@@ -129,3 +130,54 @@ def test_resync_makes_drift_zero(comm):
     assert all(after == 0.0 for _, after in drifts), drifts
     assert any(before > 0 for before, _ in drifts), drifts
     assert same_on_every_rank(comm, flat(model))
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("missed,resync_every", [("keep", None), ("extrapolate", None),
+                                                 ("extrapolate", 4)])
+def test_missed_blocks_extrapolated(comm, missed, resync_every):
+    """Constant gradients and plain SGD: every owner's parameters move on a
+    straight line, so extrapolating a missed block by the owner's update per
+    step gives the owner's value exactly (up to rounding), where keeping it
+    leaves the rank behind."""
+    lc = mpilossy.Communicator(comm, timeout=0.05, block_bytes=256,
+                               loss=mpilossy.loss.Bernoulli(0.3, seed=5))
+    model = make_model(dtype=torch.float64)
+    opt = mt.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                              model.named_parameters(), lc, missed=missed,
+                              resync_every=resync_every)
+    gaps, missed_any = [], 0.0
+    for step in range(30):
+        opt.zero_grad()
+        for i, p in enumerate(model.parameters()):
+            p.grad = torch.full_like(p, 1.0 + 0.01 * i)
+        opt.step()
+        missed_any += opt.stats.fallback
+        mine = flat(model)
+        owners = np.empty_like(mine)
+        comm.Allreduce(np.where(owned(lc, mine.size), mine, 0.0), owners)
+        if step >= 10:      # (a block never received yet has no known rate: 0.3**10)
+            gaps.append(float(np.abs(mine - owners).max()))
+    lc.free()
+    assert comm.allreduce(missed_any) > 0, "no block was missed: the test proved nothing"
+    worst = comm.allreduce(max(gaps), op=MPI.MAX)
+    if missed == "extrapolate":
+        assert worst < 1e-12, worst
+    else:
+        assert worst >= 0.01 * 0.99, worst          # at least one step behind somewhere
+
+
+def owned(lc, n):
+    lo, hi = lc.chunk_bounds(n)
+    mask = np.zeros(n, bool)
+    mask[lo:hi] = True
+    return mask
+
+
+@pytest.mark.mpi
+def test_missed_must_be_known(comm):
+    model = make_model()
+    with mpilossy.Communicator(comm, timeout=0.05) as lc:
+        with pytest.raises(ValueError, match="missed must be one of"):
+            mt.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                model.named_parameters(), lc, missed="guess")

@@ -4,8 +4,10 @@
   allreduce_hook)``) and ``init_process_group()`` for DDP under mpiexec;
 - without torch.distributed: ``DistributedOptimizer`` (Horovod style),
   ``broadcast_parameters``, ``broadcast_optimizer_state``;
-- drift control: ``DriftController`` (periodic reliable broadcast, drift meter);
+- drift control: ``DriftController`` (periodic reliable broadcast or average,
+  drift meter);
 - the sharded, bounded-drift mode: ``ShardedOptimizer``;
+- error feedback for both (``error_feedback=True``, ``ErrorFeedback``);
 - ``PhaseAwareTolerance``: tight loss tolerance early in training, loose later;
 - ``StepStats``: what each step's communication delivered.
 
@@ -18,8 +20,10 @@ except ImportError as _exc:
     raise ImportError("mpilossy.torch needs PyTorch, which is not installed: "
                       "pip install torch (or pip install 'mpilossy[torch]')") from _exc
 
-from .broadcast import broadcast_optimizer_state, broadcast_parameters, check_parameters
+from .broadcast import (average_optimizer_state, average_parameters, broadcast_optimizer_state,
+                        broadcast_parameters, check_parameters)
 from .drift import DriftController, DriftStep, measure_drift
+from .feedback import ErrorFeedback
 from .hooks import AllreduceHookState, allreduce_hook, destroy_process_group, init_process_group
 from .optimizer import DistributedOptimizer
 from .sharded import ShardedOptimizer
@@ -31,10 +35,13 @@ __all__ = [
     "DistributedOptimizer",
     "DriftController",
     "DriftStep",
+    "ErrorFeedback",
     "PhaseAwareTolerance",
     "ShardedOptimizer",
     "StepStats",
     "allreduce_hook",
+    "average_optimizer_state",
+    "average_parameters",
     "broadcast_optimizer_state",
     "broadcast_parameters",
     "check_parameters",

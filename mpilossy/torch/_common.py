@@ -204,12 +204,13 @@ class Flat:
             for i, t in enumerate(tensors):
                 t.copy_(self.view(i, t))
 
-    def pieces(self, max_bytes: int) -> List[np.ndarray]:
-        """NumPy views of the buffers, cut into pieces of at most max_bytes."""
+    def pieces(self, max_bytes: int) -> List[Tuple[torch.dtype, int, np.ndarray]]:
+        """(dtype, first element, NumPy view) of the buffers, cut into pieces
+        of at most max_bytes."""
         out = []
-        for arr in self.arrays.values():
+        for dtype, arr in self.arrays.items():
             step = max(1, max_bytes // arr.itemsize)
-            out.extend(arr[i:i + step] for i in range(0, arr.size, step))
+            out.extend((dtype, i, arr[i:i + step]) for i in range(0, arr.size, step))
         return out
 
 

@@ -1,6 +1,7 @@
 """Measurements behind docs/training.md (printed by rank 0).
 
     mpiexec -n 4 python -m mpilossy.torch.bench drift     # drift: all-reduce + broadcast vs sharded
+    mpiexec -n 4 python -m mpilossy.torch.bench drift --steps 3000 --modes allreduce,sharded --plot d.png
     mpiexec -n 2 python -m mpilossy.torch.bench overlap   # DDP hook: inline vs background thread
 
 Both train a small MLP on a synthetic regression task (a fixed random
@@ -38,23 +39,40 @@ def data(rank: int, step: int, batch: int, inputs: int = 32, outputs: int = 8):
     return x, torch.sin(x @ teacher)
 
 
+MODES = {
+    # mode: (wrapper, re-synchronisation, error feedback, missed blocks)
+    "allreduce": ("replicated", None, False, None),
+    "allreduce+bcast": ("replicated", "broadcast", False, None),
+    "allreduce+average": ("replicated", "average", False, None),
+    "sharded": ("sharded", None, False, "keep"),
+    "sharded+resync": ("sharded", "resync", False, "keep"),
+    "sharded+extrapolate": ("sharded", None, False, "extrapolate"),
+    "sharded+ef": ("sharded", None, True, "keep"),
+}
+
+
 def drift(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     loss = mpilossy.loss.Bernoulli(args.loss, seed=1) if args.loss else None
-    rows = []
-    for mode in ("allreduce", "allreduce+bcast", "sharded"):
+    rows, curves = [], {}
+    for mode in args.modes:
+        wrapper, resync, feedback, missed = MODES[mode]
         lc = mpilossy.Communicator(comm, timeout=args.timeout, loss=loss,
-                                   block_bytes=args.block_bytes)
+                                   block_bytes=args.block_bytes,
+                                   scaling="zero-fill" if feedback else "unbiased")
         model = mlp(args.width, args.layers)
         broadcast_parameters(model)
         inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
-        if mode == "sharded":
+        if wrapper == "sharded":
             opt = ShardedOptimizer(inner, model.named_parameters(), lc,
-                                   measure_every=args.measure_every)
+                                   measure_every=args.measure_every, error_feedback=feedback,
+                                   resync_every=args.broadcast_every if resync else None,
+                                   missed=missed)
         else:
             opt = DistributedOptimizer(
                 inner, model.named_parameters(), lc, measure_every=args.measure_every,
-                broadcast_every=args.broadcast_every if mode.endswith("bcast") else None)
+                broadcast_every=args.broadcast_every if resync else None,
+                resync=resync or "broadcast", broadcast_state=resync == "average")
         drifts, delivered, comm_s, losses = [], [], 0.0, []
         began = time.perf_counter()
         for step in range(args.steps):
@@ -81,7 +99,10 @@ def drift(args: argparse.Namespace) -> None:
                      comm.allreduce(per_measure) / comm.size * 1e3,
                      wall / args.steps * 1e3,
                      comm.allreduce(statistics.mean(tail)) / comm.size))
+        curves[mode] = list(control.history)
         lc.free()
+    if comm.rank == 0 and args.plot:
+        plot_drift(curves, args)
     if comm.rank == 0:
         n = sum(p.numel() for p in mlp(args.width, args.layers).parameters())
         print(f"# {comm.size} ranks, {n} parameters, {args.steps} steps, loss {args.loss}, "
@@ -97,6 +118,25 @@ def drift(args: argparse.Namespace) -> None:
         for r in rows:
             print(f"  {r[0]:<16} {r[1]:10.2e} {r[2]:10.2e} {r[3]:10.2e} {r[4]:9.4f} "
                   f"{r[5]:8.2f} {r[6]:8.2f} {r[7]:8.2f} {r[8]:8.2f} {r[9]:8.5f}")
+
+
+def plot_drift(curves: dict, args: argparse.Namespace) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for mode, history in curves.items():
+        steps = [s for s, _ in history]
+        ax.plot(steps, [max(d, 1e-7) for _, d in history], lw=1, label=mode)
+    ax.set_yscale("log")
+    ax.set_xlabel("step")
+    ax.set_ylabel("drift (largest rank, relative L2)")
+    ax.set_title(f"{MPI.COMM_WORLD.size} ranks, {args.loss:.0%} block loss, "
+                 f"re-sync every {args.broadcast_every} where on", fontsize=9)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(args.plot, dpi=120)
 
 
 def overlap(args: argparse.Namespace) -> None:
@@ -150,7 +190,12 @@ def main() -> None:
     d.add_argument("--batch", type=int, default=32)
     d.add_argument("--lr", type=float, default=0.05)
     d.add_argument("--measure-every", type=int, default=10)
-    d.add_argument("--broadcast-every", type=int, default=50)
+    d.add_argument("--broadcast-every", type=int, default=50,
+                   help="re-synchronisation period of the modes that have one")
+    d.add_argument("--modes", type=lambda t: t.split(","),
+                   default=["allreduce", "allreduce+bcast", "sharded"],
+                   help=f"comma-separated, of {', '.join(MODES)}")
+    d.add_argument("--plot", help="write drift against step to this image (rank 0)")
     o = sub.add_parser("overlap")
     o.add_argument("--steps", type=int, default=20)
     o.add_argument("--loss", type=float, default=0.0)
@@ -161,6 +206,8 @@ def main() -> None:
     o.add_argument("--bucket-mb", type=int, default=4)
     o.add_argument("--lr", type=float, default=0.01)
     args = parser.parse_args()
+    if args.what == "drift" and set(args.modes) - set(MODES):
+        parser.error(f"unknown modes: {', '.join(sorted(set(args.modes) - set(MODES)))}")
     drift(args) if args.what == "drift" else overlap(args)
 
 

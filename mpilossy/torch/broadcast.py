@@ -1,18 +1,20 @@
-"""Reliable broadcasts of parameters and optimizer state (MPI_Bcast on
-NumPy views of the tensors' memory)."""
+"""Reliable re-synchronisation of parameters and optimizer state: broadcasts
+from one rank (MPI_Bcast on NumPy views of the tensors' memory) or averages
+over every rank (MPI_Allreduce)."""
 
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, List, Optional, Sequence
+from typing import Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from mpi4py import MPI
 
-from ._common import (CommLike, Flat, as_bytes, check_everywhere, check_tensors, host_problem,
-                      named_tensors, reliable_comm)
+from ._common import (CommLike, Flat, as_bytes, as_numpy, check_everywhere, check_tensors,
+                      host_problem, named_tensors, reliable_comm)
 
-__all__ = ["broadcast_parameters", "broadcast_optimizer_state", "check_parameters"]
+__all__ = ["average_optimizer_state", "average_parameters", "broadcast_optimizer_state",
+           "broadcast_parameters", "check_parameters"]
 
 # Tensors smaller than this (or not contiguous) travel packed in one buffer
 # per dtype: one MPI_Bcast instead of many small ones.  Larger contiguous
@@ -153,3 +155,70 @@ def _collect_specs(value: Any, out: List[torch.Tensor]) -> None:
     elif isinstance(value, (list, tuple)):
         for v in value:
             _collect_specs(v, out)
+
+
+def average_tensors(comm: MPI.Intracomm, tensors: Sequence[torch.Tensor], root: int) -> None:
+    """Replace floating-point `tensors` by their average over ranks (one
+    MPI_Allreduce per dtype, float16 and bfloat16 through float32); the
+    others (integer buffers, counters) get root's values."""
+    floats = [t for t in tensors if t.is_floating_point()]
+    if floats:
+        flat = Flat(floats)
+        flat.pack(floats)
+        for buf in flat.buffers.values():
+            wide = buf if buf.dtype in (torch.float32, torch.float64) else buf.float()
+            comm.Allreduce(MPI.IN_PLACE, as_numpy(wide), op=MPI.SUM)
+            wide /= comm.size
+            if wide is not buf:
+                buf.copy_(wide)
+        flat.unpack(floats)
+    others = [t for t in tensors if not t.is_floating_point()]
+    if others:
+        bcast_tensors(comm, others, root)
+
+
+def average_parameters(parameters: Any, *, comm: CommLike = None) -> float:
+    """Collective: replace `parameters` (as for broadcast_parameters) by their
+    average over ranks, in place (integer buffers get rank 0's values).
+    Reliable (MPI_Allreduce).  Returns the seconds spent."""
+    began = time.perf_counter()
+    comm = reliable_comm(comm)
+    named = named_tensors(parameters)
+    check_tensors(comm, named, reducible=False, what="tensors")
+    with torch.no_grad():
+        average_tensors(comm, [t for _, t in named], 0)
+    return time.perf_counter() - began
+
+
+def _state_tensors(optimizer: torch.optim.Optimizer) -> List[Tuple[str, torch.Tensor]]:
+    """Every tensor of the optimizer's state, named by parameter position and key."""
+    out = []
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    for i, p in enumerate(params):
+        for key, value in sorted(optimizer.state.get(p, {}).items(), key=lambda kv: str(kv[0])):
+            if isinstance(value, torch.Tensor):
+                out.append((f"{i}.{key}", value))
+    return out
+
+
+def average_optimizer_state(optimizer: torch.optim.Optimizer, *, comm: CommLike = None) -> float:
+    """Collective: replace the floating-point tensors of the optimizer's state
+    (momentum, Adam's moments) by their average over ranks, in place; step
+    counters are left as they are.  Every rank must hold the same state
+    structure (same parameters, same keys, shapes and dtypes), checked first.
+    Returns the seconds spent."""
+    began = time.perf_counter()
+    comm = reliable_comm(comm)
+    problem = None
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        problem = TypeError(f"optimizer must be a torch.optim.Optimizer, not "
+                            f"{type(optimizer).__name__}")
+    elif getattr(optimizer, "per_rank_state", False):
+        problem = ValueError("a ShardedOptimizer's state covers this rank's chunk only: "
+                             "there is no common state to average")
+    named = [] if problem else _state_tensors(optimizer)
+    averaged = [(n, t) for n, t in named if t.is_floating_point() and not n.endswith(".step")]
+    check_tensors(comm, averaged, reducible=False, problem=problem, what="optimizer states")
+    with torch.no_grad():
+        average_tensors(comm, [t for _, t in averaged], 0)
+    return time.perf_counter() - began

@@ -14,7 +14,8 @@ import torch
 from mpi4py import MPI
 
 from ._common import CommLike, Flat, check_tensors, named_tensors, reliable_comm
-from .broadcast import bcast_tensors, broadcast_optimizer_state
+from .broadcast import (average_optimizer_state, average_tensors, bcast_tensors,
+                        broadcast_optimizer_state)
 
 __all__ = ["DriftController", "DriftStep", "measure_drift"]
 
@@ -37,6 +38,15 @@ def every_problem(**periods: Any) -> Optional[Exception]:
         if value is not None and (isinstance(value, bool) or not isinstance(value, int)
                                   or value < 1):
             return ValueError(f"{name} must be a positive int or None, got {value!r}")
+    return None
+
+
+RESYNCS = ("broadcast", "average")
+
+
+def resync_problem(resync: Any) -> Optional[Exception]:
+    if resync not in RESYNCS:
+        return ValueError(f"resync must be one of {RESYNCS}, got {resync!r}")
     return None
 
 
@@ -81,9 +91,11 @@ class DriftController:
     ``broadcast_every`` / ``measure_every``).  Every `measure_every` steps it
     measures the drift (``.drift``, logged on the root rank to the
     "mpilossy.torch" logger at INFO); every `broadcast_every` steps it
-    re-synchronises the parameters — by default a reliable broadcast from
-    `root_rank` of the parameters (of a module: parameters and buffers) and,
-    if `optimizer` is given, of its state.
+    re-synchronises the parameters (of a module: parameters and buffers) and,
+    if `optimizer` is given, its state: `resync="broadcast"` (default) gives
+    every rank `root_rank`'s copy (MPI_Bcast), `resync="average"` the average
+    over ranks (MPI_Allreduce; integer buffers as they are on `root_rank`,
+    optimizer step counters as each rank has them).
 
     Construction and every method are collective over `comm`.
     """
@@ -91,9 +103,11 @@ class DriftController:
     def __init__(self, parameters: Any, *, comm: CommLike = None,
                  broadcast_every: Optional[int] = None, measure_every: Optional[int] = None,
                  optimizer: Optional[torch.optim.Optimizer] = None, root_rank: int = 0,
+                 resync: str = "broadcast",
                  synchronize: Optional[Callable[[], None]] = None) -> None:
         self.comm = reliable_comm(comm)
-        problem = every_problem(broadcast_every=broadcast_every, measure_every=measure_every)
+        problem = (every_problem(broadcast_every=broadcast_every, measure_every=measure_every)
+                   or resync_problem(resync))
         if not (isinstance(root_rank, int) and 0 <= root_rank < self.comm.size):
             problem = ValueError(f"root_rank must be a rank of the communicator, got {root_rank!r}")
         try:
@@ -105,10 +119,11 @@ class DriftController:
         # (collective: a bad argument on one rank raises on every rank)
         check_tensors(self.comm, named, reducible=False, problem=problem,
                       extra=(broadcast_every, measure_every, root_rank, optimizer is not None,
-                             synchronize is not None))
+                             resync, synchronize is not None))
         self.broadcast_every = broadcast_every
         self.measure_every = measure_every
         self.root_rank = root_rank
+        self.resync = resync
         self.optimizer = optimizer
         self._tensors = [t for _, t in named]
         self._synchronize = synchronize
@@ -155,6 +170,11 @@ class DriftController:
         began = time.perf_counter()
         if self._synchronize is not None:
             self._synchronize()
+        elif self.resync == "average":
+            with torch.no_grad():
+                average_tensors(self.comm, self._tensors, self.root_rank)
+            if self.optimizer is not None:
+                average_optimizer_state(self.optimizer, comm=self.comm)
         else:
             with torch.no_grad():
                 bcast_tensors(self.comm, self._tensors, self.root_rank)

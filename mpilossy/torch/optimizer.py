@@ -12,7 +12,8 @@ from mpi4py import MPI
 
 from ..communicator import Communicator
 from ._common import Flat, check_tensors, lossy_communicator, optimizer_parameters
-from .drift import DriftController, every_problem
+from .drift import DriftController, every_problem, resync_problem
+from .feedback import ErrorFeedback, feedback_problem
 from .stats import Recorder, StepStats
 from .tolerance import PhaseAwareTolerance
 
@@ -40,6 +41,11 @@ class _Wrapped:
     @property
     def communicator(self) -> Communicator:
         return self._mpilossy.lc
+
+    @property
+    def error_feedback(self) -> Optional[ErrorFeedback]:
+        """The residual keeper (if error_feedback=True), else None."""
+        return self._mpilossy.feedback
 
 
 _classes: Dict[Tuple[type, type], type] = {}
@@ -93,6 +99,7 @@ class Engine:
         self.lc, self.params, self.op, self.drift = lc, params, op, drift
         self.ids = [id(p) for p in params]      # the optimizer's parameters
         self.recorder = Recorder()
+        self.feedback: Optional[ErrorFeedback] = None
 
     def finish(self) -> StepStats:
         """Close the step: drift control when due, then the statistics."""
@@ -108,12 +115,13 @@ class _GradientAllreduce(Engine):
 
     def __init__(self, lc: Communicator, params: List[torch.Tensor], op: str,
                  bucket_bytes: int, drift: Optional[DriftController],
-                 tolerance: Optional[PhaseAwareTolerance]) -> None:
+                 tolerance: Optional[PhaseAwareTolerance], error_feedback: bool) -> None:
         super().__init__(lc, params, op, drift)
         self.flat = Flat(params)
         self.pieces = self.flat.pieces(bucket_bytes)
         self.synchronized = False
         self.tolerance = tolerance
+        self.feedback = ErrorFeedback(lc, self.flat) if error_feedback else None
 
     def reduce(self) -> None:
         """All-reduce every gradient (lossy, fused into few calls)."""
@@ -130,8 +138,17 @@ class _GradientAllreduce(Engine):
             if policy.critical_ended is None:       # the signal still votes
                 policy.agree(self.lc.comm, 0.0)
         else:
-            for piece in self.pieces:
-                self.recorder.add(self.lc.allreduce(piece, op=self.op))
+            feedback = self.feedback
+            if feedback is not None:
+                feedback.add_to(self.flat)
+                calls = [(dtype, first, self.lc.allreduce(piece, op=self.op, algorithm="direct"))
+                         for dtype, first, piece in self.pieces]
+                feedback.record(calls)
+                for _, _, stats in calls:
+                    self.recorder.add(stats)
+            else:
+                for _, _, piece in self.pieces:
+                    self.recorder.add(self.lc.allreduce(piece, op=self.op))
             if policy is not None and policy.needs_agreement:
                 lost = 1.0 - self.recorder.pending_delivered()
                 if policy.agree(self.lc.comm, lost) > limit:
@@ -197,7 +214,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          measure_every: Optional[int] = None,
                          broadcast_state: bool = False,
                          root_rank: int = 0,
-                         tolerance: Optional[PhaseAwareTolerance] = None) -> torch.optim.Optimizer:
+                         tolerance: Optional[PhaseAwareTolerance] = None,
+                         resync: str = "broadcast",
+                         error_feedback: bool = False) -> torch.optim.Optimizer:
     """Wrap `optimizer` so that step() first all-reduces the gradients through
     mpilossy's lossy all-reduce (unbiased average, deadline-bound).
 
@@ -210,10 +229,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     communicator:
         the mpilossy.Communicator (timeout, loss); default
         mpilossy.default_communicator() (settings from the environment).
-    broadcast_every, measure_every:
-        drift control (DriftController): every K steps, broadcast the
-        parameters (and the optimizer state if `broadcast_state`) from
-        `root_rank`; every M steps measure the drift (``stats.drift``).
+    broadcast_every, measure_every, resync:
+        drift control (DriftController): every K steps re-synchronise the
+        parameters (and the optimizer state if `broadcast_state`): with
+        resync="broadcast" to `root_rank`'s copy, with resync="average" to
+        the average over ranks; every M steps measure the drift
+        (``stats.drift``).
+    error_feedback:
+        re-send next step what this step's gradients lost (docs/training.md).
+        Needs a Communicator with scaling="zero-fill" (the plain average;
+        checked) and reduces with the direct algorithm, whose contributor
+        record says what was lost.  Not with `tolerance`.
     tolerance:
         phase-aware loss tolerance (PhaseAwareTolerance): how much loss each
         step may accept; a step that loses more re-sends its gradients
@@ -227,21 +253,26 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     lc = lossy_communicator(communicator)
     comm = lc.comm
     problem = (already_wrapped(optimizer) or check_settings(op, bucket_bytes)
-               or every_problem(broadcast_every=broadcast_every, measure_every=measure_every))
+               or every_problem(broadcast_every=broadcast_every, measure_every=measure_every)
+               or resync_problem(resync) or feedback_problem(lc, error_feedback))
     if problem is None and tolerance is not None and not isinstance(tolerance, PhaseAwareTolerance):
         problem = TypeError(f"tolerance must be a PhaseAwareTolerance or None, "
                             f"not {type(tolerance).__name__}")
+    if problem is None and tolerance is not None and error_feedback:
+        problem = ValueError("error_feedback and tolerance do not combine (a step re-sent "
+                             "reliably would re-send without the residual)")
     try:
         named = optimizer_parameters(optimizer, named_parameters)
     except (TypeError, ValueError) as exc:
         problem, named = problem or exc, []
     check_tensors(comm, named, reducible=True, problem=problem,
                   extra=(op, bucket_bytes, broadcast_every, measure_every, broadcast_state,
-                         root_rank, repr(tolerance)))
+                         root_rank, repr(tolerance), resync, error_feedback))
     drift = None
     if broadcast_every is not None or measure_every is not None:
         drift = DriftController(named, comm=comm, broadcast_every=broadcast_every,
                                 measure_every=measure_every, root_rank=root_rank,
-                                optimizer=optimizer if broadcast_state else None)
-    engine = _GradientAllreduce(lc, [p for _, p in named], op, bucket_bytes, drift, tolerance)
+                                optimizer=optimizer if broadcast_state else None, resync=resync)
+    engine = _GradientAllreduce(lc, [p for _, p in named], op, bucket_bytes, drift, tolerance,
+                                error_feedback)
     return wrap(optimizer, _DistributedOptimizer, engine)

@@ -25,20 +25,25 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 from mpi4py import MPI
 
-from ..communicator import Communicator
-from ._common import Flat, as_bytes, check_tensors, lossy_communicator, optimizer_parameters
+from ..communicator import CollectiveStats, Communicator
+from ._common import (REDUCIBLE, Flat, as_bytes, check_tensors, lossy_communicator,
+                      optimizer_parameters)
 from .broadcast import bcast_tensors
 from .drift import DriftController, every_problem
+from .feedback import ErrorFeedback, feedback_problem
 from .optimizer import Engine, _Wrapped, already_wrapped, check_settings, params_changed, wrap
 
 __all__ = ["ShardedOptimizer"]
+
+MISSED = ("keep", "extrapolate")
 
 
 class _ShardedExchange(Engine):
     """The engine behind ShardedOptimizer."""
 
     def __init__(self, lc: Communicator, comm: MPI.Intracomm, params: List[torch.Tensor],
-                 groups: List[int], n_groups: int, op: str, root_rank: int) -> None:
+                 groups: List[int], n_groups: int, op: str, root_rank: int,
+                 error_feedback: bool, missed: str) -> None:
         super().__init__(lc, params, op, None)
         self.comm = comm
         self.flat = Flat(params)            # the parameters themselves, from now on
@@ -51,6 +56,10 @@ class _ShardedExchange(Engine):
         self.bounds = {d: lc.chunk_bounds(b.numel()) for d, b in self.flat.buffers.items()}
         self.shard_grads = {d: torch.zeros(hi - lo, dtype=d) for d, (lo, hi) in self.bounds.items()}
         self.shards = self._shards(groups, n_groups)
+        if error_feedback:
+            self.feedback = ErrorFeedback(lc, self.grads)
+        self.trends = ({d: _Trend(b) for d, b in self.flat.buffers.items() if d in REDUCIBLE}
+                       if missed == "extrapolate" else None)
 
     def _shards(self, groups: List[int],
                 n_groups: int) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
@@ -76,9 +85,18 @@ class _ShardedExchange(Engine):
         if any(g is not None and g.layout != torch.strided for g in grads):
             raise TypeError("sparse gradients are not supported")
         self.grads.pack(grads)
+        feedback = self.feedback
+        if feedback is not None:
+            feedback.add_to(self.grads)
+        calls = []
         for dtype, send in self.grads.arrays.items():
             recv = self.shard_grads[dtype]
-            self.recorder.add(self.lc.reduce_scatter(send, recv, op=self.op))
+            stats = self.lc.reduce_scatter(send, recv, op=self.op,
+                                           algorithm="direct" if feedback else "auto")
+            self.recorder.add(stats)
+            calls.append((dtype, 0, stats))
+        if feedback is not None:
+            feedback.record(calls)
         for views in self.shards:
             for view, grad in views:
                 view.grad = grad            # (zero_grad of the optimizer may have cleared it)
@@ -86,7 +104,10 @@ class _ShardedExchange(Engine):
     def allgather(self) -> None:
         for dtype, full in self.flat.arrays.items():
             lo, hi = self.bounds[dtype]
-            self.recorder.add(self.lc.allgather(full[lo:hi], full))
+            stats = self.lc.allgather(full[lo:hi], full)
+            self.recorder.add(stats)
+            if self.trends is not None:
+                self.trends[dtype].update(self.flat.buffers[dtype], stats)
 
     def resynchronize(self) -> None:
         """Reliable all-gather of every owner's chunk: drift exactly 0."""
@@ -97,6 +118,37 @@ class _ShardedExchange(Engine):
             counts = [(hi - lo) * itemsize for lo, hi in bounds]
             displs = [lo * itemsize for lo, _ in bounds]
             self.comm.Allgatherv(MPI.IN_PLACE, [data, (counts, displs), MPI.BYTE])
+            if self.trends is not None:
+                self.trends[dtype].exact(buf)
+
+
+class _Trend:
+    """missed="extrapolate": per element, the last value received from its
+    owner, the owner's mean update per step since the one before, and the
+    steps since.  A block missed by the all-gather is set to the last value
+    plus that rate times the steps since: with momentum optimizers a step's
+    update is close to the last ones, so the estimate is nearer the owner's
+    value than the stale one.  The owner's own chunk is always exact."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self.last = values.clone()
+        self.rate = torch.zeros_like(values)
+        self.age = torch.ones_like(values)
+
+    def update(self, values: torch.Tensor, stats: CollectiveStats) -> None:
+        got = torch.from_numpy(stats.contributors.received())
+        with torch.no_grad():
+            fresh = torch.where(got, (values - self.last) / self.age, self.rate)
+            self.rate.copy_(fresh)
+            self.last.copy_(torch.where(got, values, self.last))
+            values.copy_(torch.where(got, values, self.last + self.rate * self.age))
+            self.age.copy_(torch.where(got, torch.ones_like(self.age), self.age + 1))
+
+    def exact(self, values: torch.Tensor) -> None:
+        """Every value is the owner's again (after a reliable re-synchronisation)."""
+        with torch.no_grad():
+            self.last.copy_(values)
+            self.age.fill_(1)
 
 
 class _ShardedOptimizer(_Wrapped):
@@ -118,6 +170,13 @@ class _ShardedOptimizer(_Wrapped):
         engine.finish()
         return loss
 
+    def resynchronize(self) -> None:
+        """Collective: give every rank every owner's chunk now (reliable).
+        Call it after changing the parameters outside the optimizer (loading
+        a checkpoint on some ranks, say): it also restarts the
+        extrapolation of missed blocks from the new values."""
+        self._mpilossy.resynchronize()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (the optimizer itself holds views of
         this rank's chunk, whose gradients are set at every step)."""
@@ -136,7 +195,8 @@ class _ShardedOptimizer(_Wrapped):
 def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = None,
                      communicator: Optional[Communicator] = None, *, op: str = "avg",
                      resync_every: Optional[int] = None, measure_every: Optional[int] = None,
-                     root_rank: int = 0) -> torch.optim.Optimizer:
+                     root_rank: int = 0, error_feedback: bool = False,
+                     missed: str = "keep") -> torch.optim.Optimizer:
     """Wrap a freshly built `optimizer` for the sharded, bounded-drift mode
     (see the module documentation).
 
@@ -151,6 +211,15 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
         every K steps a reliable all-gather of every owner's chunk (drift 0);
         every M steps the drift meter (``stats.drift``).  Neither is needed
         for the drift to stay bounded.
+    error_feedback:
+        re-send next step what this step's gradients lost, as for
+        DistributedOptimizer (Communicator with scaling="zero-fill"; the
+        owner's contributor record says what was lost).
+    missed:
+        what a rank does with a block of parameters that the all-gather did
+        not bring: "keep" its previous values (the reference scheme), or
+        "extrapolate" them by the owner's recent update per step (see
+        docs/training.md).  Either way the next block that arrives is exact.
 
     state_dict() holds this rank's chunk of the optimizer state.  Collective,
     with the same checks as DistributedOptimizer.
@@ -158,7 +227,10 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     lc = lossy_communicator(communicator)
     comm = lc.comm
     problem = (already_wrapped(optimizer) or check_settings(op)
-               or every_problem(resync_every=resync_every, measure_every=measure_every))
+               or every_problem(resync_every=resync_every, measure_every=measure_every)
+               or feedback_problem(lc, error_feedback))
+    if problem is None and missed not in MISSED:
+        problem = ValueError(f"missed must be one of {MISSED}, got {missed!r}")
     try:
         named = optimizer_parameters(optimizer, named_parameters)
     except (TypeError, ValueError) as exc:
@@ -169,11 +241,12 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     if not (isinstance(root_rank, int) and 0 <= root_rank < comm.size):
         problem = problem or ValueError(f"root_rank must be a rank, got {root_rank!r}")
     check_tensors(comm, named, reducible=True, problem=problem,
-                  extra=("sharded", op, resync_every, measure_every, root_rank))
+                  extra=("sharded", op, resync_every, measure_every, root_rank, error_feedback,
+                         missed))
     params = [p for _, p in named]
     groups = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
     engine = _ShardedExchange(lc, comm, params, groups, len(optimizer.param_groups), op,
-                              root_rank)
+                              root_rank, error_feedback, missed)
     if resync_every is not None or measure_every is not None:
         engine.drift = DriftController(named, comm=comm, broadcast_every=resync_every,
                                        measure_every=measure_every,

@@ -36,10 +36,26 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-bytes", type=int, default=d.block_bytes, help="loss unit (bytes)")
     ap.add_argument("--algorithm", choices=("auto", "ring", "tree", "direct"), default=d.algorithm,
                     help="of the lossy all-reduce (auto: ring for this model)")
+    ap.add_argument("--mode", choices=("replicated", "sharded"), default=d.mode,
+                    help="replicated: every rank applies the lossy all-reduce's average; "
+                    "sharded: owners update their shard, parameters travel by lossy all-gather")
+    ap.add_argument("--error-feedback", action=argparse.BooleanOptionalAction,
+                    default=d.error_feedback,
+                    help="re-send next step what a step's gradients lost (plain average)")
+    ap.add_argument("--missed", choices=("keep", "extrapolate"), default=d.missed,
+                    help="sharded mode: a parameter block the all-gather missed keeps its "
+                    "previous value, or is extrapolated by the owner's recent update")
     ap.add_argument("--zero-fill", action="store_true", help="ablation: no rescaling")
-    ap.add_argument("--broadcast-every", type=int, default=d.broadcast_every,
-                    help="reliable parameter broadcast every K steps")
-    ap.add_argument("--no-drift-correction", action="store_true", help="ablation: no broadcast")
+    ap.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=None,
+                    help="move each chunk's reducer with every call (default: pinned to the "
+                    "owner, one hop, in the sharded mode; rotating otherwise)")
+    ap.add_argument("--resync", choices=("broadcast", "average"), default=d.resync,
+                    help="replicated mode's re-synchronisation: rank 0's parameters, or the "
+                    "average of parameters and optimizer state")
+    ap.add_argument("--resync-every", "--broadcast-every", dest="resync_every", type=int,
+                    default=d.resync_every, help="reliable re-synchronisation every K steps")
+    ap.add_argument("--no-drift-correction", action="store_true",
+                    help="ablation: no re-synchronisation")
     ap.add_argument("--no-align", action="store_true",
                     help="no barrier before each lossy reduction: compute skew between ranks "
                     "then counts as (straggler) loss")
@@ -60,8 +76,10 @@ def main(argv=None) -> int:
     args = parser().parse_args(argv)
     cfg = Config(reduce=args.reduce, loss=loss_spec(args.loss), timeout=args.timeout,
                  block_bytes=args.block_bytes, algorithm=args.algorithm,
-                 zero_fill=args.zero_fill,
-                 broadcast_every=None if args.no_drift_correction else args.broadcast_every,
+                 mode=args.mode, error_feedback=args.error_feedback, missed=args.missed,
+                 zero_fill=args.zero_fill, rotate=args.rotate,
+                 resync=args.resync,
+                 resync_every=None if args.no_drift_correction else args.resync_every,
                  align=not args.no_align, phase_aware=args.phase_aware,
                  critical_fraction=args.critical_fraction,
                  steps=args.steps, batch=args.batch, context=args.context, width=args.width,
@@ -72,7 +90,9 @@ def main(argv=None) -> int:
     result = train(cfg, comm, progress=not args.no_progress)
     if comm.rank == 0:
         r = result
-        print(f"ranks {r['ranks']}  reduce {cfg.reduce}  loss {cfg.loss or 'none'}  "
+        how = cfg.reduce if cfg.reduce == "mpi" else (
+            f"mpilossy {cfg.mode}{' + error feedback' if cfg.error_feedback else ''}")
+        print(f"ranks {r['ranks']}  reduce {how}  loss {cfg.loss or 'none'}  "
               f"params {r['parameters']}  steps {cfg.steps}")
         print(f"train loss      {r['train_loss_first']:.3f} -> {r['train_loss_last']:.3f}")
         print(f"val perplexity  {r['val_perplexity']:.4f}  (rank 0's model; ranks "

@@ -1,12 +1,16 @@
 """The results table of docs/results.md: every row is one command of the
-example, run for several seeds; the table and a plot are written from them.
+example, run for several seeds and compared seed by seed with its baseline
+(same initialisation, same data order); the table and a plot are written
+from the saved runs.
 
-    python -m mpilossy.examples.lm.results                 # everything (long)
-    python -m mpilossy.examples.lm.results --rows baseline,bernoulli-10
-    python -m mpilossy.examples.lm.results --report        # table + plot from saved runs
+    python -m mpilossy.examples.lm.results                       # everything (long)
+    python -m mpilossy.examples.lm.results --rows baseline,best-10
+    python -m mpilossy.examples.lm.results --tier explore        # only the 3-seed rows
+    python -m mpilossy.examples.lm.results --report              # table + plot from saved runs
 
-Runs are saved one JSON file each under --out/runs/, so an interrupted sweep
-resumes where it stopped; --report rebuilds the table and plot from them.
+Rows of the "paired" tier run for 8 seeds, exploratory rows and ablations
+for 3.  Runs are saved one JSON file each under --out/runs/, so an
+interrupted sweep resumes where it stopped.
 """
 
 from __future__ import annotations
@@ -20,74 +24,151 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 GE = "gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1"    # bursts of ~5 blocks, ~9% lost
 
-# (name, what it shows, arguments of the example)
-# The lossy rows measured before algorithm="auto" chose direct name the ring
-# explicitly, so that their commands reproduce their figures.
-RING = ["--algorithm", "ring"]
-ROWS: List[Tuple[str, str, List[str]]] = [
-    ("baseline", "reliable MPI_Allreduce", ["--reduce", "mpi"]),
-    ("bernoulli-1", "Bernoulli 1%", ["--loss", "0.01", *RING]),
-    ("bernoulli-5", "Bernoulli 5%", ["--loss", "0.05", *RING]),
-    ("bernoulli-10", "Bernoulli 10%", ["--loss", "0.1", *RING]),
-    ("bernoulli-20", "Bernoulli 20%", ["--loss", "0.2", *RING]),
-    ("bernoulli-30", "Bernoulli 30%", ["--loss", "0.3", *RING]),
-    ("microburst", "Gilbert-Elliott microbursts (~9%)", ["--loss", GE, *RING]),
-    ("zero-fill-10", "10%, no rescaling (zero-fill)", ["--loss", "0.1", "--zero-fill", *RING]),
-    ("zero-fill-30", "30%, no rescaling (zero-fill)", ["--loss", "0.3", "--zero-fill", *RING]),
-    ("no-drift-10", "10%, no drift correction", ["--loss", "0.1", "--no-drift-correction", *RING]),
-    ("no-drift-30", "30%, no drift correction", ["--loss", "0.3", "--no-drift-correction", *RING]),
-    ("phase-aware-10", "10%, phase-aware tolerance", ["--loss", "0.1", "--phase-aware", *RING]),
-    ("phase-aware-30", "30%, phase-aware tolerance", ["--loss", "0.3", "--phase-aware", *RING]),
-    ("tree-10", "10%, tree all-reduce (a lost block costs one contribution)",
-     ["--loss", "0.1", "--algorithm", "tree"]),
-    ("tree-phase-aware-10", "10%, tree all-reduce and phase-aware tolerance",
-     ["--loss", "0.1", "--algorithm", "tree", "--phase-aware"]),
-    ("unaligned-10", "10%, ranks not lined up (compute skew adds straggler loss)",
-     ["--loss", "0.1", "--no-align", *RING]),
-    ("direct-10", "10%, direct all-reduce (one hop; early close)",
-     ["--loss", "0.1", "--algorithm", "direct"]),
-    ("direct-30", "30%, direct all-reduce (one hop; early close)",
-     ["--loss", "0.3", "--algorithm", "direct"]),
+SEEDS = {"paired": list(range(8)), "explore": [0, 1, 2]}
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    what: str
+    args: Tuple[str, ...]
+    tier: str = "paired"            # "paired" (8 seeds) or "explore" (3)
+    ranks: int = 4
+    baseline: str = "baseline"      # the row it is paired with
+
+
+# Every lossy row spells its whole configuration, so that its command keeps
+# reproducing it when the example's defaults change.
+BEST = ("--mode", "sharded", "--no-error-feedback", "--no-rotate", "--missed", "extrapolate")
+FEEDBACK = ("--mode", "sharded", "--error-feedback", "--no-rotate", "--missed", "extrapolate")
+TODAY = ("--mode", "replicated", "--no-error-feedback", "--algorithm", "direct", "--rotate")
+SHARDED = ("--mode", "sharded")
+ROWS: List[Row] = [
+    Row("baseline", "reliable MPI_Allreduce", ("--reduce", "mpi")),
+    Row("aa", "A/A: lossless mpilossy (sharded + error feedback, no loss)",
+        (*FEEDBACK, "--loss", "0")),
+    Row("best-10", "best: sharded, pinned reducers, extrapolate, 10%", (*BEST, "--loss", "0.1")),
+    Row("best-30", "best: sharded, pinned reducers, extrapolate, 30%", (*BEST, "--loss", "0.3")),
+    Row("best-ge", "best: sharded, pinned reducers, extrapolate, GE (~9%)", (*BEST, "--loss", GE)),
+    Row("ef-10", "best + error feedback, 10%", (*FEEDBACK, "--loss", "0.1")),
+    Row("ef-30", "best + error feedback, 30%", (*FEEDBACK, "--loss", "0.3")),
+    Row("ef-ge", "best + error feedback, GE (~9%)", (*FEEDBACK, "--loss", GE)),
+    Row("today-10", "previous default: replicated direct, broadcast, 10%", (*TODAY, "--loss", "0.1")),
+    Row("today-30", "previous default: replicated direct, broadcast, 30%", (*TODAY, "--loss", "0.3")),
+    Row("today-ge", "previous default: replicated direct, broadcast, GE (~9%)", (*TODAY, "--loss", GE)),
+    # exploratory rows and ablations (3 seeds)
+    Row("ring-10", "replicated ring, broadcast, 10%",
+        ("--mode", "replicated", "--no-error-feedback", "--algorithm", "ring", "--rotate",
+         "--loss", "0.1"), "explore"),
+    Row("average-10", "replicated direct, average re-sync, 10%",
+        (*TODAY, "--resync", "average", "--loss", "0.1"), "explore"),
+    Row("replicated-ef-10", "replicated direct + error feedback, broadcast, 10%",
+        ("--mode", "replicated", "--error-feedback", "--algorithm", "direct", "--loss", "0.1"),
+        "explore"),
+    Row("sharded-10", "sharded as the paper: rotating reducers, no feedback, keep missed, 10%",
+        (*SHARDED, "--no-error-feedback", "--rotate", "--missed", "keep", "--loss", "0.1"),
+        "explore"),
+    Row("sharded-ef-rotate-10", "sharded + error feedback, rotating reducers (two hops), keep, 10%",
+        (*SHARDED, "--error-feedback", "--rotate", "--missed", "keep", "--loss", "0.1"),
+        "explore"),
+    Row("sharded-ef-keep-10", "sharded + error feedback, pinned reducers, keep missed, 10%",
+        (*SHARDED, "--error-feedback", "--no-rotate", "--missed", "keep", "--loss", "0.1"),
+        "explore"),
+    Row("sharded-pinned-keep-10", "best, but a missed parameter block keeps its value, 10%",
+        (*SHARDED, "--no-error-feedback", "--no-rotate", "--missed", "keep", "--loss", "0.1"),
+        "explore"),
+    Row("delay-only-10", "diagnostic: best with a reliable parameter all-gather every step, 10%",
+        (*BEST, "--resync-every", "1", "--loss", "0.1"), "explore"),
+    Row("batch-14", "diagnostic: reliable, 14 windows per rank instead of 16 (12.5% less data)",
+        ("--reduce", "mpi", "--batch", "14"), "explore"),
+    Row("zero-fill-10", "ablation: sharded, no rescaling, no feedback, 10%",
+        (*SHARDED, "--no-error-feedback", "--rotate", "--zero-fill", "--missed", "keep",
+         "--loss", "0.1"), "explore"),
+    Row("no-resync-10", "ablation: best without re-synchronisation, 10%",
+        (*BEST, "--no-drift-correction", "--loss", "0.1"), "explore"),
+    Row("no-resync-30", "ablation: best without re-synchronisation, 30%",
+        (*BEST, "--no-drift-correction", "--loss", "0.3"), "explore"),
+    # scale: the same global batch (64 windows) over 8 and 16 ranks
+    Row("baseline-8", "8 ranks: reliable MPI_Allreduce", ("--reduce", "mpi", "--batch", "8"),
+        "scale", 8, "baseline-8"),
+    Row("best-10-8", "8 ranks: best, 10%", (*BEST, "--loss", "0.1", "--batch", "8"),
+        "scale", 8, "baseline-8"),
+    Row("today-10-8", "8 ranks: previous default, 10%", (*TODAY, "--loss", "0.1", "--batch", "8"),
+        "scale", 8, "baseline-8"),
+    Row("baseline-16", "16 ranks: reliable MPI_Allreduce", ("--reduce", "mpi", "--batch", "4"),
+        "scale", 16, "baseline-16"),
+    Row("best-10-16", "16 ranks: best, 10%", (*BEST, "--loss", "0.1", "--batch", "4"),
+        "scale", 16, "baseline-16"),
+]
+SEEDS["scale"] = [0, 1, 2]
+
+# Paired comparisons between rows (same seeds): (row, against, what it isolates)
+COMPARISONS = [
+    ("best-10", "today-10", "the sharded scheme against the previous default, 10%"),
+    ("best-30", "today-30", "the same, 30%"),
+    ("best-ge", "today-ge", "the same, Gilbert-Elliott"),
+    ("ef-10", "best-10", "error feedback added to the best, 10%"),
+    ("ef-30", "best-30", "error feedback added to the best, 30%"),
+    ("ef-ge", "best-ge", "error feedback added to the best, Gilbert-Elliott"),
+    ("sharded-pinned-keep-10", "best-10", "keeping missed parameter blocks instead of extrapolating"),
+    ("sharded-10", "best-10", "the paper's rules (rotating reducers, keep) against the best"),
+    ("average-10", "today-10", "replicated: average re-synchronisation instead of broadcast"),
+    ("delay-only-10", "best-10", "no stale parameters at all (reliable all-gather every step)"),
+    ("best-10-8", "today-10-8", "8 ranks: the sharded scheme against the previous default"),
 ]
 
-
-def command(np_: int, args: List[str], seed: int, extra: List[str]) -> List[str]:
-    return ["mpiexec", "-n", str(np_), sys.executable, "-m", "mpilossy.examples.lm",
-            "--no-progress", "--seed", str(seed)] + args + extra
-
-
-def shown(np_: int, args: List[str], extra: List[str]) -> str:
-    return " ".join(["mpiexec -n", str(np_), "python -m mpilossy.examples.lm"]
-                    + [shlex.quote(a) for a in args + extra] + ["--seed S"])
+# 97.5% quantiles of Student's t for 1..10 degrees of freedom (two-sided 95%).
+T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306,
+        9: 2.262, 10: 2.228}
 
 
-def run_rows(opts: argparse.Namespace, runs: Path) -> None:
-    wanted = [r for r in ROWS if not opts.rows or r[0] in opts.rows]
-    todo = [(name, args, seed) for name, _, args in wanted for seed in opts.seeds
-            if not (runs / f"{name}-s{seed}.json").exists()]
+def interval(values: List[float]) -> Tuple[float, float]:
+    """Mean and half-width of its 95% confidence interval (t distribution)."""
+    mean = statistics.fmean(values)
+    if len(values) < 2:
+        return mean, math.nan
+    t = T975.get(len(values) - 1, 1.96)
+    return mean, t * statistics.stdev(values) / math.sqrt(len(values))
+
+
+def command(row: Row, seed: int, extra: List[str]) -> List[str]:
+    return ["mpiexec", "-n", str(row.ranks), sys.executable, "-m", "mpilossy.examples.lm",
+            "--no-progress", "--seed", str(seed), *row.args, *extra]
+
+
+def shown(row: Row) -> str:
+    return " ".join([f"mpiexec -n {row.ranks} python -m mpilossy.examples.lm"]
+                    + [shlex.quote(a) for a in row.args] + ["--seed S"])
+
+
+def run_rows(rows: List[Row], seeds: Optional[List[int]], runs: Path, extra: List[str],
+             run_timeout: float) -> None:
+    todo = [(row, seed) for row in rows for seed in (seeds or SEEDS[row.tier])
+            if not (runs / f"{row.name}-s{seed}.json").exists()]
     try:
         from tqdm import tqdm
         todo_iter = tqdm(todo, desc="runs", unit="run")
     except ImportError:
         todo_iter = todo
-    for name, args, seed in todo_iter:
-        target = runs / f"{name}-s{seed}.json"
+    for row, seed in todo_iter:
+        target = runs / f"{row.name}-s{seed}.json"
         partial = target.with_suffix(".tmp")
-        cmd = command(opts.np, args, seed, opts.extra) + ["--json", str(partial)]
+        cmd = command(row, seed, extra) + ["--json", str(partial)]
         began = time.time()
         done = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              timeout=opts.run_timeout)
+                              timeout=run_timeout)
         if done.returncode != 0 or not partial.exists():
-            print(f"{name} seed {seed} failed ({done.returncode}):\n{done.stdout[-3000:]}",
+            print(f"{row.name} seed {seed} failed ({done.returncode}):\n{done.stdout[-3000:]}",
                   file=sys.stderr)
             continue
         result = json.loads(partial.read_text())
-        result["row"], result["command"] = name, shown(opts.np, args, opts.extra)
+        result["row"], result["command"] = row.name, shown(row)
         result["sweep_seconds"] = time.time() - began
         target.write_text(json.dumps(result, indent=1))
         partial.unlink()
@@ -101,82 +182,91 @@ def load(runs: Path) -> Dict[str, List[dict]]:
     return out
 
 
-def spread(values: List[float]) -> Tuple[float, float]:
-    mean = statistics.fmean(values)
-    return mean, (statistics.stdev(values) if len(values) > 1 else 0.0)
+def paired(data: Dict[str, List[dict]], row: Row, against: Optional[str] = None) -> List[float]:
+    """Per seed: 100 * (row / other - 1), for the seeds both have; the other
+    row is the row's baseline unless given."""
+    base = {r["config"]["seed"]: r["val_perplexity"]
+            for r in data.get(against or row.baseline, [])}
+    return [100 * (r["val_perplexity"] / base[r["config"]["seed"]] - 1)
+            for r in sorted(data[row.name], key=lambda r: r["config"]["seed"])
+            if r["config"]["seed"] in base]
 
 
 def report(runs: Path, out: Path) -> str:
     data = load(runs)
-    if "baseline" not in data:
-        raise SystemExit("no baseline runs yet: run the 'baseline' row first")
-    base_ppl, base_sd = spread([r["val_perplexity"] for r in data["baseline"]])
-    base_time = statistics.fmean(r["train_seconds"] for r in data["baseline"])
-    base_by_seed = {r["config"]["seed"]: r["val_perplexity"] for r in data["baseline"]}
     lines = [
-        "| row | val perplexity (mean ± sd) | change of the mean | paired change (mean ± sd) "
-        "| delivered | final drift | max drift | train time vs baseline | seeds |",
-        "|---|---|---|---|---|---|---|---|---|"]
-    for name, what, _ in ROWS:
-        if name not in data:
+        "| row | seeds | val perplexity (mean ± sd) | paired change vs its baseline, mean "
+        "[95% interval] | delivered | final drift | max drift | train time vs baseline |",
+        "|---|---|---|---|---|---|---|---|"]
+    for row in ROWS:
+        if row.name not in data:
             continue
-        rs = data[name]
-        ppl, sd = spread([r["val_perplexity"] for r in rs])
-        change = 100 * (ppl / base_ppl - 1)
-        drift = statistics.fmean(r["final_drift"] for r in rs)
-        max_drift = max(r["max_drift"] for r in rs)
-        delivered = statistics.fmean(r["delivered"] for r in rs)
-        speed = statistics.fmean(r["train_seconds"] for r in rs) / base_time
-        # Same seed, same initialisation and data order: the per-seed
-        # difference from the baseline is far less noisy than the means.
-        paired = [100 * (r["val_perplexity"] / base_by_seed[r["config"]["seed"]] - 1)
-                  for r in rs if r["config"]["seed"] in base_by_seed]
-        pm, ps = spread(paired) if paired else (math.nan, math.nan)
-        lines.append(f"| {what} | {ppl:.3f} ± {sd:.3f} | {change:+.2f}% | {pm:+.2f}% ± {ps:.2f} "
-                     f"| {delivered:.3f} | {drift:.1e} | {max_drift:.1e} | {speed:.2f}x "
-                     f"| {len(rs)} |")
-    noise = 100 * base_sd / base_ppl
-    lines += ["", f"Baseline seed noise: sd {base_sd:.3f} = {noise:.2f}% of its mean "
-              f"perplexity {base_ppl:.3f}.", "", "Commands (S = seed):", ""]
-    # The row's command as it reproduces the row today (runs saved before a
-    # default changed carry an older spelling of it).
-    lines += [f"- {what}: `{shown(data[name][0]['ranks'], args, [])}`"
-              for name, what, args in ROWS if name in data]
+        rs = data[row.name]
+        ppls = [r["val_perplexity"] for r in rs]
+        sd = statistics.stdev(ppls) if len(ppls) > 1 else 0.0
+        changes = paired(data, row) if row.name != row.baseline else []
+        if changes:
+            mean, half = interval(changes)
+            change = f"{mean:+.2f}% [{mean - half:+.2f}, {mean + half:+.2f}]" \
+                if not math.isnan(half) else f"{mean:+.2f}%"
+        else:
+            change = "(baseline)" if row.name == row.baseline else "–"
+        base_time = [r["train_seconds"] for r in data.get(row.baseline, [])]
+        speed = (f"{statistics.fmean(r['train_seconds'] for r in rs) / statistics.fmean(base_time):.2f}x"
+                 if base_time else "–")
+        lines.append(
+            f"| {row.what} | {len(rs)} | {statistics.fmean(ppls):.3f} ± {sd:.3f} | {change} "
+            f"| {statistics.fmean(r['delivered'] for r in rs):.3f} "
+            f"| {statistics.fmean(r['final_drift'] for r in rs):.1e} "
+            f"| {max(r['max_drift'] for r in rs):.1e} | {speed} |")
+    lines += ["", "Paired comparisons between rows (same seeds), val perplexity change:", "",
+              "| comparison | seeds | change, mean [95% interval] |", "|---|---|---|"]
+    rows = {row.name: row for row in ROWS}
+    for name, other, what in COMPARISONS:
+        if name in data and other in data:
+            changes = paired(data, rows[name], other)
+            if len(changes) > 1:
+                mean, half = interval(changes)
+                lines.append(f"| {what} (`{name}` vs `{other}`) | {len(changes)} | "
+                             f"{mean:+.2f}% [{mean - half:+.2f}, {mean + half:+.2f}] |")
+    lines += ["", "Commands (S = seed; the paired rows ran seeds 0-7, the others 0-2):", ""]
+    lines += [f"- {row.what}: `{shown(row)}`" for row in ROWS if row.name in data]
     table = "\n".join(lines) + "\n"
     (out / "lm-table.md").write_text(table)
-    plot(data, base_ppl, base_sd, out / "lm.png")
+    plot(data, out / "lm.png")
     return table
 
 
-def plot(data: Dict[str, List[dict]], base_ppl: float, base_sd: float, path: Path) -> None:
+def plot(data: Dict[str, List[dict]], path: Path) -> None:
+    """Paired change with its 95% interval, one bar per row."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.2))
-    ax.axhspan(base_ppl - base_sd, base_ppl + base_sd, color="0.85", label="MPI_Allreduce ± sd")
-    ax.axhline(base_ppl, color="0.4", lw=1)
-    series = [("bernoulli-{}", "unbiased + drift correction", "o-"),
-              ("zero-fill-{}", "zero-fill", "s--"), ("no-drift-{}", "no drift correction", "^--"),
-              ("phase-aware-{}", "phase-aware tolerance", "d:")]
-    for pattern, label, style in series:
-        xs, ys, es = [], [], []
-        for pct in (1, 5, 10, 20, 30):
-            rs = data.get(pattern.format(pct))
-            if rs:
-                m, s = spread([r["val_perplexity"] for r in rs])
-                xs.append(pct), ys.append(m), es.append(s)
-        if xs:
-            ax.errorbar(xs, ys, yerr=es, fmt=style, capsize=3, label=label)
-    for name, x, style, label in (("microburst", 9, "*", "Gilbert-Elliott (~9%)"),
-                                  ("tree-10", 10.4, "P", "tree all-reduce (10%)")):
-        if name in data:
-            m, s = spread([r["val_perplexity"] for r in data[name]])
-            ax.errorbar([x], [m], yerr=[s], fmt=style, ms=9, capsize=3, label=label)
-    ax.set_xlabel("injected block loss (%)")
-    ax.set_ylabel("validation perplexity (lower is better)")
-    ax.set_title("Byte-level transformer, 4 ranks, stdlib corpus")
-    ax.legend(fontsize=8)
+    shown_rows = [row for row in ROWS if row.name in data and row.name != row.baseline
+                  and paired(data, row)]
+    if not shown_rows:
+        return
+    fig, ax = plt.subplots(figsize=(10, 0.32 * len(shown_rows) + 1.4))
+    lows, highs = [0.0], [0.0]
+    for y, row in enumerate(shown_rows):
+        mean, half = interval(paired(data, row))
+        half = 0.0 if math.isnan(half) else half
+        lows.append(mean - half)
+        highs.append(mean + half)
+        color = {"paired": "C0", "explore": "C1", "scale": "C2"}[row.tier]
+        ax.errorbar([mean], [y], xerr=[[half], [half]], fmt="o", color=color, capsize=3)
+    ax.axvline(0, color="0.4", lw=1)
+    for target, label in ((0.5, "10% target"), (2.0, "30% target")):
+        ax.axvline(target, color="0.6", lw=1, ls="--")
+        ax.text(target, -0.8, label, fontsize=7, ha="center", color="0.4")
+    ax.set_xlim(min(lows) - 0.3, max(highs) + 0.3)
+    ax.set_yticks(range(len(shown_rows)), [row.what for row in shown_rows], fontsize=7)
+    ax.set_ylim(len(shown_rows) - 0.5, -1.2)
+    ax.set_xlabel("val perplexity change vs reliable MPI_Allreduce, paired by seed (%), "
+                  "95% interval")
+    ax.set_title("Byte-level transformer. Blue: 8 seeds; orange: 3 seeds; "
+                 "green: 8 and 16 ranks, 3 seeds", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -185,10 +275,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mpilossy.examples.lm.results",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--np", type=int, default=4, help="ranks (default 4)")
-    ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
+    ap.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="seeds for every row run (default: by tier, 8 or 3)")
     ap.add_argument("--rows", type=lambda s: s.split(","), default=None,
-                    help=f"rows to run (default all): {','.join(r[0] for r in ROWS)}")
+                    help=f"rows to run (default all): {','.join(r.name for r in ROWS)}")
+    ap.add_argument("--tier", choices=sorted(SEEDS), default=None, help="only this tier's rows")
     ap.add_argument("--out", type=Path, default=Path("docs/results"),
                     help="where runs/, lm-table.md and lm.png go")
     ap.add_argument("--report", action="store_true", help="only rebuild the table and plot")
@@ -196,12 +287,17 @@ def main(argv=None) -> int:
     ap.add_argument("extra", nargs=argparse.REMAINDER,
                     help="after --: more arguments for every run (e.g. -- --steps 100)")
     opts = ap.parse_args(argv)
-    opts.extra = [a for a in opts.extra if a != "--"]
+    extra = [a for a in opts.extra if a != "--"]
+    unknown = set(opts.rows or ()) - {r.name for r in ROWS}
+    if unknown:
+        ap.error(f"unknown rows: {', '.join(sorted(unknown))}")
+    rows = [r for r in ROWS if (not opts.rows or r.name in opts.rows)
+            and (opts.tier is None or r.tier == opts.tier)]
     runs = opts.out / "runs"
     runs.mkdir(parents=True, exist_ok=True)
     if not opts.report:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
-        run_rows(opts, runs)
+        run_rows(rows, opts.seeds, runs, extra, opts.run_timeout)
     print(report(runs, opts.out))
     return 0
 

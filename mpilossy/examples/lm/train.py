@@ -1,7 +1,9 @@
 """Data-parallel training of TinyGPT with mpilossy (or MPI_Allreduce, the
-reliable baseline): every rank samples its own windows of the training text,
-gradients are averaged by the chosen reduction, and drift is bounded by a
-periodic reliable broadcast of the parameters."""
+reliable baseline): every rank samples its own windows of the training text.
+Replicated mode: gradients are averaged by the lossy all-reduce and every
+rank updates its whole model; sharded mode: each rank updates its shard from
+the lossy reduce-scatter and the parameters travel by lossy all-gather.
+Either way a periodic reliable re-synchronisation bounds the drift."""
 
 from __future__ import annotations
 
@@ -31,8 +33,14 @@ class Config:
     timeout: float = 0.05             # deadline of every lossy call (s)
     block_bytes: int = 4096           # loss unit: about one packet
     algorithm: str = "auto"           # of the lossy all-reduce
+    mode: str = "sharded"             # "sharded" (ShardedOptimizer) or "replicated"
+    error_feedback: bool = False      # re-send what was lost (plain average)
+    missed: str = "extrapolate"       # sharded: a missed parameter block is extrapolated or kept
     zero_fill: bool = False           # ablation: no rescaling
-    broadcast_every: Optional[int] = 50   # drift correction (None = off)
+    rotate: Optional[bool] = None     # move the direct reducers with every call; None:
+                                      # pinned to the owners in the sharded mode
+    resync: str = "broadcast"         # replicated re-synchronisation: "broadcast" or "average"
+    resync_every: Optional[int] = 50  # drift correction (None = off)
     align: bool = True                # barrier before each lossy reduction (see below)
     phase_aware: bool = False         # phase-aware loss tolerance
     critical_fraction: float = 0.2    # its critical phase: this share of the steps
@@ -45,9 +53,20 @@ class Config:
     lr: float = 3e-3
     warmup: int = 20
     seed: int = 0
-    val_windows: int = 256
+    val_windows: int = 1024
     measure_every: int = 25
     threads: int = 1
+
+
+def pinned_reducers(cfg: Config) -> bool:
+    """Whether each chunk's reducer is its owner: one hop for the sharded
+    mode's gradients, and the owner's own contribution never lost.  The
+    owner's data then weighs a little more than the others' in its shard
+    (docs/training.md); every rank draws from the same data, so the
+    expected gradient is unchanged."""
+    if cfg.rotate is None:
+        return cfg.mode == "sharded"
+    return not cfg.rotate
 
 
 def lr_at(cfg: Config, step: int) -> float:
@@ -97,6 +116,11 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
     """Train; collective.  Returns the results (the same dict on every rank)."""
     if cfg.reduce not in ("mpilossy", "mpi"):
         raise ValueError(f"reduce must be 'mpilossy' or 'mpi', got {cfg.reduce!r}")
+    if cfg.mode not in ("replicated", "sharded"):
+        raise ValueError(f"mode must be 'replicated' or 'sharded', got {cfg.mode!r}")
+    if cfg.mode == "sharded" and (cfg.phase_aware or cfg.algorithm not in ("auto", "direct")):
+        raise ValueError("the sharded mode reduce-scatters with the direct algorithm and "
+                         "has no phase-aware tolerance")
     torch.set_num_threads(cfg.threads)
     rank, size = comm.rank, comm.size
     began = time.perf_counter()
@@ -122,15 +146,27 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
         # Each seed draws its own losses too.
         models = [dataclasses.replace(m, seed=m.seed + cfg.seed) if hasattr(m, "seed") else m
                   for m in mpilossy.loss.parse(cfg.loss)] if cfg.loss else None
+        # Error feedback re-sends what was lost, so it needs the plain average.
+        plain = cfg.zero_fill or cfg.error_feedback
         lc = mpilossy.Communicator(comm, timeout=cfg.timeout, loss=models,
                                    block_bytes=cfg.block_bytes, algorithm=cfg.algorithm,
-                                   scaling="zero-fill" if cfg.zero_fill else "unbiased")
+                                   scaling="zero-fill" if plain else "unbiased",
+                                   rotate=not pinned_reducers(cfg))
         if cfg.phase_aware:
             tolerance = mt.PhaseAwareTolerance(critical_steps=int(cfg.steps * cfg.critical_fraction))
-        optimizer = mt.DistributedOptimizer(inner, model.named_parameters(), lc,
-                                            broadcast_every=cfg.broadcast_every,
+        if cfg.mode == "sharded":
+            optimizer = mt.ShardedOptimizer(inner, model.named_parameters(), lc,
+                                            resync_every=cfg.resync_every,
                                             measure_every=cfg.measure_every,
-                                            tolerance=tolerance)
+                                            error_feedback=cfg.error_feedback,
+                                            missed=cfg.missed)
+        else:
+            optimizer = mt.DistributedOptimizer(inner, model.named_parameters(), lc,
+                                                broadcast_every=cfg.resync_every,
+                                                measure_every=cfg.measure_every,
+                                                broadcast_state=cfg.resync == "average",
+                                                resync=cfg.resync, tolerance=tolerance,
+                                                error_feedback=cfg.error_feedback)
         drift_control = optimizer.drift_control
 
     bar = None
@@ -146,7 +182,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
             group["lr"] = lr_at(cfg, step)
         starts = sampler.integers(0, data.train.size - cfg.context - 1, cfg.batch)
         loss = model.loss(windows(data.train, starts, cfg.context + 1))
-        inner.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=False)   # (the wrapper: sharded mode clears the model's)
         loss.backward()
         if cfg.reduce == "mpi":
             comm_seconds += reduce_mpi()
