@@ -57,7 +57,6 @@ class ErrorFeedback:
         self.comm = reliable_comm(lc)       # in program order with the lossy calls
         self.residuals = {d: torch.zeros_like(b) for d, b in flat.buffers.items() if d in REDUCIBLE}
         self.sent = {d: torch.zeros_like(b) for d, b in self.residuals.items()}
-        self.steps = 0
 
     def add_to(self, flat: Flat) -> None:
         """Add the residual to the packed gradients; remember what is sent."""
@@ -70,7 +69,6 @@ class ErrorFeedback:
     def record(self, calls: List[Tuple[torch.dtype, int, CollectiveStats]]) -> None:
         """The step's lossy calls: (dtype, first element in the flat buffer,
         stats).  The residual becomes what the sent values lost."""
-        self.steps += 1
         records = []
         for dtype, first, stats in calls:
             record = stats.contributors

@@ -30,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 GE = "gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1"    # bursts of ~5 blocks, ~9% lost
 
-SEEDS = {"paired": list(range(8)), "explore": [0, 1, 2]}
+SEEDS = {"paired": list(range(8)), "explore": [0, 1, 2], "scale": [0, 1, 2]}
 
 
 @dataclass(frozen=True)
@@ -106,8 +106,6 @@ ROWS: List[Row] = [
     Row("best-10-16", "16 ranks: best, 10%", (*BEST, "--loss", "0.1", "--batch", "4"),
         "scale", 16, "baseline-16"),
 ]
-SEEDS["scale"] = [0, 1, 2]
-
 # Paired comparisons between rows (same seeds): (row, against, what it isolates)
 COMPARISONS = [
     ("best-10", "today-10", "the sharded scheme against the previous default, 10%"),
