@@ -99,8 +99,6 @@ class Contributors:
         """Bitmaps (size * nblocks, words) of every chunk's blocks, chunk by
         chunk, with this rank's where its result has the chunk and zeros
         elsewhere: the same shape on every rank, ready for a bitwise OR."""
-        if self._entries == 1 and self.size == 1:
-            return self._bits.copy()
         out = np.zeros((self.size * self._nblocks, self._bits.shape[1]), np.uint64)
         for i, chunk in enumerate(self._chunks):
             out[chunk * self._nblocks:(chunk + 1) * self._nblocks] = \
@@ -111,8 +109,6 @@ class Contributors:
         """A record of the whole reduced vector (every chunk) with the given
         bitmaps, laid out as layout_bits(): for instance the OR of every
         rank's layout_bits(), which is exact wherever one rank knew."""
-        if self.size == 1:
-            return self
         raw = (np.ascontiguousarray(bits, np.uint64).tobytes(), self.size * self._nblocks,
                self._nblocks, self.block_elems, self._bits.shape[1])
         return Contributors(raw, size=self.size, rank=self.rank, count=self.count,

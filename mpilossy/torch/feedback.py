@@ -19,7 +19,7 @@ asynchronous progress thread, and would leave a request open at exit.)
 
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
