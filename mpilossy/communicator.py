@@ -34,6 +34,7 @@ SCALINGS = ("unbiased", "zero-fill")
 DEFAULT_BLOCK_BYTES = 256 * 1024
 DEFAULT_CAPACITY = 4 * 1024 * 1024
 DEFAULT_TREE_RADIX = 4
+MAX_TREE_RADIX = 64       # a k-nomial tree wider than this is a flat gather
 # Largest message for which algorithm="auto" picks the tree, by rank count,
 # measured with `mpiexec -n N python -m mpilossy.bench.crossover` on the
 # development machine (docs/performance.md).  Larger jobs could not be
@@ -111,6 +112,17 @@ class _Unset:
 
 
 _UNSET: Any = _Unset()
+
+
+def _env_int(name: str, default: int) -> int:
+    """An integer setting from the environment, with an error that names it."""
+    text = os.environ.get(name)
+    if text is None or not text.strip():
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not an integer") from None
 
 
 def _env_timeout() -> Any:
@@ -209,7 +221,8 @@ class Communicator:
         self._core: Optional[_core.Core] = None
         self._serial = next(_serials)
         self._comm = comm.Dup()
-        error = None
+        error: Optional[BaseException] = None
+        settings: tuple = ()
         try:
             self._timeout = _check_timeout(_env_timeout() if timeout is _UNSET else timeout)
             self._loss_models = _models(os.environ.get("MPILOSSY_LOSS") if loss is _UNSET else loss)
@@ -217,52 +230,79 @@ class Communicator:
             if channel not in CHANNELS:
                 raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
             self._algorithm = self._check_algorithm(algorithm)
-            block = int(os.environ.get("MPILOSSY_BLOCK_BYTES", DEFAULT_BLOCK_BYTES)) \
+            block = _env_int("MPILOSSY_BLOCK_BYTES", DEFAULT_BLOCK_BYTES) \
                 if block_bytes is None else block_bytes
-            radix = int(os.environ.get("MPILOSSY_TREE_RADIX", DEFAULT_TREE_RADIX)) \
+            radix = _env_int("MPILOSSY_TREE_RADIX", DEFAULT_TREE_RADIX) \
                 if tree_radix is None else tree_radix
             if isinstance(block, bool) or not isinstance(block, int) or block < 64:
                 raise ValueError(f"block_bytes must be an int >= 64, got {block!r}")
-            if isinstance(radix, bool) or not isinstance(radix, int) or radix < 2:
-                raise ValueError(f"tree_radix must be an int >= 2, got {radix!r}")
+            if (isinstance(radix, bool) or not isinstance(radix, int)
+                    or not 2 <= radix <= MAX_TREE_RADIX):
+                raise ValueError(f"tree_radix must be an int in [2, {MAX_TREE_RADIX}], "
+                                 f"got {radix!r}")
             if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
                 raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
             if scaling not in SCALINGS:
                 raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
             if not isinstance(rotate, bool):
                 raise TypeError(f"rotate must be a bool, not {type(rotate).__name__}")
+            use_shared = os.environ.get("MPILOSSY_RMA_SHM", "1") != "0"
+            datagram = dict(provider=os.environ.get("FI_PROVIDER", ""),
+                            domain=os.environ.get("MPILOSSY_UD_DOMAIN", ""),
+                            datagram_bytes=_env_int("MPILOSSY_UD_MTU", 8192),
+                            recv_buffers=_env_int("MPILOSSY_UD_RECV_BUFFERS", 512),
+                            socket_bytes=_env_int("MPILOSSY_UD_SOCKET_BYTES", 32 << 20))
+            # What every rank must share, agreed before any channel work (a
+            # rank on another channel or window size would wait forever in a
+            # collective the others never enter).  Per-node settings (the
+            # datagram domain, buffer counts) may differ.
+            settings = (("channel", channel), ("block_bytes", block), ("tree_radix", radix),
+                        ("capacity", capacity), ("scaling", scaling), ("rotate", rotate),
+                        ("MPILOSSY_RMA_SHM", use_shared),
+                        ("FI_PROVIDER", datagram["provider"]),
+                        ("MPILOSSY_UD_MTU", datagram["datagram_bytes"]))
         except (TypeError, ValueError) as exc:
             error = exc
-        # Construction is collective: every rank learns of any rank's bad argument.
-        config = (0, 0, "", True) if error else (block, radix, scaling, rotate)
-        configs = self._comm.allgather((error is not None, config))
+        # Construction is collective: every rank learns of any rank's bad
+        # argument, or of any difference between ranks, from one allgather.
+        configs = self._comm.allgather((error is not None, settings))
         failed = [r for r, (bad, _) in enumerate(configs) if bad]
-        if not failed and len({c for _, c in configs}) > 1:
-            error = error or MismatchError(
-                f"ranks disagree on (block_bytes, tree_radix, scaling, rotate): "
-                f"{[c for _, c in configs]}")
-            failed = [-1]
+        if not failed:
+            differ = [k for k in range(len(settings))
+                      if len({c[k][1] for _, c in configs}) > 1]
+            if differ:
+                error = MismatchError("ranks disagree on " + "; ".join(
+                    f"{settings[k][0]} (" + ", ".join(
+                        f"rank {r}: {c[k][1]!r}" for r, (_, c) in enumerate(configs)) + ")"
+                    for k in differ))
+                failed = [-1]
         if failed:
             self._comm.Free()
-            if error is not None and failed != [-1]:
+            if error is not None:
                 raise error
-            raise error if error is not None else ValueError(
-                f"Communicator arguments rejected on rank(s) {failed}")
-        use_shared = os.environ.get("MPILOSSY_RMA_SHM", "1") != "0"
+            raise ValueError(f"Communicator arguments rejected on rank(s) {failed}")
         if channel == "auto":
             channel = self._auto_channel()
         try:
             self._core = _core.Core(
                 self._comm, capacity, block, radix, use_shared, scaling == "zero-fill", rotate,
-                channel=channel, provider=os.environ.get("FI_PROVIDER", ""),
-                domain=os.environ.get("MPILOSSY_UD_DOMAIN", ""),
-                datagram_bytes=int(os.environ.get("MPILOSSY_UD_MTU", 8192)),
-                recv_buffers=int(os.environ.get("MPILOSSY_UD_RECV_BUFFERS", 512)),
-                socket_bytes=int(os.environ.get("MPILOSSY_UD_SOCKET_BYTES", 32 << 20)))
-        except BaseException:
+                channel=channel, **datagram)
+            self._core.configure_loss(loss_spec)
+        except BaseException as exc:
+            error = exc
+        # The channels agree on their own failures; this catches the rest, so
+        # that no rank returns a communicator whose peers raised.
+        outcomes = self._comm.allgather(None if error is None else f"{type(error).__name__}: {error}")
+        broken = [(r, why) for r, why in enumerate(outcomes) if why is not None]
+        if broken:
+            if self._core is not None:
+                self._core.close()
+                self._core = None
             self._comm.Free()
-            raise
-        self._core.configure_loss(loss_spec)
+            if error is not None:
+                raise error
+            raise MPILossyError("Communicator construction failed on " + "; ".join(
+                f"rank {r}: {why}" for r, why in broken))
         _live.add(self)
         self._block_bytes = block
         self._radix = radix
@@ -349,8 +389,8 @@ class Communicator:
 
     def channel_info(self) -> dict:
         """The channel and, for "ud", its provider, domain, datagram size and
-        counters of datagrams dropped by cause (foreign, truncated, corrupt,
-        stale, future, unexpected, duplicate, mismatch)."""
+        counters of datagrams dropped by cause (foreign, truncated, malformed,
+        forged, stale, future, unexpected, duplicate, mismatch; docs/ud.md)."""
         self._alive()
         return self._core.channel_info()
 
@@ -458,24 +498,38 @@ class Communicator:
         return first, first + base + (1 if rank < extra else 0)
 
     def _run(self, coll: int, prepare, timeout: Any) -> CollectiveStats:
-        """Validate (every failure goes to every rank), run, report."""
+        """Validate (every failure goes to every rank), run, report.  Every
+        rank counts every call, whatever fails, so that the call numbers (and
+        the auto deadline's schedule) stay the same on every rank."""
         self._alive()
         self._copy_back = None
+        spent = self._auto.tick(self._timeout == AUTO if timeout is _UNSET
+                                else isinstance(timeout, str) and timeout == "auto")
         try:
             tmo = self._timeout if timeout is _UNSET else _check_timeout(timeout)
             send, recv, opcode, algo = prepare(tmo != -1.0)
-        except (TypeError, ValueError, BufferError) as exc:
-            tmo = self._timeout if timeout is _UNSET or not isinstance(timeout, (int, float)) \
-                else (timeout if timeout > 0 else self._timeout)
-            result = self._core.fail(_core.ERRORS[_KINDS.get(type(exc), "value")], str(exc),
-                                     float(tmo if tmo != AUTO else self._auto.cap))
-            raise self._error(coll, result, type(exc)) from None
+        except BaseException as exc:
+            # Validation errors become the same exception on every rank;
+            # anything else (a device error, Ctrl-C) is raised here as it
+            # is, and the peers learn that this rank dropped out of the call.
+            validation = isinstance(exc, (TypeError, ValueError, BufferError))
+            message = str(exc) if validation else (
+                f"rank {self.rank} could not take part: {type(exc).__name__}: {exc}")
+            result = self._core.fail(_core.ERRORS[_KINDS.get(type(exc), "value")
+                                                  if validation else "protocol"],
+                                     message, self._fail_timeout())
+            if validation:
+                raise self._error(coll, result, type(exc)) from None
+            raise
         dtype = _buffers.DTYPE_CODES[send.dtype]
         key = (coll, algo, size_bucket(send.nbytes))
+        budget = tmo
         if tmo == AUTO:
-            tmo = self._auto.timeout(key)
+            tmo = budget = self._auto.timeout(key)
+            if spent:       # the agreement's wait is part of this call's deadline
+                budget = max(tmo - spent, 0.25 * tmo)
         copy_back, self._copy_back = self._copy_back, None
-        result = self._core.collective(send, recv, coll, dtype, opcode, algo, tmo)
+        result = self._core.collective(send, recv, coll, dtype, opcode, algo, budget)
         if copy_back is not None and not result[0]:
             self._copy_out(*copy_back)
         start, anchor, end = result[10]
@@ -496,6 +550,13 @@ class Communicator:
                                ALGORITHM_NAMES[algo], send.nbytes, result[8], result[9],
                                COLLECTIVE_NAMES[coll], None if tmo < 0 else tmo, result[11],
                                contributors)
+
+    def _fail_timeout(self) -> float:
+        """How long a failing call may take to tell its peers: the
+        communicator's deadline, or the auto cap, never unbounded."""
+        if self._timeout > 0:
+            return min(self._timeout, self._auto.cap)
+        return self._auto.cap
 
     def _buffers(self, sendbuf: Any, recvbuf: Any, recv_required: bool, same_ok: bool,
                  overlap_ok: bool = False) -> tuple:
@@ -640,7 +701,7 @@ class Communicator:
             f"{result[3]:.4f}", *result[9], result[0]))) + "\n")
 
     def _error(self, coll: int, result: tuple, local: Optional[type] = None) -> Exception:
-        kind, rank, message, *_, seq, _lost, _timing = result
+        kind, rank, message, seq = result[0], result[1], result[2], result[8]
         cls = _EXCEPTIONS.get(kind, MPILossyError)
         if local is not None and kind != _core.ERRORS["mismatch"]:
             cls = local

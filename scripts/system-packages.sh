@@ -5,11 +5,13 @@
 #                     the Open MPI build in tests/test_site_mpi.py
 #   libfabric-dev     headers for the datagram channel (channel="ud"); without
 #                     them the build leaves it out and tests/test_ud.py skips
+#   libssl-dev        OpenSSL libcrypto headers: the datagrams' keyed MAC
+#                     (without them channel="ud" and its decoder tests skip)
 #   nftables, iproute2  real kernel drops in tests/test_ud.py (network namespace)
 # Never fails: where the packages cannot be installed, those tests skip and
 # say why.
 set -uo pipefail
-PACKAGES=(slurm-wlm munge libpmix-dev libfabric-dev nftables iproute2)
+PACKAGES=(slurm-wlm munge libpmix-dev libfabric-dev libssl-dev nftables iproute2)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -23,15 +23,22 @@ from libc.stdio cimport snprintf
 from libc.math cimport llround
 from posix.stdlib cimport posix_memalign
 from posix.unistd cimport getpid
+from cpython.exc cimport PyErr_Occurred
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE,
                              PyBUF_ANY_CONTIGUOUS)
 
+import os
+
+cimport cython
 from mpi4py cimport MPI
 from mpi4py.libmpi cimport *
 from mpi4py.MPI import Exception as MPIException
 from mpilossy.errors import MPILossyError as MPILossyChannelError
 
 from native cimport *
+
+cdef extern from "Python.h":
+    int PyErr_CheckSignals()      # (no `except`: the loop that calls it decides)
 
 include "kernels.pxi"
 include "channel.pxi"
@@ -66,8 +73,11 @@ PKT_END = MPL_PKT_END
 ERRORS = {
     "type": ERR_TYPE, "value": ERR_VALUE, "buffer": ERR_BUFFER,
     "mismatch": ERR_MISMATCH, "protocol": ERR_PROTOCOL, "mpi": ERR_MPI,
+    "interrupted": ERR_INTERRUPTED,
 }
 HAVE_LIBFABRIC = bool(MPL_HAVE_LIBFABRIC)
+HAVE_DATAGRAM_AUTH = bool(MPL_HAVE_MAC)    # OpenSSL: channel="ud" needs it too
+MAC_KEY_BYTES = MPL_MAC_KEY_BYTES
 
 
 def datagram_providers() -> list:

@@ -21,6 +21,8 @@ cdef enum:
     ERR_MISMATCH = 4
     ERR_PROTOCOL = 5
     ERR_MPI = 6
+    ERR_INTERRUPTED = 7   # a signal (Ctrl-C) stopped a call that waits without deadline
+    ERR_LAST = 7
 
 cdef enum:
     ALGO_RING = 0

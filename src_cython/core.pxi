@@ -102,6 +102,13 @@ cdef class Core:
         info.update(ud.counters())
         return info
 
+    def datagram_key(self) -> bytes:
+        """The datagram channel's MAC key (tests make authentic replays with
+        it; it is never sent on the network)."""
+        if self.rma is not None:
+            raise MPILossyChannelError("channel='rma' has no datagram key")
+        return (<char*>(<DgramChannel>self.chan).key)[:MPL_MAC_KEY_BYTES]
+
     def configure_loss(self, dict spec):
         self.loss.configure(spec)
 
@@ -194,6 +201,8 @@ cdef class Core:
         with nogil:
             self.chan.end(call, failed)
         cdef double finished = mpl_now()
+        if failed and self.err.kind == ERR_INTERRUPTED and PyErr_Occurred():
+            raise_pending()         # the signal handler's exception (KeyboardInterrupt)
         if failed:
             return (self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
                     0.0, finished - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
@@ -226,6 +235,11 @@ cdef class Core:
                 self.chan.end(call, True)
         return (kind, self.rank, message, 0.0, 0.0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
                 (call.start, -1.0, call.start), 0.0, None)
+
+
+cdef int raise_pending() except -1:
+    """Propagate the exception that is already set (by a signal handler)."""
+    return -1
 
 
 # -- kernels, for python -m mpilossy.bench.kernels ---------------------------

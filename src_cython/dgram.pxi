@@ -10,6 +10,11 @@
 # ask for it).  Received datagrams are validated (mpilossy_native.h) and
 # copied into an inbox indexed by stream and block, where `poll` finds them.
 #
+# Every datagram carries a MAC (SipHash-2-4, 128-bit tag, mpilossy_mac.h)
+# keyed with a secret that rank 0 draws from the OS at construction and
+# broadcasts over MPI: a datagram nobody with the key made is dropped and
+# counted as `forged`, before anything in it is believed.
+#
 # A rank entering a call sends a HELLO with the call's signature to every
 # peer: that is how peers see it enter (the deadline anchor) and how
 # disagreements between ranks show.  Datagrams of the next call, sent by a
@@ -30,12 +35,23 @@ cdef enum:
     MAX_EVENTS = 256
 
 cdef double NACK_INTERVAL = 0.05   # seconds between repeated requests (no deadline)
+# A peer seen in a later call has sent what it will send for this one, but
+# FI_EP_DGRAM does not promise order: its last datagrams of this call may
+# still be behind its first of the next.  Wait this long before giving up.
+cdef double REORDER_GRACE = 200e-6
+# Without a deadline, how long a full send queue or the sends of an earlier
+# call may hold a call up before the channel gives up on them (an error for
+# the call; with a deadline, the call's own end is the bound).
+cdef double STALL_LIMIT = 5.0
 
 
 cdef class DgramChannel(Channel):
     cdef mpl_fab_t* fab
     cdef MPI_Comm comm
     cdef uint64_t token
+    cdef mpl_mac_t mac                # keyed with the communicator's secret
+    cdef bint mac_ready
+    cdef unsigned char key[MPL_MAC_KEY_BYTES]
     cdef CallInfo cur                 # the call datagrams are judged against: a
                                       # copy, since the core reuses its CallInfo
     cdef char errbuf[256]
@@ -81,6 +97,7 @@ cdef class DgramChannel(Channel):
     cdef uint32_t* counts
     cdef uint32_t* sizes
     cdef double* last_nack
+    cdef double* ahead_since          # per stream: when its peer was first seen in a later call
     cdef unsigned char* ended         # per stream: END arrived
     cdef Py_ssize_t state_cap
     cdef int* stream_of               # peer * nslots + slot -> stream, or -1
@@ -94,23 +111,45 @@ cdef class DgramChannel(Channel):
     cdef int nstash
     cdef bint failed_call
     # counters, for the whole life of the channel
-    cdef uint64_t n_sent, n_received, n_foreign, n_truncated, n_corrupt, n_stale
-    cdef uint64_t n_future, n_unexpected, n_duplicate, n_mismatch, n_nacks, n_resent
+    cdef uint64_t n_sent, n_received, n_foreign, n_truncated, n_forged, n_malformed, n_stale
+    cdef uint64_t n_future, n_unexpected, n_duplicate, n_mismatch, n_nacks, n_resent, n_unsent
 
     def __cinit__(self):
         self.fab = NULL
+        self.mac_ready = False
         memset(&self.cur, 0, sizeof(CallInfo))
+
+    cdef int open_mac(self, const unsigned char* key) except -1:
+        memcpy(self.key, key, MPL_MAC_KEY_BYTES)
+        if mpl_mac_open(&self.mac, self.key, self.errbuf, 256):
+            raise MPILossyChannelError("channel='ud': " + self.errbuf.decode(errors="replace"))
+        self.mac_ready = True
+        return 0
 
     cdef int setup(self, MPI_Comm comm, str provider, str domain, Py_ssize_t payload,
                    int nrecv, int socket_bytes) except -1:
         cdef int rank, size, bad, i
         cdef size_t addrlen = 0
         cdef char* addrs
+        cdef unsigned char secret[MPL_MAC_KEY_BYTES + 8]
         MPI_Comm_rank(comm, &rank)
         MPI_Comm_size(comm, &size)
         self.comm = comm
         self.rank = rank
         self.size = size
+        if not MPL_HAVE_MAC:        # the same build on every rank: the same answer
+            mpl_mac_open(&self.mac, secret, self.errbuf, 256)
+            raise MPILossyChannelError("channel='ud' is unavailable: "
+                                       + self.errbuf.decode(errors="replace"))
+        # The MAC key and the token, from the OS's random source on rank 0,
+        # over MPI: the key never appears in a datagram.
+        if rank == 0:
+            drawn = os.urandom(MPL_MAC_KEY_BYTES + 8)
+            memcpy(secret, <const char*>drawn, MPL_MAC_KEY_BYTES + 8)
+        chk(MPI_Bcast(secret, MPL_MAC_KEY_BYTES + 8, MPI_BYTE, 0, comm))
+        memcpy(&self.token, secret + MPL_MAC_KEY_BYTES, 8)
+        self.open_mac(secret)
+        memset(secret, 0, MPL_MAC_KEY_BYTES + 8)
         # On one host the loopback interface will do (and must: only loopback
         # traffic is allowed in tests); across hosts the provider's first match.
         if not domain and provider in ("", "udp") and one_host(comm, size):
@@ -166,11 +205,6 @@ cdef class DgramChannel(Channel):
         if any_bad:
             raise MPILossyChannelError("channel='ud': cannot insert peer addresses: "
                                        + self.errbuf.decode(errors="replace"))
-        # A token that tells this communicator's datagrams from any other's.
-        if rank == 0:
-            self.token = mpl_hash4(<uint64_t>mpl_now() * 1000003, <uint64_t>getpid(),
-                                   <uint64_t><size_t>self.fab, 0x5544)
-        chk(MPI_Bcast(&self.token, 1, MPI_UINT64_T, 0, comm))
         self.post_receives()
         chk(MPI_Barrier(comm))          # nobody sends before every receive is posted
         return 0
@@ -220,8 +254,15 @@ cdef class DgramChannel(Channel):
         mpl_fab_close(self.fab)
         self.fab = NULL
 
+    cdef void close_mac(self) noexcept nogil:
+        if self.mac_ready:
+            mpl_mac_close(&self.mac)
+            self.mac_ready = False
+        memset(self.key, 0, MPL_MAC_KEY_BYTES)
+
     def __dealloc__(self):
         self.close()
+        self.close_mac()
         free(self.rbuf)
         free(self.cbuf)
         free(self.cbuf_busy)
@@ -239,6 +280,7 @@ cdef class DgramChannel(Channel):
         free(self.counts)
         free(self.sizes)
         free(self.last_nack)
+        free(self.ahead_since)
         free(self.ended)
         free(self.published_blocks)
         free(self.stream_of)
@@ -258,16 +300,18 @@ cdef class DgramChannel(Channel):
         if self.fab != NULL:
             queue = mpl_udp_drops(self.local_addr, self.local_len)
         return {"queue_drops": queue, "socket_bytes": self.socket_bytes, "sent": self.n_sent, "received": self.n_received, "foreign": self.n_foreign,
-                "truncated": self.n_truncated, "corrupt": self.n_corrupt, "stale": self.n_stale,
+                "truncated": self.n_truncated, "forged": self.n_forged,
+                "malformed": self.n_malformed, "stale": self.n_stale,
                 "future": self.n_future, "unexpected": self.n_unexpected,
                 "duplicate": self.n_duplicate, "mismatch": self.n_mismatch,
-                "nacks": self.n_nacks, "resent": self.n_resent}
+                "nacks": self.n_nacks, "resent": self.n_resent, "unsent": self.n_unsent}
 
     # -- per call ------------------------------------------------------------
     cdef int begin(self, CallInfo* call) except -1:
         cdef int parity = call.seq & 1
         cdef Py_ssize_t records = <Py_ssize_t>call.nslots * call.nblocks
-        cdef double limit = mpl_now() + 5.0
+        cdef double limit = mpl_now() + (min(call.timeout, STALL_LIMIT) if call.timeout >= 0
+                                         else STALL_LIMIT)
         # Datagrams that arrive now belong to this call or later: judge them
         # against the previous call, which stashes those of the next one.
         self.drain()
@@ -338,10 +382,12 @@ cdef class DgramChannel(Channel):
                 raise MemoryError()
             self.state_cap = blocks
         self.last_nack = <double*>realloc(self.last_nack, (i + 1) * sizeof(double))
+        self.ahead_since = <double*>realloc(self.ahead_since, (i + 1) * sizeof(double))
         self.ended = <unsigned char*>realloc(self.ended, i + 1)
-        if self.last_nack == NULL or self.ended == NULL:
+        if self.last_nack == NULL or self.ahead_since == NULL or self.ended == NULL:
             raise MemoryError()
         self.ended[i] = 0
+        self.ahead_since[i] = -1.0
         memset(self.arrived + <Py_ssize_t>i * c.nblocks, 0, c.nblocks)
         self.last_nack[i] = mpl_now()
         return 0
@@ -365,8 +411,13 @@ cdef class DgramChannel(Channel):
         cdef mpl_packet_t* hdr = <mpl_packet_t*>(buf + self.prefix)
         self.fill_header(hdr, MPL_PKT_DATA, self.cur.seq, slot, block, count, nbytes)
         hdr.sig = <uint32_t>self.cur.sig
-        hdr.sum = mpl_packet_sum(hdr, buf + self.prefix + HEADER_BYTES)
+        self.seal(hdr)
         self.published[parity][record] = 1
+        if self.cur.timeout >= 0 and mpl_now() > self.cur.start + self.cur.timeout:
+            # Past the deadline every reader has stopped waiting: sending
+            # would only make this call later.
+            self.n_unsent += ndests
+            ndests = 0
         for i in range(ndests):
             self.send(dests[i], buf, self.prefix + HEADER_BYTES + nbytes, parity)
         self.published_blocks[slot] += 1
@@ -388,13 +439,32 @@ cdef class DgramChannel(Channel):
         hdr.count = count
         hdr.nbytes = nbytes
 
+    cdef void seal(self, mpl_packet_t* hdr) noexcept nogil:
+        """Write the MAC of a filled header and the payload that follows it."""
+        mpl_mac_tag(&self.mac, hdr, MPL_PKT_MAC_OFFSET, (<const char*>hdr) + HEADER_BYTES,
+                    hdr.nbytes, hdr.mac)
+
+    cdef double stall_limit(self) noexcept nogil:
+        """Until when a send may wait for room: the call's end with a
+        deadline, STALL_LIMIT from now without."""
+        cdef double now = mpl_now()
+        if self.cur.timeout >= 0:
+            return max(self.cur.start + self.cur.timeout, now + 1e-3)
+        return now + STALL_LIMIT
+
     cdef void send(self, int peer, char* buf, Py_ssize_t length, int owner) noexcept nogil:
         """Post a send; `owner` is 0/1 (an outbox) or 2 + control buffer."""
-        cdef int slot, rc, tries = 0
+        cdef int slot, rc
+        cdef double limit = -1.0
         if self.fab == NULL:            # offline (DatagramJudge): nothing to send
             return
         while self.nfree == 0:
             self.drain()
+            if limit < 0:
+                limit = self.stall_limit()
+            elif mpl_now() > limit:
+                self.n_unsent += 1      # the queue never drained: count it lost
+                return
         slot = self.free_slots[self.nfree - 1]
         while True:
             rc = mpl_fab_send(self.fab, peer, buf, length,
@@ -403,10 +473,13 @@ cdef class DgramChannel(Channel):
             if rc != MPL_FAB_EAGAIN:
                 break
             self.drain()
-            tries += 1
-            if tries > 100000:
-                return              # the transport refuses: count it lost
+            if limit < 0:
+                limit = self.stall_limit()
+            elif mpl_now() > limit:
+                self.n_unsent += 1      # the transport refuses: count it lost
+                return
         if rc:
+            self.n_unsent += 1
             return
         self.nfree -= 1
         self.slot_owner[slot] = owner
@@ -445,7 +518,7 @@ cdef class DgramChannel(Channel):
         self.fill_header(hdr, kind, seq, slot, block, 0, nbytes)
         if nbytes:
             memcpy(buf + self.prefix + HEADER_BYTES, payload, nbytes)
-        hdr.sum = mpl_packet_sum(hdr, buf + self.prefix + HEADER_BYTES)
+        self.seal(hdr)
         if npeers >= 0:
             for p in range(npeers):
                 self.send(peers[p], buf, self.prefix + HEADER_BYTES + nbytes, owner)
@@ -470,6 +543,8 @@ cdef class DgramChannel(Channel):
         """Reap completions: recycle send slots, judge received datagrams."""
         cdef mpl_fab_event_t events[MAX_EVENTS]
         cdef int n, i, k, slot, owner
+        if self.fab == NULL:            # offline (DatagramJudge): nothing to reap
+            return
         n = mpl_fab_poll(self.fab, events, MAX_EVENTS)
         for i in range(n):
             k = <int><intptr_t>events[i].context
@@ -496,15 +571,19 @@ cdef class DgramChannel(Channel):
         cdef mpl_packet_t hdr
         cdef uint64_t cur = self.cur.seq
         self.n_received += 1
-        cdef int verdict = check_packet(data, length, self.token, self.size, self.rank, &hdr)
+        cdef int verdict = check_packet(data, length, self.token, self.size, self.rank,
+                                        self.payload_max, &self.mac, &hdr)
         if verdict == PACKET_FOREIGN:
             self.n_foreign += 1
             return
         if verdict == PACKET_TRUNCATED:
             self.n_truncated += 1
             return
-        if verdict == PACKET_CORRUPT:
-            self.n_corrupt += 1
+        if verdict == PACKET_MALFORMED:
+            self.n_malformed += 1
+            return
+        if verdict == PACKET_FORGED:
+            self.n_forged += 1
             return
         if hdr.seq > self.peer_seq[hdr.src]:
             self.peer_seq[hdr.src] = hdr.seq
@@ -524,10 +603,16 @@ cdef class DgramChannel(Channel):
             else:
                 self.n_future += 1
             return
+        # check_packet made sure that a HELLO or ERROR payload has its
+        # record's size; copy it out (the buffer may be unaligned).
+        cdef mpl_hello_t hello
+        cdef mpl_error_t err
         if hdr.kind == MPL_PKT_HELLO:
-            self.check_hello(&hdr, <const mpl_hello_t*>(data + HEADER_BYTES))
+            memcpy(&hello, data + HEADER_BYTES, sizeof(mpl_hello_t))
+            self.check_hello(&hdr, &hello)
         elif hdr.kind == MPL_PKT_ERROR:
-            self.take_error(<const mpl_error_t*>(data + HEADER_BYTES))
+            memcpy(&err, data + HEADER_BYTES, sizeof(mpl_error_t))
+            self.take_error(&err)
         elif hdr.kind == MPL_PKT_DATA:
             self.place(&hdr, data + HEADER_BYTES)
         elif hdr.kind == MPL_PKT_END:
@@ -570,7 +655,7 @@ cdef class DgramChannel(Channel):
 
     cdef void check_hello(self, const mpl_packet_t* hdr, const mpl_hello_t* hello) noexcept nogil:
         cdef CallInfo* c = &self.cur
-        if hdr.nbytes < sizeof(mpl_hello_t) or hello.sig == c.sig or self.error.kind:
+        if hello.sig == c.sig or self.error.kind:
             return
         self.error.kind = ERR_MISMATCH
         self.error.rank = self.rank
@@ -585,7 +670,9 @@ cdef class DgramChannel(Channel):
 
     cdef void take_error(self, const mpl_error_t* e) noexcept nogil:
         if self.error.kind == ERR_NONE:
-            self.error.kind = e.kind
+            # A kind this rank does not know still fails the call, as a
+            # protocol error: never ERR_NONE, never an index out of range.
+            self.error.kind = e.kind if ERR_NONE < e.kind <= ERR_LAST else ERR_PROTOCOL
             self.error.rank = e.rank
             memcpy(self.error.msg, e.msg, MPL_MSG_LEN)
             self.error.msg[MPL_MSG_LEN - 1] = 0
@@ -648,7 +735,13 @@ cdef class DgramChannel(Channel):
         # deadline it still answers requests: its outbox holds this call until
         # its call seq+2, which it cannot reach before this rank takes part.
         if self.peer_seq[s.peer] > c.seq and c.timeout >= 0:
-            return POLL_GONE
+            now = mpl_now()
+            if self.ahead_since[s.index] < 0:
+                self.ahead_since[s.index] = now
+            if now >= self.ahead_since[s.index] + REORDER_GRACE:
+                return POLL_GONE
+            self.service()
+            return POLL_WAIT
         if c.timeout < 0:
             now = mpl_now()
             if now - self.last_nack[s.index] > NACK_INTERVAL:
@@ -711,13 +804,17 @@ cdef enum:
     PACKET_OK = 0
     PACKET_FOREIGN = 1
     PACKET_TRUNCATED = 2
-    PACKET_CORRUPT = 3
+    PACKET_MALFORMED = 3
+    PACKET_FORGED = 4
 
 
 cdef int check_packet(const char* data, Py_ssize_t length, uint64_t token, int size, int me,
-                      mpl_packet_t* hdr) noexcept nogil:
-    """Is this a well-formed datagram of this communicator from a peer?
-    Copies the header out (the buffer may be unaligned)."""
+                      Py_ssize_t payload_max, mpl_mac_t* mac, mpl_packet_t* hdr) noexcept nogil:
+    """Is this an authentic, well-formed datagram of this communicator from a
+    peer?  Copies the header out once (the buffer may be unaligned); every
+    later decision uses the copy."""
+    cdef unsigned char tag[MPL_MAC_TAG_BYTES]
+    cdef uint32_t n
     if length < HEADER_BYTES:
         return PACKET_TRUNCATED
     memcpy(hdr, data, sizeof(mpl_packet_t))
@@ -728,8 +825,16 @@ cdef int check_packet(const char* data, Py_ssize_t length, uint64_t token, int s
         return PACKET_FOREIGN
     if <Py_ssize_t>hdr.nbytes != length - HEADER_BYTES:
         return PACKET_TRUNCATED
-    if mpl_packet_sum(hdr, data + HEADER_BYTES) != hdr.sum:
-        return PACKET_CORRUPT
+    n = hdr.nbytes
+    if n > <uint64_t>payload_max \
+            or (hdr.kind == MPL_PKT_HELLO and n != sizeof(mpl_hello_t)) \
+            or (hdr.kind == MPL_PKT_ERROR and n != sizeof(mpl_error_t)) \
+            or (hdr.kind == MPL_PKT_NACK and n % 4) \
+            or (hdr.kind == MPL_PKT_END and n):
+        return PACKET_MALFORMED
+    if mpl_mac_tag(mac, data, MPL_PKT_MAC_OFFSET, data + HEADER_BYTES, n, tag) \
+            or not mpl_mac_equal(tag, hdr.mac):
+        return PACKET_FORGED
     return PACKET_OK
 
 
@@ -761,12 +866,52 @@ cdef bint one_host(MPI_Comm comm, int size) except -1:
     return same
 
 
-# -- for tests ----------------------------------------------------------------
+# -- for benchmarks and tests -------------------------------------------------
 
-def encode_datagram(int kind, uint64_t token, uint64_t seq, uint32_t src, uint32_t slot,
-                    uint32_t block, uint32_t count, uint32_t sig, bytes payload) -> bytes:
-    """A datagram exactly as the channel builds it (header, checksum, payload)."""
+def mac_seconds(Py_ssize_t payload, int count) -> float:
+    """Seconds to seal and to check (two MACs) `count` datagrams of `payload`
+    bytes, as a sender and a receiver do: the cost of authentication per
+    datagram, for python -m mpilossy.bench.kernels."""
+    cdef mpl_mac_t mac
+    cdef char err[256]
+    cdef unsigned char key[MPL_MAC_KEY_BYTES]
+    cdef unsigned char tag[MPL_MAC_TAG_BYTES]
+    cdef char* buf = <char*>calloc(HEADER_BYTES + max(payload, 1), 1)
+    cdef int i
+    cdef double t0, t1
+    if buf == NULL:
+        raise MemoryError()
+    memset(key, 7, MPL_MAC_KEY_BYTES)
+    if mpl_mac_open(&mac, key, err, 256):
+        free(buf)
+        raise MPILossyChannelError(err.decode(errors="replace"))
+    with nogil:
+        t0 = mpl_now()
+        for i in range(count):
+            (<mpl_packet_t*>buf).seq = i
+            mpl_mac_tag(&mac, buf, MPL_PKT_MAC_OFFSET, buf + HEADER_BYTES, payload,
+                        (<mpl_packet_t*>buf).mac)
+            mpl_mac_tag(&mac, buf, MPL_PKT_MAC_OFFSET, buf + HEADER_BYTES, payload, tag)
+            if not mpl_mac_equal(tag, (<mpl_packet_t*>buf).mac):
+                break
+        t1 = mpl_now()
+    mpl_mac_close(&mac)
+    free(buf)
+    return t1 - t0
+
+
+def encode_datagram(bytes key, int kind, uint64_t token, uint64_t seq, uint32_t src,
+                    uint32_t slot, uint32_t block, uint32_t count, uint32_t sig,
+                    bytes payload) -> bytes:
+    """A datagram exactly as the channel builds it (header, MAC with `key`,
+    payload)."""
     cdef mpl_packet_t hdr
+    cdef mpl_mac_t mac
+    cdef char err[256]
+    if len(key) != MPL_MAC_KEY_BYTES:
+        raise ValueError(f"key: {MPL_MAC_KEY_BYTES} bytes")
+    if mpl_mac_open(&mac, <const unsigned char*><const char*>key, err, 256):
+        raise MPILossyChannelError(err.decode(errors="replace"))
     memset(&hdr, 0, sizeof(mpl_packet_t))
     hdr.magic = MPL_PKT_MAGIC
     hdr.version = MPL_PKT_VERSION
@@ -779,7 +924,8 @@ def encode_datagram(int kind, uint64_t token, uint64_t seq, uint32_t src, uint32
     hdr.count = count
     hdr.nbytes = len(payload)
     hdr.sig = sig
-    hdr.sum = mpl_packet_sum(&hdr, <const char*>payload)
+    mpl_mac_tag(&mac, &hdr, MPL_PKT_MAC_OFFSET, <const char*>payload, len(payload), hdr.mac)
+    mpl_mac_close(&mac)
     return (<char*>&hdr)[:sizeof(mpl_packet_t)] + payload
 
 
@@ -787,6 +933,7 @@ cdef enum:
     JUDGE_GUARD = 4096
 
 
+@cython.no_gc_clear     # __dealloc__ must still see `chan`: it lent it the inbox
 cdef class DatagramJudge:
     """Feeds datagrams to the channel's own validation and placement code,
     without a network, for tests and fuzzing.  The inbox sits between guard
@@ -795,9 +942,10 @@ cdef class DatagramJudge:
     cdef char* area
     cdef Py_ssize_t inbox_bytes
     cdef list stream_ids
+    cdef list chan_peer
 
-    def __cinit__(self, uint64_t token, int size, int rank, uint64_t seq, int nslots, int nblocks,
-                  Py_ssize_t block_bytes, uint64_t sig, list streams):
+    def __cinit__(self, bytes key, uint64_t token, int size, int rank, uint64_t seq, int nslots,
+                  int nblocks, Py_ssize_t block_bytes, uint64_t sig, list streams):
         cdef DgramChannel c = DgramChannel()
         cdef Stream st
         cdef int i
@@ -805,6 +953,9 @@ cdef class DatagramJudge:
         c.rank = rank
         c.size = size
         c.token = token
+        if len(key) != MPL_MAC_KEY_BYTES:
+            raise ValueError(f"key: {MPL_MAC_KEY_BYTES} bytes")
+        c.open_mac(<const unsigned char*><const char*>key)
         c.prefix = 0
         c.payload_max = block_bytes
         c.pkt = round_up(HEADER_BYTES + block_bytes, MPL_CACHELINE)
@@ -826,6 +977,7 @@ cdef class DatagramJudge:
             c.stream_of[i] = -1
         c.nstreams = 0
         self.stream_ids = []
+        self.chan_peer = [peer for peer, _ in streams]
         for peer, slot in streams:
             memset(&st, 0, sizeof(Stream))
             st.peer = peer
@@ -861,17 +1013,12 @@ cdef class DatagramJudge:
     def arrived(self, int stream_number, int block) -> tuple:
         """(arrived, count, payload) of a block of the n-th stream given."""
         cdef DgramChannel c = self.chan
+        if not 0 <= block < c.cur.nblocks:
+            raise IndexError(f"block {block} of {c.cur.nblocks}")
         cdef Py_ssize_t at = <Py_ssize_t>self.stream_ids[stream_number] * c.cur.nblocks + block
         if not c.arrived[at]:
             return (False, 0, b"")
         return (True, c.counts[at], (c.inbox + at * c.cur.block_bytes)[:c.sizes[at]])
-
-    def address(self) -> str:
-        """This endpoint's address, "ip:port" for the udp provider (IPv4)."""
-        cdef const unsigned char* a = <const unsigned char*>self.local_addr
-        if self.local_len >= 8 and a[0] | (a[1] << 8) == 2:     # AF_INET, native order
-            return f"{a[4]}.{a[5]}.{a[6]}.{a[7]}:{(a[2] << 8) | a[3]}"
-        return self.local_addr[:self.local_len].hex()
 
     def counters(self) -> dict:
         return self.chan.counters()
@@ -883,3 +1030,25 @@ cdef class DatagramJudge:
     @property
     def error(self) -> str:
         return self.chan.error.msg.decode(errors="replace") if self.chan.error.kind else ""
+
+    @property
+    def error_kind(self) -> int:
+        return self.chan.error.kind
+
+    def peer_seen_in(self, int peer) -> int:
+        """The latest call `peer` was seen in."""
+        return self.chan.peer_seq[peer]
+
+    def poll(self, int stream_number, int block, double now_offset=0.0) -> str:
+        """Poll a block of the n-th stream given as the engine would:
+        "ready", "wait", "gone" or "fail"."""
+        cdef Stream st
+        cdef Incoming inc
+        if not 0 <= block < self.chan.cur.nblocks:
+            raise IndexError(f"block {block} of {self.chan.cur.nblocks}")
+        memset(&st, 0, sizeof(Stream))
+        st.index = self.stream_ids[stream_number]
+        st.peer = self.chan_peer[stream_number]
+        st.nblocks = self.chan.cur.nblocks
+        st.cursor = block + 1          # not the cursor: no draining (no network here)
+        return ("wait", "ready", "gone", "fail")[self.chan.poll(&st, block, &inc)]

@@ -5,6 +5,7 @@
 #define MPILOSSY_NATIVE_H
 
 #include <stdint.h>
+#include <stddef.h>
 #include <string.h>
 #include <time.h>
 #include <math.h>
@@ -124,10 +125,13 @@ static inline uint64_t mpl_record_check(uint64_t seq, uint64_t sig, uint64_t slo
 /* ---- datagrams ----------------------------------------------------------
  * Every datagram starts with this header.  A receiver accepts a packet only
  * if it is long enough, its magic, version and communicator token match, its
- * source is a peer, its length matches, and its checksum (over header, with
- * `sum` zero, and payload) is right; then it is judged by its call number. */
+ * source is a peer, its length matches and suits its kind, and its MAC
+ * (mpilossy_mac.h: keyed, over the header up to `mac` and the payload) is
+ * right; then it is judged by its call number.  The token only tells
+ * communicators apart cheaply; the MAC's key is what makes a datagram
+ * authentic, and it never travels in one. */
 #define MPL_PKT_MAGIC 0x4D504C44u      /* "MPLD" */
-#define MPL_PKT_VERSION 1
+#define MPL_PKT_VERSION 2
 /* END: the sender has sent every block of `slot` to this receiver (early close). */
 enum { MPL_PKT_DATA = 1, MPL_PKT_HELLO = 2, MPL_PKT_ERROR = 3, MPL_PKT_NACK = 4, MPL_PKT_END = 5 };
 
@@ -142,9 +146,13 @@ typedef struct {
     uint32_t count;      /* contributors summed in the payload */
     uint32_t nbytes;     /* payload bytes */
     uint32_t sig;        /* low bits of the call signature (DATA) */
-    uint64_t sum;        /* checksum */
-    uint64_t pad;
-} mpl_packet_t;          /* 64 bytes */
+    unsigned char mac[16];
+} mpl_packet_t;
+
+#define MPL_PKT_HEADER_BYTES 64
+#define MPL_PKT_MAC_OFFSET 48            /* the MAC covers the header up to here */
+_Static_assert(sizeof(mpl_packet_t) == MPL_PKT_HEADER_BYTES, "datagram header is 64 bytes");
+_Static_assert(offsetof(mpl_packet_t, mac) == MPL_PKT_MAC_OFFSET, "MAC follows 48 header bytes");
 
 /* What a HELLO carries: the call the sender entered, to detect ranks that
  * disagree; and what an ERROR carries. */
@@ -157,41 +165,5 @@ typedef struct {
     int32_t kind, rank;
     char msg[MPL_MSG_LEN];
 } mpl_error_t;
-
-/* A 4-lane multiply-rotate hash, fast enough to check every datagram. */
-static inline uint64_t mpl_rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-
-static inline uint64_t mpl_checksum(const void *data, size_t n, uint64_t seed)
-{
-    const uint64_t K1 = 0x9E3779B185EBCA87ull, K2 = 0xC2B2AE3D27D4EB4Full;
-    const unsigned char *p = (const unsigned char *)data;
-    uint64_t l0 = seed + K1 + K2, l1 = seed + K2, l2 = seed, l3 = seed - K1;
-    uint64_t w[4], tail = 0;
-    size_t i = 0;
-    for (; i + 32 <= n; i += 32) {
-        memcpy(w, p + i, 32);
-        l0 = mpl_rotl(l0 + w[0] * K2, 31) * K1;
-        l1 = mpl_rotl(l1 + w[1] * K2, 31) * K1;
-        l2 = mpl_rotl(l2 + w[2] * K2, 31) * K1;
-        l3 = mpl_rotl(l3 + w[3] * K2, 31) * K1;
-    }
-    uint64_t h = mpl_rotl(l0, 1) + mpl_rotl(l1, 7) + mpl_rotl(l2, 12) + mpl_rotl(l3, 18);
-    for (; i + 8 <= n; i += 8) {
-        memcpy(&tail, p + i, 8);
-        h = mpl_rotl(h ^ (tail * K2), 27) * K1 + 0x85EBCA77C2B2AE63ull;
-    }
-    tail = 0;
-    memcpy(&tail, p + i, n - i);
-    h ^= tail * K1 + (uint64_t)n;
-    return mpl_mix64(h);
-}
-
-/* Checksum of a packet: header with `sum` zeroed, then payload. */
-static inline uint64_t mpl_packet_sum(const mpl_packet_t *hdr, const void *payload)
-{
-    mpl_packet_t h = *hdr;
-    h.sum = 0;
-    return mpl_checksum(payload, hdr->nbytes, mpl_checksum(&h, sizeof(h), 0x4D504C44ull));
-}
 
 #endif /* MPILOSSY_NATIVE_H */

@@ -61,7 +61,10 @@ cdef extern from "mpilossy_native.h" nogil:
         uint32_t count
         uint32_t nbytes
         uint32_t sig
-        uint64_t sum
+        unsigned char mac[16]
+
+    enum: MPL_PKT_HEADER_BYTES
+    enum: MPL_PKT_MAC_OFFSET
 
     ctypedef struct mpl_hello_t:
         uint64_t sig, count
@@ -71,8 +74,19 @@ cdef extern from "mpilossy_native.h" nogil:
         int32_t kind, rank
         char msg[MPL_MSG_LEN]
 
-    uint64_t mpl_checksum(const void *data, size_t n, uint64_t seed)
-    uint64_t mpl_packet_sum(const mpl_packet_t *hdr, const void *payload)
+
+
+cdef extern from "mpilossy_mac.h" nogil:
+    enum: MPL_HAVE_MAC
+    enum: MPL_MAC_KEY_BYTES
+    enum: MPL_MAC_TAG_BYTES
+    ctypedef struct mpl_mac_t:
+        pass
+    int mpl_mac_open(mpl_mac_t *m, const unsigned char *key, char *err, size_t errlen)
+    void mpl_mac_close(mpl_mac_t *m)
+    int mpl_mac_tag(mpl_mac_t *m, const void *head, size_t nhead, const void *body,
+                    size_t nbody, unsigned char *tag)
+    int mpl_mac_equal(const unsigned char *a, const unsigned char *b)
 
 
 cdef extern from "mpilossy_fabric.h" nogil:

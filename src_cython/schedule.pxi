@@ -311,6 +311,27 @@ cdef inline bint stream_ended(Channel chan, Stream* s, double now) noexcept nogi
     return now >= s.end_at + EARLY_CLOSE_GRACE
 
 
+# How often an idle call looks for a signal (Ctrl-C): a call without deadline
+# may wait for a peer forever, and the loop runs without the GIL.
+cdef double SIGNAL_CHECK_INTERVAL = 0.05
+
+
+cdef bint interrupted(Algorithm alg, Channel chan, CallInfo* call, ErrorInfo* err) noexcept nogil:
+    """Did a signal handler raise (KeyboardInterrupt)?  Then fail the call and
+    tell the peers; the exception stays set for the core to raise."""
+    cdef int raised
+    with gil:
+        raised = PyErr_CheckSignals()
+    if raised == 0:
+        return False
+    err.kind = ERR_INTERRUPTED
+    err.rank = alg.rank
+    snprintf(err.msg, MPL_MSG_LEN, b"rank %d was interrupted by a signal in call %llu",
+             alg.rank, <unsigned long long>call.seq)
+    chan.fail(call, err)
+    return True
+
+
 cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
                      ErrorInfo* err) noexcept nogil:
     """Resolve every block of every stream.  0 on success; 1 with `err` set
@@ -321,6 +342,7 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
     cdef bint progressed, ended
     cdef bint exact = call.timeout < 0
     cdef double now, patience = patience_end(call)
+    cdef double next_signal_check = mpl_now() + SIGNAL_CHECK_INTERVAL
     cdef int idle = 0
     call.anchor = -1.0
     alg.start()
@@ -386,3 +408,7 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
             idle += 1
             if idle > SPIN_BEFORE_YIELD:
                 mpl_yield()
+            if now >= next_signal_check:
+                next_signal_check = now + SIGNAL_CHECK_INTERVAL
+                if interrupted(alg, chan, call, err):
+                    return 1

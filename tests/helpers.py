@@ -97,3 +97,21 @@ def run_mpi_script(script: str, nprocs: int, *args: str, timeout: float = 120,
 
 def is_singleton() -> bool:
     return MPI.COMM_WORLD.size == 1
+
+
+def build_package(tmp_path: Path, *meson_options: str, timeout: float = 300) -> Path:
+    """Build the checkout with meson `meson_options` into tmp_path and lay out
+    an importable copy of the package; returns the folder for PYTHONPATH."""
+    import shutil
+    root = HERE.parent
+    bindir = os.path.dirname(sys.executable)
+    build = tmp_path / "build"
+    for cmd in ([os.path.join(bindir, "meson"), "setup", str(build), str(root), *meson_options],
+                [os.path.join(bindir, "ninja"), "-C", str(build)]):
+        proc = run_bounded(cmd, timeout, clean_subprocess_env())
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    pkg = tmp_path / "pkg"
+    shutil.copytree(root / "mpilossy", pkg / "mpilossy")
+    for so in build.glob("_core*.so"):
+        shutil.copy(so, pkg / "mpilossy")
+    return pkg

@@ -5,7 +5,12 @@ machine's memory bandwidth, measured in the same run as a plain copy
 Bandwidth counts the bytes each operation must move: a copy reads one array
 and writes one (2 x size), an add reads two and writes one (3 x size), an
 accumulate reads two and writes one (3 x size), a scale reads one and writes
-one (2 x size).  efficiency = kernel bandwidth / copy bandwidth."""
+one (2 x size).  efficiency = kernel bandwidth / copy bandwidth.
+
+`--mac` also measures the datagram channel's authentication: seal and check
+(two SipHash MACs) per datagram of the udp provider's and of InfiniBand UD's
+payload, as datagrams per second and GB/s of payload, against np.copyto of
+the same payload."""
 
 from __future__ import annotations
 
@@ -53,12 +58,29 @@ def measure(nbytes: int, dtype: str, repeat: int) -> dict:
             "efficiency": {k: gbs[k] / gbs["copy"] for k in ops if k != "copy"}}
 
 
+def print_mac_cost(count: int = 200_000) -> None:
+    print(f"# datagram MAC (SipHash-2-4, 128-bit tag): seal + check per datagram, {count} datagrams")
+    print("#  payload   us/datagram   Mdatagrams/s   payload GB/s   copy GB/s   MAC/copy")
+    for payload in (1408, 3968, 8192):
+        seconds = min(_core.mac_seconds(payload, count) for _ in range(3))
+        a = np.ones(payload, np.uint8)
+        dst = np.empty_like(a)
+        copy = best_of(lambda: [np.copyto(dst, a) for _ in range(10_000)], 3) / 10_000
+        gbs = payload * count / seconds / 1e9
+        print(f"{payload:10d} {1e6 * seconds / count:13.3f} {count / seconds / 1e6:14.2f} "
+              f"{gbs:14.2f} {payload / copy / 1e9:11.2f} {gbs / (payload / copy / 1e9):10.3f}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mpilossy.bench.kernels", description=__doc__)
     p.add_argument("--sizes", default="256K,4M,64M")
     p.add_argument("-d", "--dtype", default="float32")
     p.add_argument("-r", "--repeat", type=int, default=20)
+    p.add_argument("--mac", action="store_true",
+                   help="also the cost of authenticating datagrams (channel='ud')")
     args = p.parse_args(argv)
+    if args.mac:
+        print_mac_cost()
     print(f"# reduction kernels vs np.copyto, {args.dtype}, best of {args.repeat}")
     print("#      bytes   copy GB/s    add GB/s  eff   acc GB/s  eff  scale GB/s  eff "
           " add_scale GB/s  eff")

@@ -1,0 +1,213 @@
+"""The datagram decoder, without a network: every datagram the channel
+accepts is authentic (keyed MAC), well formed for its kind and addressed to
+this call; everything else is dropped and counted, nothing is written out of
+place, and a peer seen ahead is given up only after the reorder grace.
+
+Needs no libfabric (the decoder is compiled without it), only the OpenSSL MAC."""
+
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from mpilossy import _core
+
+pytestmark = pytest.mark.skipif(not _core.HAVE_DATAGRAM_AUTH,
+                                reason="built without OpenSSL libcrypto: no datagram MAC")
+
+KEY = bytes(range(16))
+TOKEN, SEQ, SIG = 0x1234_5678_9ABC_DEF0, 42, 0xC0FFEE
+STREAMS = [(1, 0), (2, 1), (3, 2)]          # (peer, slot) this rank reads
+NSLOTS, NBLOCKS, BLOCK = 4, 3, 256
+HELLO_BYTES, ERROR_BYTES = 32, 208          # sizeof(mpl_hello_t), sizeof(mpl_error_t)
+
+
+def judge():
+    return _core.DatagramJudge(KEY, TOKEN, 4, 0, SEQ, NSLOTS, NBLOCKS, BLOCK, SIG, STREAMS)
+
+
+def datagram(src=1, slot=0, block=0, count=1, payload=b"\x01" * 64, seq=SEQ, token=TOKEN,
+             sig=SIG, kind=_core.PKT_DATA, key=KEY):
+    return _core.encode_datagram(key, kind, token, seq, src, slot, block, count, sig, payload)
+
+
+def error_record(kind=5, rank=1, msg=b"boom"):
+    return kind.to_bytes(4, "little", signed=True) + rank.to_bytes(4, "little") + msg.ljust(200, b"\0")
+
+
+def nothing_placed(j):
+    return not any(j.arrived(s, b)[0] for s in range(3) for b in range(NBLOCKS))
+
+
+def test_valid_datagram_lands_where_it_belongs():
+    j = judge()
+    j.feed(datagram(src=2, slot=1, block=2, count=2, payload=b"\x07" * 100))
+    assert j.arrived(1, 2) == (True, 2, b"\x07" * 100)
+    assert not j.arrived(0, 2)[0] and j.guards_intact()
+
+
+@pytest.mark.parametrize("bad,counter", [
+    (dict(token=TOKEN + 1), "foreign"), (dict(src=0), "foreign"), (dict(src=4), "foreign"),
+    (dict(key=bytes(16)), "forged"), (dict(key=KEY[:-1] + b"\xff"), "forged"),
+    (dict(seq=SEQ - 1), "stale"), (dict(seq=SEQ + 2), "future"), (dict(sig=SIG + 1), "mismatch"),
+    (dict(src=3, slot=0), "unexpected"), (dict(block=NBLOCKS), "unexpected"),
+    (dict(payload=b"x" * (BLOCK + 1)), "malformed"), (dict(count=5), "unexpected"),
+    (dict(kind=_core.PKT_END), "malformed"),
+])
+def test_each_kind_of_bad_datagram_is_dropped_and_counted(bad, counter):
+    j = judge()
+    j.feed(datagram(**bad))
+    assert j.counters()[counter] == 1
+    assert nothing_placed(j) and j.guards_intact()
+
+
+def test_a_forged_datagram_changes_nothing_a_real_one_would():
+    """With the wrong key: no data, no error, no mismatch, no peer seen ahead."""
+    j = judge()
+    wrong = bytes(16)
+    j.feed(datagram(key=wrong, kind=_core.PKT_ERROR, payload=error_record()))
+    j.feed(datagram(key=wrong, kind=_core.PKT_HELLO, payload=bytes(HELLO_BYTES)))
+    j.feed(datagram(key=wrong, seq=SEQ + 10**9))
+    assert j.counters()["forged"] == 3
+    assert j.error == "" and j.peer_seen_in(1) == 0
+    # The same three with the key: an error, and a peer far ahead.
+    j.feed(datagram(kind=_core.PKT_ERROR, payload=error_record()))
+    assert "boom" in j.error
+
+
+@pytest.mark.parametrize("kind,size", [
+    (_core.PKT_ERROR, 0), (_core.PKT_ERROR, 8), (_core.PKT_ERROR, ERROR_BYTES - 1),
+    (_core.PKT_ERROR, ERROR_BYTES + 1), (_core.PKT_HELLO, 8), (_core.PKT_HELLO, HELLO_BYTES + 8),
+    (_core.PKT_NACK, 6), (_core.PKT_END, 4),
+])
+def test_control_datagrams_of_the_wrong_length_are_malformed(kind, size):
+    """An ERROR is read as a whole error record only if it is exactly one."""
+    j = judge()
+    j.feed(datagram(kind=kind, payload=b"\x05" * size))
+    assert j.counters()["malformed"] == 1
+    assert j.error == "" and j.guards_intact()
+
+
+def test_an_unknown_error_kind_fails_the_call_as_a_protocol_error():
+    j = judge()
+    j.feed(datagram(kind=_core.PKT_ERROR, payload=error_record(kind=1000)))
+    assert j.error_kind == _core.ERRORS["protocol"]
+
+
+def test_replay_and_next_call():
+    j = judge()
+    d = datagram()
+    j.feed(d)
+    j.feed(d)                                        # the same datagram again
+    assert j.counters()["duplicate"] == 1
+    j.feed(datagram(seq=SEQ + 1))                    # a peer that is ahead: kept for later
+    assert j.stashed == 1
+
+
+def test_truncated_and_corrupt():
+    j = judge()
+    d = datagram()
+    for cut in (0, 1, 63, 64, len(d) - 1):
+        j.feed(d[:cut])
+    j.feed(d[:80] + bytes([d[80] ^ 1]) + d[81:])     # a payload bit
+    j.feed(d[:20] + bytes([d[20] ^ 1]) + d[21:])     # a header bit (the call number)
+    c = j.counters()
+    assert c["truncated"] == 5 and c["forged"] == 2 and j.guards_intact()
+
+
+def test_reordered_datagrams_of_a_peer_that_moved_on_are_still_taken():
+    """FI_EP_DGRAM does not promise order: a peer's first datagram of the next
+    call can overtake its last of this one.  The block is not given up at once."""
+    j = judge()
+    j.feed(datagram(src=1, seq=SEQ + 2, payload=b""))        # seen in a later call
+    assert j.peer_seen_in(1) == SEQ + 2
+    assert j.poll(0, 1) == "wait"                            # within the reorder grace
+    j.feed(datagram(src=1, block=1, payload=b"\x09" * 32))   # the overtaken one
+    assert j.poll(0, 1) == "ready"
+    time.sleep(0.01)
+    assert j.poll(0, 2) == "gone"                            # after the grace
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=2048))
+def test_fuzz_random_bytes(data):
+    j = judge()
+    j.feed(data)
+    assert j.guards_intact()
+    assert nothing_placed(j)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(kind=st.integers(0, 6), seq=st.sampled_from([SEQ - 1, SEQ, SEQ + 1, SEQ + 2, 2**63]),
+       payload=st.binary(max_size=BLOCK + 64), authentic=st.booleans())
+def test_fuzz_every_kind_any_payload(kind, seq, payload, authentic):
+    """Control datagrams of any length and call number, with and without the
+    key: never a crash, never a write out of place; without the key, no effect."""
+    j = judge()
+    j.feed(datagram(kind=kind, seq=seq, payload=payload, key=KEY if authentic else bytes(16)))
+    assert j.guards_intact()
+    if not authentic:
+        assert j.error == "" and j.peer_seen_in(1) == 0 and nothing_placed(j)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(src=st.integers(0, 6), slot=st.integers(0, 5), block=st.integers(0, 5),
+       count=st.integers(0, 6), size=st.integers(0, BLOCK + 64), flips=st.lists(
+           st.tuples(st.integers(0, 4000), st.integers(0, 7)), max_size=3))
+def test_fuzz_mutated_datagrams(src, slot, block, count, size, flips):
+    """A datagram is placed only if it is intact and addressed to a stream of
+    this call, and then exactly as sent; nothing is ever written out of place."""
+    original = datagram(src=src, slot=slot, block=block, count=count,
+                        payload=bytes((i * 7) & 255 for i in range(size)))
+    data = bytearray(original)
+    for at, bit in flips:
+        if at < len(data):
+            data[at] ^= 1 << bit
+    j = judge()
+    j.feed(bytes(data))
+    assert j.guards_intact()
+    placed = [(s, b) for s in range(3) for b in range(NBLOCKS) if j.arrived(s, b)[0]]
+    legit = (bytes(data) == original and (src, slot) in STREAMS and block < NBLOCKS
+             and size <= BLOCK and count <= 4)
+    if legit:
+        assert placed == [(STREAMS.index((src, slot)), block)]
+        assert j.arrived(*placed[0])[1:] == (count, bytes(data[64:]))
+    else:
+        assert placed == []
+
+
+def test_mac_key_and_tag_sizes():
+    assert _core.MAC_KEY_BYTES == len(KEY)
+    with pytest.raises(ValueError):
+        _core.encode_datagram(b"short", _core.PKT_DATA, TOKEN, SEQ, 1, 0, 0, 1, SIG, b"")
+
+
+# -- the same tests under AddressSanitizer ---------------------------------------------
+def test_decoder_under_address_sanitizer(tmp_path):
+    """Build the core with -fsanitize=address (meson's b_sanitize) and run this
+    file's decoder tests with the ASan runtime preloaded: zero reports."""
+    import os
+    import subprocess
+    import sys
+
+    from helpers import HERE, build_package, clean_subprocess_env, is_singleton, run_bounded
+
+    if not is_singleton():
+        pytest.skip("builds its own copy: runs at size 1")
+    if os.environ.get("MPILOSSY_UNDER_ASAN"):
+        pytest.skip("already under AddressSanitizer")
+    libasan = subprocess.run(["cc", "-print-file-name=libasan.so"], capture_output=True,
+                             text=True).stdout.strip()
+    if not os.path.isabs(libasan) or not os.path.exists(libasan):
+        pytest.skip("the C compiler has no AddressSanitizer runtime (libasan)")
+    pkg = build_package(tmp_path, "-Db_sanitize=address", "-Db_lundef=false",
+                        "-Dbuildtype=debugoptimized")
+    env = clean_subprocess_env(PYTHONPATH=f"{pkg}:{HERE}", LD_PRELOAD=libasan,
+                               ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
+                               MPILOSSY_UNDER_ASAN="1")
+    proc = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                        "-k", "not address_sanitizer", str(HERE / "test_datagram_decoder.py")],
+                       600, env, cwd=tmp_path)
+    assert "AddressSanitizer" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "skipped" not in proc.stdout, proc.stdout[-2000:]

@@ -1,0 +1,186 @@
+"""Hardening: whatever one rank does wrong, every rank hears of it and no
+rank hangs; the call numbers stay in step; waits are bounded and a wait
+without deadline answers Ctrl-C."""
+
+import os
+import signal
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import mpilossy
+from mpilossy import _core, deadline
+from helpers import all_ranks_raise, mpi_sum, small_ints
+
+
+def exact_next_call(comm, lc, n=1001):
+    x = small_ints(n, comm.rank, np.float64)
+    out = np.empty_like(x)
+    stats = lc.allreduce(x, out)
+    np.testing.assert_array_equal(out, mpi_sum(comm, x))
+    return stats
+
+
+# -- construction agrees on every shared setting ------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("setting", ["channel", "capacity", "block_bytes", "tree_radix"])
+def test_different_settings_on_one_rank_raise_everywhere(comm, setting):
+    """Before: channel='ud' on one rank and 'rma' on the others never returned."""
+    if setting == "channel" and not (_core.HAVE_LIBFABRIC and _core.HAVE_DATAGRAM_AUTH):
+        pytest.skip("channel='ud' not built")
+    odd = comm.rank == 1
+    kwargs = {"channel": dict(channel="ud" if odd else "rma"),
+              "capacity": dict(capacity=(2 << 20) if odd else (4 << 20)),
+              "block_bytes": dict(block_bytes=4096 if odd else 8192),
+              "tree_radix": dict(tree_radix=2 if odd else 4)}[setting]
+    message = all_ranks_raise(comm, lambda: mpilossy.Communicator(comm, timeout=0.5, **kwargs),
+                              mpilossy.MismatchError)
+    assert setting in message and "rank 1" in message, message
+
+
+@pytest.mark.mpi
+def test_bad_settings_are_refused_on_every_rank(comm, monkeypatch):
+    culprit = comm.rank == comm.size - 1
+    all_ranks_raise(comm, lambda: mpilossy.Communicator(
+        comm, tree_radix=1000 if culprit else 4), ValueError)
+    if culprit:
+        monkeypatch.setenv("MPILOSSY_BLOCK_BYTES", "64k")
+    message = all_ranks_raise(comm, lambda: mpilossy.Communicator(comm), ValueError)
+    if culprit:
+        assert "MPILOSSY_BLOCK_BYTES" in message, message
+
+
+# -- the call counter advances on every rank, whatever fails ---------------------------
+@pytest.mark.mpi
+@pytest.mark.parametrize("timeout", [None, 0.5])
+def test_an_unexpected_error_on_one_rank_keeps_every_rank_in_step(comm, timeout, monkeypatch):
+    """An error other than a validation error while the buffers are prepared
+    (as a device error would be).  Before: the failing rank skipped the call's
+    number and every later call silently left it out (delivered < 1 for good)."""
+    culprit = comm.rank == comm.size - 1
+    with mpilossy.Communicator(comm, timeout=timeout) as lc:
+        exact_next_call(comm, lc)
+        x = small_ints(1001, comm.rank, np.float64)
+
+        def device_lost(*args, **kwargs):
+            raise RuntimeError("device lost")
+        if culprit:
+            monkeypatch.setattr(lc, "_buffers", device_lost)
+        try:
+            lc.allreduce(x, np.empty_like(x))
+            outcome = "returned"
+        except mpilossy.MPILossyError as exc:     # (a RuntimeError too: caught first)
+            outcome = f"MPILossyError {exc}"
+        except RuntimeError as exc:
+            outcome = f"RuntimeError {exc}"
+        monkeypatch.undo()
+        outcomes = comm.allgather(outcome)
+        assert outcomes[-1] == "RuntimeError device lost", outcomes
+        if comm.size > 1:
+            assert all(o.startswith("MPILossyError") and "could not take part" in o
+                       for o in outcomes[:-1]), outcomes
+        for _ in range(3):
+            stats = exact_next_call(comm, lc)
+            assert stats.delivered == 1.0
+        assert len(set(comm.allgather(stats.seq))) == 1
+
+
+@pytest.mark.mpi(min_size=2)
+def test_a_failing_timeout_is_bounded(comm):
+    """Before: timeout=inf on the failing rank passed inf to the failure path,
+    whose end() then waited for ever."""
+    culprit = comm.rank == comm.size - 1
+    with mpilossy.Communicator(comm, timeout=None) as lc:
+        out = np.empty(1000, np.float32)
+        out.flags.writeable = not culprit
+        began = time.monotonic()
+        all_ranks_raise(comm, lambda: lc.allreduce(np.ones(1000, np.float32), out,
+                                                   timeout=float("inf")), BufferError)
+        assert time.monotonic() - began < 30
+        exact_next_call(comm, lc)
+
+
+# -- timeout="auto": one schedule on every rank, never waited for -----------------------
+@pytest.mark.mpi(min_size=2)
+def test_auto_schedule_survives_a_failed_call(comm, monkeypatch):
+    """A rank whose input fails validation stays in the agreement's schedule:
+    every rank keeps using the same deadline on every call."""
+    monkeypatch.setenv("MPILOSSY_AUTO_CAP", "2.0")
+    culprit = comm.rank == comm.size - 1
+    x = np.ones(4096)
+    used = []
+    with mpilossy.Communicator(comm, timeout="auto") as lc:
+        for call in range(4 * deadline.PERIOD):
+            if call in (5, 2 * deadline.PERIOD + 1):
+                bad = np.ones(4097) if culprit else x
+                try:
+                    lc.allreduce(bad, np.empty_like(bad), algorithm="ring")
+                except (ValueError, mpilossy.MismatchError):
+                    used.append("failed")
+                continue
+            used.append(lc.allreduce(x, np.empty_like(x), algorithm="ring").timeout)
+    everyone = comm.allgather(used)
+    assert all(u == everyone[0] for u in everyone), everyone
+    assert used[-1] < 2.0
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_auto_agreement_does_not_wait_for_a_straggler(comm, monkeypatch):
+    """Before: the ranks' calls at the due call blocked in Wait() on the
+    agreement until the straggler, asleep, joined it."""
+    monkeypatch.setenv("MPILOSSY_AUTO_CAP", "1.0")
+    sleeper = comm.size - 1
+    x = np.ones(4096)
+    with mpilossy.Communicator(comm, timeout="auto") as lc:
+        while lc._auto.calls < 3 * deadline.PERIOD - 1:    # learned, the next call posts
+            learned = lc.allreduce(x, np.empty_like(x)).timeout
+        comm.Barrier()
+        if comm.rank == sleeper:
+            time.sleep(0.6)
+        took = []
+        for _ in range(deadline.LAG + 2):
+            began = time.monotonic()
+            stats = lc.allreduce(x, np.empty_like(x))
+            took.append(time.monotonic() - began)
+        comm.Barrier()
+    outcome = comm.allgather((max(took), learned))
+    assert learned < 0.25, outcome
+    assert all(t <= learned + 0.05 for r, (t, _) in enumerate(outcome) if r != sleeper), outcome
+
+
+# -- Ctrl-C ends a call that waits without deadline --------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_ctrl_c_interrupts_a_call_without_deadline(comm):
+    """Rank 0 waits (timeout=None) for peers that have not entered; SIGINT
+    raises KeyboardInterrupt there, the peers hear of it in the same call, and
+    the communicator goes on exact."""
+    with mpilossy.Communicator(comm, timeout=None) as lc:
+        exact_next_call(comm, lc)
+        comm.Barrier()
+        x = np.ones(100_000)
+        if comm.rank == 0:
+            timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))
+            timer.start()
+            began = time.monotonic()
+            try:
+                lc.allreduce(x, np.empty_like(x))
+                outcome = "returned"
+            except KeyboardInterrupt:
+                outcome = f"interrupted after {time.monotonic() - began:.2f} s"
+            timer.join()
+        comm.Barrier()
+        if comm.rank != 0:
+            try:
+                lc.allreduce(x, np.empty_like(x))
+                outcome = "returned"
+            except mpilossy.MPILossyError as exc:
+                outcome = f"error: {exc}"
+        outcomes = comm.allgather(outcome)
+        assert outcomes[0].startswith("interrupted") and float(outcomes[0].split()[2]) < 2.0, \
+            outcomes
+        assert all("interrupted by a signal" in o for o in outcomes[1:]), outcomes
+        exact_next_call(comm, lc)
