@@ -33,7 +33,7 @@ from . import loss
 from .communicator import (AllreduceStats, CollectiveStats, Communicator, allgather, allreduce,
                            default_communicator, reduce_scatter)
 from .contributors import Contributors
-from .errors import MismatchError, MPILossyError
+from .errors import LaggingError, MismatchError, MPILossyError
 
 __version__ = "0.1.0"
 
@@ -43,6 +43,7 @@ __all__ = [
     "Communicator",
     "Contributors",
     "MPILossyError",
+    "LaggingError",
     "MismatchError",
     "allgather",
     "allreduce",

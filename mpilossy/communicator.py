@@ -16,7 +16,7 @@ from mpi4py import MPI
 from . import _buffers, _core, device as _device, loss as _loss
 from .contributors import Contributors
 from .deadline import AutoDeadline, size_bucket
-from .errors import MismatchError, MPILossyError
+from .errors import LaggingError, MismatchError, MPILossyError
 
 __all__ = ["Communicator", "CollectiveStats", "AllreduceStats", "allreduce",
            "reduce_scatter", "allgather", "default_communicator"]
@@ -34,7 +34,8 @@ SCALINGS = ("unbiased", "zero-fill")
 DEFAULT_BLOCK_BYTES = 256 * 1024
 DEFAULT_CAPACITY = 4 * 1024 * 1024
 DEFAULT_TREE_RADIX = 4
-MAX_TREE_RADIX = 64       # a k-nomial tree wider than this is a flat gather
+MAX_TREE_RADIX = 64
+DEFAULT_MAX_BEHIND = 1000   # calls in a row behind every peer before LaggingError       # a k-nomial tree wider than this is a flat gather
 # Largest message for which algorithm="auto" picks the tree, by rank count,
 # measured with `mpiexec -n N python -m mpilossy.bench.crossover` on the
 # development machine (docs/performance.md).  Larger jobs could not be
@@ -313,6 +314,9 @@ class Communicator:
         self._copy_back: Optional[tuple] = None
         self._channel = channel
         self._trace = self._open_trace(os.environ.get("MPILOSSY_TRACE"))
+        # Calls in a row in which every peer had already moved on (see _watch_lag).
+        self._behind = 0
+        self._max_behind = _env_int("MPILOSSY_MAX_BEHIND", DEFAULT_MAX_BEHIND)
         self._auto = AutoDeadline(self._comm.Dup(),
                                   floor=float(os.environ.get("MPILOSSY_AUTO_FLOOR", 1e-3)),
                                   cap=float(os.environ.get("MPILOSSY_AUTO_CAP", 1.0)))
@@ -539,6 +543,7 @@ class Communicator:
             self._write_trace(result, coll, algo, send.nbytes, tmo)
         if result[0]:
             raise self._error(coll, result)
+        self._watch_lag(result)
         contributors = None
         if algo == _core.DIRECT:
             contributors = Contributors(
@@ -550,6 +555,24 @@ class Communicator:
                                ALGORITHM_NAMES[algo], send.nbytes, result[8], result[9],
                                COLLECTIVE_NAMES[coll], None if tmo < 0 else tmo, result[11],
                                contributors)
+
+    def _watch_lag(self, result: tuple) -> None:
+        """A rank that finds every peer already past its call (only its own
+        data in the result, blocks `gone`, none late) catches up by itself:
+        such calls return at once while the peers wait for it.  One that
+        stays behind for `MPILOSSY_MAX_BEHIND` calls in a row has dropped
+        out of the others' calls: say so instead of staying silent."""
+        delivered, lost = result[3], result[9]
+        behind = (self._size > 1 and lost[2] > 0 and lost[1] == 0
+                  and delivered <= 1.0 / self._size + 1e-9)
+        self._behind = self._behind + 1 if behind else 0
+        if self._behind >= self._max_behind:
+            calls, self._behind = self._behind, 0
+            raise LaggingError(
+                f"rank {self.rank}: every peer had already finished this rank's call on "
+                f"{calls} calls in a row (call {result[8]}): this rank no longer takes part in "
+                f"the others' calls. Do all ranks make the same calls? (MPILOSSY_MAX_BEHIND="
+                f"{self._max_behind} sets how many calls in a row are tolerated)")
 
     def _fail_timeout(self) -> float:
         """How long a failing call may take to tell its peers: the

@@ -3,7 +3,7 @@ these are for misuse and for protocol failures."""
 
 from __future__ import annotations
 
-__all__ = ["MPILossyError", "MismatchError"]
+__all__ = ["MPILossyError", "MismatchError", "LaggingError"]
 
 
 class MPILossyError(RuntimeError):
@@ -12,3 +12,9 @@ class MPILossyError(RuntimeError):
 
 class MismatchError(MPILossyError, ValueError):
     """Ranks called the same collective with different buffers, dtypes or ops."""
+
+
+class LaggingError(MPILossyError):
+    """This rank found every peer already past its call on many calls in a
+    row: it no longer takes part in the others' calls (a call made on some
+    ranks only, or a rank that cannot keep up)."""

@@ -184,3 +184,33 @@ def test_ctrl_c_interrupts_a_call_without_deadline(comm):
             outcomes
         assert all("interrupted by a signal" in o for o in outcomes[1:]), outcomes
         exact_next_call(comm, lc)
+
+
+# -- a rank that stays behind every peer is told so ---------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_a_rank_behind_every_peer_call_after_call_raises(comm, monkeypatch):
+    """Ranks compute 3 deadlines between calls; rank 0 starts 10 calls late
+    and so finds every peer already past its call, call after call (it would
+    catch up after ~40 calls).  With MPILOSSY_MAX_BEHIND=8 it raises
+    LaggingError, once 8 such calls are in a row; the peers never do."""
+    monkeypatch.setenv("MPILOSSY_MAX_BEHIND", "8")
+    T = 0.02
+    raised = []
+    with mpilossy.Communicator(comm, timeout=T) as lc:
+        exact_next_call(comm, lc)
+        comm.Barrier()
+        if comm.rank == 0:
+            time.sleep(10 * (4 * T))
+        x = np.ones(10_000)
+        for call in range(16):
+            try:
+                lc.allreduce(x, np.empty_like(x), algorithm="direct")
+            except mpilossy.LaggingError as exc:
+                raised.append((call, str(exc)))
+            time.sleep(3 * T)
+        comm.Barrier()
+    everyone = comm.allgather(raised)
+    assert [call for call, _ in everyone[0]] == [7], everyone
+    assert "MPILOSSY_MAX_BEHIND" in everyone[0][0][1]
+    assert all(not r for r in everyone[1:]), everyone

@@ -20,10 +20,11 @@ TRANSPORTS = {
 
 @pytest.mark.parametrize("transport", sorted(TRANSPORTS))
 @pytest.mark.parametrize("mode", ["lossless", "lossy"])
-def test_network_path(transport, mode):
-    proc = run_mpi_script("network_path.py", 3, mode, timeout=240, **TRANSPORTS[transport])
+@pytest.mark.parametrize("ranks", [3, 4])
+def test_network_path(transport, mode, ranks):
+    proc = run_mpi_script("network_path.py", ranks, mode, timeout=240, **TRANSPORTS[transport])
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    assert proc.stdout.count(f"{mode} ok") == 3, proc.stdout
+    assert proc.stdout.count(f"{mode} ok") == ranks, proc.stdout
 
 
 def test_forced_rget_path_in_process(monkeypatch):

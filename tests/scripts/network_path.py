@@ -2,6 +2,7 @@
 the ranks, so mpilossy reads its peers through MPI_Rget (the path taken
 between nodes).  Prints one line per check; exits non-zero on failure."""
 
+import itertools
 import sys
 import time
 
@@ -12,6 +13,9 @@ import mpilossy
 
 comm = MPI.COMM_WORLD
 mode = sys.argv[1]
+ALLOWED = np.round([sum(2 ** r for r in ranks) * comm.size / k
+                    for k in range(1, comm.size + 1)
+                    for ranks in itertools.combinations(range(comm.size), k)], 9)
 failures = []
 
 
@@ -26,20 +30,25 @@ with mpilossy.Communicator(comm, timeout=None if mode == "lossless" else 0.1,
     for algorithm in ("ring", "tree", "direct"):
         lossy_calls = deadline_calls = 0
         for n in (1, 1000, 100_003):
-            x = (np.arange(n) % 13 + comm.rank).astype(np.float64)
-            ref = np.empty_like(x)
-            comm.Allreduce(x, ref)
-            for _ in range(5 if mode == "lossless" else 20):
-                out = np.empty_like(x)
+            for call in range(5 if mode == "lossless" else 20):
+                # Different data on every call: rank r sends 2**r * w, w
+                # depending on the element and the call, so a block of
+                # another call or place cannot pass for the right one.
+                w = 1.0 + (np.arange(n) + 3 * call) % 11
+                x = (2.0 ** comm.rank) * w
+                ref = np.empty_like(x)
+                comm.Allreduce(x, ref)
+                out = np.full_like(x, np.nan)
                 began = time.monotonic()
                 stats = lc.allreduce(x, out, algorithm=algorithm)
                 took = time.monotonic() - began
                 if mode == "lossless":
                     check(f"{algorithm} {n} equals MPI_Allreduce", np.array_equal(out, ref))
                 else:
-                    # Unbiased sum of values in [0, 12 + size): bounded, finite,
-                    # each element the scaled sum of whole contributions.
-                    check(f"{algorithm} {n} finite", bool(np.all(np.isfinite(out))))
+                    # Every element the unbiased sum of whole contributions of
+                    # some set S of ranks: out / w * |S| / size is S's bits.
+                    check(f"{algorithm} {n} whole contributions",
+                          bool(np.all(np.isin(np.round(out / w, 9), ALLOWED))))
                     check(f"{algorithm} {n} within deadline", took <= 0.1 + 0.05)
                     check(f"{algorithm} {n} delivered", 0 < stats.delivered <= 1)
                     lossy_calls += stats.lost_blocks[0] > 0
@@ -53,6 +62,15 @@ with mpilossy.Communicator(comm, timeout=None if mode == "lossless" else 0.1,
             # oversubscribed path are a different cause, not counted.)
             check(f"{algorithm} ends lossy calls early ({deadline_calls} of {lossy_calls})",
                   lossy_calls > 10 and deadline_calls < 0.3 * lossy_calls)
+    if mode == "lossy":
+        # The same communicator, loss off, no deadline: exact again.
+        lc._core.configure_loss({})
+        x = (2.0 ** comm.rank) * (1.0 + np.arange(100_003) % 11)
+        ref = np.empty_like(x)
+        comm.Allreduce(x, ref)
+        out = np.empty_like(x)
+        lc.allreduce(x, out, timeout=None)
+        check("exact after the lossy calls", np.array_equal(out, ref))
 print(f"rank {comm.rank}: {mode} {'ok' if not failures else 'FAILED ' + ', '.join(sorted(set(failures)))}",
       flush=True)
 sys.exit(1 if failures else 0)
