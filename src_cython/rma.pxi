@@ -22,22 +22,12 @@ cdef enum:
     GET_HDR_LAST = 5
 
 cdef enum:
-    RECORD_HEADER = 64        # sizeof(mpl_record_t), padded
+    RECORD_HEADER = MPL_RECORD_BYTES    # sizeof(mpl_record_t) (asserted in mpilossy_native.h)
     MAX_LINGER_EXACT = 5      # seconds a failed call waits for peers without deadline
 
 
 cdef inline Py_ssize_t round_up(Py_ssize_t x, Py_ssize_t to) noexcept nogil:
     return ((x + to - 1) // to) * to
-
-
-cdef const char* DTYPE_NAMES[5]
-DTYPE_NAMES[:] = [b"float16", b"float32", b"float64", b"int32", b"int64"]
-cdef const char* OP_NAMES[2]
-OP_NAMES[:] = [b"sum", b"avg"]
-cdef const char* ALGO_NAMES[3]
-ALGO_NAMES[:] = [b"ring", b"tree", b"direct"]
-cdef const char* COLL_NAMES[3]
-COLL_NAMES[:] = [b"allreduce", b"reduce_scatter", b"allgather"]
 
 
 cdef class RmaChannel(Channel):
@@ -365,10 +355,10 @@ cdef class RmaChannel(Channel):
                  b"ranks disagree on call %llu: rank %d: %s of %llu x %s op=%s algorithm=%s; "
                  b"rank %d: %s of %llu x %s op=%s algorithm=%s",
                  <unsigned long long>c.seq,
-                 peer, COLL_NAMES[(st.algo >> 4) % 3], <unsigned long long>st.count,
-                 DTYPE_NAMES[st.dtype % 5], OP_NAMES[st.op % 2], ALGO_NAMES[(st.algo & 15) % 3],
-                 self.rank, COLL_NAMES[c.coll], <unsigned long long>c.count, DTYPE_NAMES[c.dtype],
-                 OP_NAMES[c.op], ALGO_NAMES[c.algo])
+                 peer, coll_name(st.algo >> 4), <unsigned long long>st.count,
+                 dtype_name(st.dtype), op_name(st.op), algo_name(st.algo & 15),
+                 self.rank, coll_name(c.coll), <unsigned long long>c.count, dtype_name(c.dtype),
+                 op_name(c.op), algo_name(c.algo))
 
     cdef int poll_get(self, Stream* s, Incoming* inc) noexcept nogil:
         """Network path: a small state machine of MPI_Rget for the cursor
