@@ -22,6 +22,83 @@ WAIT, READY, GONE, FAIL = 0, 1, 2, 3
 SIZE, BLOCK = 4, 256
 
 
+# -- one-sided channel: a record's header is read once and bounded -------------
+@pytest.fixture
+def judge():
+    return _core.RecordJudge(size=SIZE, nslots=2, nblocks=2, block_bytes=BLOCK, seq=5)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stable", [False, True], ids=["in-place", "copied"])
+def test_valid_record_is_taken(judge, stable):
+    judge.write(1, 1, count=3, nbytes=BLOCK, fill=0x5A)
+    verdict, count, nbytes, data = judge.poll(1, 1, stable)
+    assert (verdict, count, nbytes) == (READY, 3, BLOCK)
+    assert data == b"\x5a" * BLOCK
+    assert judge.guards_intact()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stable", [False, True], ids=["in-place", "copied"])
+@pytest.mark.parametrize("count, nbytes", [(1, BLOCK + 8), (1, 1 << 31), (SIZE + 1, BLOCK),
+                                           (0xFFFFFFFF, 8)],
+                         ids=["nbytes>block", "nbytes-huge", "count>size", "count-huge"])
+def test_record_that_breaks_the_rule_is_never_taken(judge, stable, count, nbytes):
+    """A header with a count above the ranks or a length above the call's
+    block is not there: WAIT while its producer is in the call, GONE once it
+    moved on; nothing is copied outside the destination."""
+    judge.write(0, 1, count=count, nbytes=nbytes)
+    assert judge.poll(0, 1, stable)[0] == WAIT
+    judge.set_status(6)                     # the producer is past this call
+    assert judge.poll(0, 1, stable)[0] == GONE
+    assert judge.guards_intact()
+
+
+@pytest.mark.timeout(60)
+def test_confirm_checks_the_check_word(judge):
+    """Payload of a later call with another layout can land on a header read
+    in place and keep its sequence number by chance: confirm must see that
+    the check word changed."""
+    judge.write(0, 0, count=2, nbytes=BLOCK)
+    assert judge.poll(0, 0, False)[0] == READY
+    assert judge.confirm(0, 0)
+    judge.set_check(0, 0, 0x0123456789ABCDEF)
+    assert not judge.confirm(0, 0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("stable", [False, True], ids=["in-place", "copied"])
+def test_header_rewritten_while_polled(judge, stable):
+    """A second thread flips (count, nbytes) between a valid pair and one
+    that breaks the rule, as a producer two calls ahead can: no READY answer
+    may carry the bad pair, and a copy never leaves its destination.  (Read
+    twice, the header passed validation and then gave its length to the
+    copy.)"""
+    judge.write(0, 0, count=1, nbytes=BLOCK)
+    judge.arm()
+    flipper = threading.Thread(target=judge.flip, args=(0, 0, 1, BLOCK, SIZE + 100, BLOCK + 64))
+    flipper.start()
+    try:
+        polls, ready, bad = judge.hammer(1.0, 0, 0, stable)
+    finally:
+        judge.halt()        # (hammer has stopped it already, unless it raised)
+        flipper.join(timeout=10)
+    assert not flipper.is_alive()
+    assert polls > 1000 and ready > 0
+    assert bad == 0, f"{bad} of {ready} READY answers had a header that breaks the rule"
+    assert judge.guards_intact()
+
+
+@pytest.mark.timeout(60)
+def test_mismatch_names_are_bounds_safe(judge):
+    """A peer's status is untrusted: names of out-of-range codes print as '?'."""
+    judge.set_status(5, sig=0xBAD, dtype=7, op=9, algo=(5 << 4) | 9, count=11)
+    assert judge.poll(0, 0, False)[0] == FAIL
+    kind, message = judge.error()
+    assert kind == _core.ERRORS["mismatch"]
+    assert "rank 1: ? of 11 x ? op=? algorithm=?;" in message, message
+
+
 # -- the channel interface -----------------------------------------------------
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["claim", "mine", "publish", "poll"])
