@@ -184,7 +184,7 @@ class Communicator:
         windows, and that first larger call waits for every rank: growing is
         collective, so it is the one point not bound by the deadline.
     tree_radix:
-        Fan-out of the k-nomial tree (2 = binomial; default 4).
+        Fan-out of the k-nomial tree, 2..64 (2 = binomial; default 4).
     scaling, rotate:
         scaling="zero-fill" counts missing contributions as zeros instead of
         dividing by what arrived (sum / size): the plain average that error
@@ -223,8 +223,10 @@ class Communicator:
                 if tree_radix is None else tree_radix
             if isinstance(block, bool) or not isinstance(block, int) or block < 64:
                 raise ValueError(f"block_bytes must be an int >= 64, got {block!r}")
-            if isinstance(radix, bool) or not isinstance(radix, int) or radix < 2:
-                raise ValueError(f"tree_radix must be an int >= 2, got {radix!r}")
+            if (isinstance(radix, bool) or not isinstance(radix, int)
+                    or not 2 <= radix <= _core.MAX_TREE_RADIX):
+                raise ValueError(f"tree_radix must be an int in 2..{_core.MAX_TREE_RADIX}, "
+                                 f"got {radix!r}")
             if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
                 raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")
             if scaling not in SCALINGS:

@@ -99,6 +99,93 @@ def test_mismatch_names_are_bounds_safe(judge):
     assert "rank 1: ? of 11 x ? op=? algorithm=?;" in message, message
 
 
+# -- integers saturate when rescaled -------------------------------------------
+I32, I64 = np.iinfo(np.int32), np.iinfo(np.int64)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_rescale_saturates(dtype):
+    info = np.iinfo(dtype)
+    big = info.max - 10
+    a = np.array([big, -big, info.max, info.min, 5, -5, 0, big // 4], dtype)
+    out = np.zeros_like(a)
+    _core.kernel("scale", out, a, scale=4.0)
+    # big // 4 of an int64 rounds up to 2**61 in double: times 4 it saturates
+    expected = np.array([info.max, info.min, info.max, info.min, 20, -20, 0,
+                         info.max if dtype == np.int64 else big // 4 * 4], dtype)
+    np.testing.assert_array_equal(out, expected)
+    _core.kernel("scale", out, a, scale=1.5)
+    assert out[0] == info.max and out[1] == info.min and out[4] == 8 and out[5] == -8
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_sum_under_loss_saturates(comm, dtype):
+    """Rank 0 sends +-(max - 10), the others zeros: a block that holds rank 0's
+    data but misses someone is scaled by N/K > 1 and must saturate at the
+    type's range, not wrap.  The direct algorithm says whose data each block
+    holds, so every element is exact."""
+    info = np.iinfo(dtype)
+    n, big = 1000, info.max - 10
+    sign = np.where(np.arange(n) % 2 == 0, 1, -1).astype(dtype)
+    x = sign * big if comm.rank == 0 else np.zeros(n, dtype)
+    saturated = np.where(sign > 0, info.max, info.min).astype(dtype)
+    loss = mpilossy.loss.Bernoulli(0.3, seed=11)
+    wrong, overflowed = [], 0
+    with mpilossy.Communicator(comm, timeout=0.5, loss=loss, block_bytes=64) as lc:
+        for call in range(8):
+            out = np.full(n, 7, dtype)
+            st = lc.allreduce(x, out, op="sum", algorithm="direct")
+            members = st.contributors.members()
+            firsts, lengths = st.contributors.blocks()
+            for first, length, who in zip(firsts, lengths, members):
+                part = slice(first, first + length)
+                if not who[0]:
+                    expected = np.zeros(length, dtype)
+                elif who.all():
+                    expected = sign[part] * big
+                else:
+                    expected = saturated[part]
+                    overflowed += int(length > 0)
+                if not np.array_equal(out[part], expected):
+                    wrong.append(f"call {call} block at {first} members {np.flatnonzero(who)}: "
+                                 f"{out[part][:4]} != {expected[:4]}")
+    everyone = comm.allgather((wrong[:5], overflowed))
+    assert not any(w for w, _ in everyone), everyone
+    if comm.size > 1:
+        assert sum(o for _, o in everyone) > 0, "no block overflowed: the test proves nothing"
+
+
+# -- tree radix ----------------------------------------------------------------
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("radix", [1000, 65, 1 << 40])
+def test_tree_radix_out_of_range_raises_everywhere(comm, clean_env, radix):
+    message = all_ranks_raise(
+        comm, lambda: mpilossy.Communicator(comm, tree_radix=radix).free(), ValueError)
+    assert "tree_radix" in message
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_tree_radix_from_environment_is_checked(comm, clean_env, monkeypatch):
+    monkeypatch.setenv("MPILOSSY_TREE_RADIX", "1000")
+    all_ranks_raise(comm, lambda: mpilossy.Communicator(comm).free(), ValueError)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(60)
+def test_widest_tree_is_exact(comm, clean_env):
+    x = np.arange(100, dtype=np.int64) + comm.rank
+    with mpilossy.Communicator(comm, timeout=None, loss=None,
+                               tree_radix=_core.MAX_TREE_RADIX) as lc:
+        out = np.empty_like(x)
+        lc.allreduce(x, out, algorithm="tree")
+    np.testing.assert_array_equal(out, comm.size * np.arange(100) + sum(range(comm.size)))
+
+
 # -- the channel interface -----------------------------------------------------
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("method", ["claim", "mine", "publish", "poll"])
