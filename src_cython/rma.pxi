@@ -23,7 +23,15 @@ cdef enum:
 
 cdef enum:
     RECORD_HEADER = MPL_RECORD_BYTES    # sizeof(mpl_record_t) (asserted in mpilossy_native.h)
-    MAX_LINGER_EXACT = 5      # seconds a failed call waits for peers without deadline
+
+# How long end() waits for consumers to say they are done, at most (seconds):
+# a call's own deadline when it is sooner, else this cap, whatever the call's
+# timeout says (none, inf, nan, or merely huge).  Leaving earlier is safe:
+# a consumer that still reads us gets MPI progress from our next MPI call, and
+# what it reads stays in place until our call after next (two regions).
+cdef double MAX_LINGER = 10.0
+# A failed call without a deadline waits that long for its peers to learn why.
+cdef double MAX_LINGER_EXACT = 5.0
 
 
 cdef inline Py_ssize_t round_up(Py_ssize_t x, Py_ssize_t to) noexcept nogil:
@@ -535,12 +543,13 @@ cdef class RmaChannel(Channel):
     cdef void end(self, CallInfo* call, bint failed) noexcept nogil:
         """Peers reached through MPI_Rget need us to drive progress until they
         have read what we published: tell our producers that we are done,
-        then linger until our consumers say the same (or the deadline)."""
+        then linger until our consumers say the same, or linger_limit."""
         cdef int p, flag
         cdef double limit
         cdef bint waiting
         if self.all_shared:
             return
+        limit = linger_limit(call, failed, mpl_now())
         if self.seen_req != MPI_REQUEST_NULL:
             self.bury(self.seen_req, self.seen_gb)
             self.seen_req = MPI_REQUEST_NULL
@@ -551,11 +560,7 @@ cdef class RmaChannel(Channel):
             self.ends_gb = NULL
         for p in range(self.size):
             if p != self.rank and self.peer_base[p] == NULL and (failed or self.consumed_from[p]):
-                self.send_done(p, call)
-        if call.timeout >= 0:
-            limit = call.start + call.timeout
-        else:
-            limit = mpl_now() + MAX_LINGER_EXACT if failed else -1
+                self.send_done(p, call, limit)
         cdef uint64_t* done = self.done_words()
         while True:
             waiting = False
@@ -566,18 +571,18 @@ cdef class RmaChannel(Channel):
                         and mpl_load_acquire(&done[p]) < call.seq):
                     waiting = True
                     break
-            if not waiting or (limit >= 0 and mpl_now() >= limit):
+            if not waiting or mpl_now() >= limit:
                 return
             self.progress()
             mpl_yield()
 
-    cdef void send_done(self, int peer, CallInfo* call) noexcept nogil:
+    cdef void send_done(self, int peer, CallInfo* call, double limit) noexcept nogil:
         cdef int flag = 1
         if self.done_req[peer] != MPI_REQUEST_NULL:
             MPI_Test(&self.done_req[peer], &flag, MPI_STATUS_IGNORE)
-            if not flag and call.timeout < 0:
-                MPI_Wait(&self.done_req[peer], MPI_STATUS_IGNORE)
-                flag = 1
+            while not flag and call.timeout < 0 and mpl_now() < limit:
+                mpl_yield()
+                MPI_Test(&self.done_req[peer], &flag, MPI_STATUS_IGNORE)
         if not flag:
             return      # the previous signal is still in flight; it will do
         self.done_out[peer] = call.seq
@@ -656,6 +661,18 @@ cdef class RmaChannel(Channel):
         self.release_window()
         self.allocate(max(need, self.region + self.region // 2))
         return 0
+
+
+cdef inline double linger_limit(const CallInfo* call, bint failed, double now) noexcept nogil:
+    """When end() stops waiting for consumers: the call's deadline if it has
+    one and it is sooner than MAX_LINGER seconds from `now`, else that cap
+    (MAX_LINGER_EXACT for a failed call without a deadline).  A timeout that
+    is not a finite number >= 0 counts as no deadline."""
+    cdef double cap = now + (MAX_LINGER_EXACT if failed and call.timeout < 0 else MAX_LINGER)
+    cdef double deadline = call.start + call.timeout
+    if call.timeout >= 0 and deadline < cap:      # false for nan and inf
+        return deadline
+    return cap
 
 
 cdef GetBuffers* alloc_getbuffers(Py_ssize_t capacity) noexcept nogil:

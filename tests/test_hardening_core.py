@@ -196,3 +196,25 @@ def test_channel_without_override_aborts(method):
     proc = run_bounded([sys.executable, "-c", code], 60, clean_subprocess_env())
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert f"Channel.{method} is not implemented" in proc.stderr, proc.stderr[-2000:]
+
+
+# -- a failed call's wait at the end is bounded ----------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(90)
+def test_failed_call_with_infinite_timeout_returns(comm, clean_env, monkeypatch):
+    """Rank 0 rejects its buffers with timeout=inf while its peers never
+    enter the call, so nobody tells it they are done: the failed call must
+    still return, after a bounded linger (10 s), not wait forever.  (Network
+    path, where end() lingers: MPILOSSY_RMA_SHM=0.)"""
+    monkeypatch.setenv("MPILOSSY_RMA_SHM", "0")
+    took = 0.0
+    with mpilossy.Communicator(comm, timeout=0.5, loss=None) as lc:
+        assert lc._core.shared_peers == 0
+        if comm.rank == 0:
+            began = time.monotonic()
+            with pytest.raises(ValueError):
+                lc.allreduce(np.ones(4, np.float32), np.ones(5, np.float32),
+                             timeout=float("inf"))
+            took = time.monotonic() - began
+        comm.Barrier()
+    assert took < 30, f"the failed call waited {took:.1f} s"
