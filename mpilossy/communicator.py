@@ -34,8 +34,7 @@ SCALINGS = ("unbiased", "zero-fill")
 DEFAULT_BLOCK_BYTES = 256 * 1024
 DEFAULT_CAPACITY = 4 * 1024 * 1024
 DEFAULT_TREE_RADIX = 4
-MAX_TREE_RADIX = 64
-DEFAULT_MAX_BEHIND = 1000   # calls in a row behind every peer before LaggingError       # a k-nomial tree wider than this is a flat gather
+DEFAULT_MAX_BEHIND = 1000   # calls in a row behind every peer before LaggingError
 # Largest message for which algorithm="auto" picks the tree, by rank count,
 # measured with `mpiexec -n N python -m mpilossy.bench.crossover` on the
 # development machine (docs/performance.md).  Larger jobs could not be
@@ -197,7 +196,7 @@ class Communicator:
         windows, and that first larger call waits for every rank: growing is
         collective, so it is the one point not bound by the deadline.
     tree_radix:
-        Fan-out of the k-nomial tree (2 = binomial; default 4).
+        Fan-out of the k-nomial tree, 2..64 (2 = binomial; default 4).
     scaling, rotate:
         scaling="zero-fill" counts missing contributions as zeros instead of
         dividing by what arrived (sum / size): the plain average that error
@@ -238,8 +237,8 @@ class Communicator:
             if isinstance(block, bool) or not isinstance(block, int) or block < 64:
                 raise ValueError(f"block_bytes must be an int >= 64, got {block!r}")
             if (isinstance(radix, bool) or not isinstance(radix, int)
-                    or not 2 <= radix <= MAX_TREE_RADIX):
-                raise ValueError(f"tree_radix must be an int in [2, {MAX_TREE_RADIX}], "
+                    or not 2 <= radix <= _core.MAX_TREE_RADIX):
+                raise ValueError(f"tree_radix must be an int in 2..{_core.MAX_TREE_RADIX}, "
                                  f"got {radix!r}")
             if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0:
                 raise ValueError(f"capacity must be an int >= 0, got {capacity!r}")

@@ -36,6 +36,42 @@ cdef enum:
     COLL_REDUCE_SCATTER = 1
     COLL_ALLGATHER = 2
 
+# Names for error messages, indexed by DT_*, OP_*, ALGO_* and COLL_*.  An
+# index that came from a peer is untrusted: look it up through the *_name
+# functions, which answer "?" out of range.
+cdef const char* DTYPE_NAMES[5]
+DTYPE_NAMES[:] = [b"float16", b"float32", b"float64", b"int32", b"int64"]
+cdef const char* OP_NAMES[2]
+OP_NAMES[:] = [b"sum", b"avg"]
+cdef const char* ALGO_NAMES[3]
+ALGO_NAMES[:] = [b"ring", b"tree", b"direct"]
+cdef const char* COLL_NAMES[3]
+COLL_NAMES[:] = [b"allreduce", b"reduce_scatter", b"allgather"]
+
+
+cdef inline const char* dtype_name(uint32_t i) noexcept nogil:
+    if i < 5:
+        return DTYPE_NAMES[i]
+    return b"?"
+
+
+cdef inline const char* op_name(uint32_t i) noexcept nogil:
+    if i < 2:
+        return OP_NAMES[i]
+    return b"?"
+
+
+cdef inline const char* algo_name(uint32_t i) noexcept nogil:
+    if i < 3:
+        return ALGO_NAMES[i]
+    return b"?"
+
+
+cdef inline const char* coll_name(uint32_t i) noexcept nogil:
+    if i < 3:
+        return COLL_NAMES[i]
+    return b"?"
+
 cdef struct ErrorInfo:
     int kind
     int rank          # rank that detected the error first
@@ -138,7 +174,13 @@ cdef inline double call_scale(const CallInfo* call, uint32_t count, int nranks) 
 
 
 cdef class Channel:
-    """What an algorithm needs from a channel (all methods but setup nogil)."""
+    """What an algorithm needs from a channel (all methods but setup nogil).
+
+    claim, mine, publish and poll have no sensible default: a subclass that
+    does not override one of them would lose or corrupt data without a word
+    (NULL payloads, records nobody sees, streams that wait forever).  They
+    are nogil and cannot raise, so the base versions abort the process with
+    a message naming the method (mpl_unimplemented)."""
     cdef int rank, size
     cdef ErrorInfo error          # set when a poll returns POLL_FAIL
 
@@ -152,20 +194,23 @@ cdef class Channel:
 
     cdef char* claim(self, int slot, int block) noexcept nogil:
         """Payload memory of my record (slot, block), withdrawn from readers."""
+        mpl_unimplemented(b"Channel.claim")
         return NULL
 
     cdef char* mine(self, int slot, int block) noexcept nogil:
         """Payload memory of my record (slot, block), as last written."""
+        mpl_unimplemented(b"Channel.mine")
         return NULL
 
     cdef void publish(self, int slot, int block, uint32_t count, uint32_t nbytes,
                       const int* dests, int ndests) noexcept nogil:
         """Make my record (slot, block) available to `dests`."""
-        pass
+        mpl_unimplemented(b"Channel.publish")
 
     cdef int poll(self, Stream* s, int block, Incoming* inc) noexcept nogil:
         """Look for `block` of stream `s`; never blocks."""
-        return POLL_WAIT
+        mpl_unimplemented(b"Channel.poll")
+        return POLL_FAIL
 
     cdef bint random_access(self, Stream* s) noexcept nogil:
         """Can blocks of `s` be polled out of order (ahead of the cursor)?"""
@@ -177,7 +222,8 @@ cdef class Channel:
 
     cdef bint confirm(self, Stream* s, int block) noexcept nogil:
         """After using a READY payload in place: was it stable meanwhile?"""
-        return True
+        mpl_unimplemented(b"Channel.confirm")
+        return False
 
     cdef bint closed(self, Stream* s) noexcept nogil:
         """Has the producer of `s` marked its slot complete in this call
@@ -206,3 +252,25 @@ cdef class Channel:
 
     cdef void close(self):
         pass
+
+
+cdef class BareChannel(Channel):
+    """A channel that overrides nothing, for tests: each of the methods a
+    channel must provide aborts the process (mpl_unimplemented)."""
+
+    def call(self, str name):
+        cdef Stream s
+        cdef Incoming inc
+        memset(&s, 0, sizeof(Stream))
+        if name == "claim":
+            self.claim(0, 0)
+        elif name == "mine":
+            self.mine(0, 0)
+        elif name == "publish":
+            self.publish(0, 0, 0, 0, NULL, 0)
+        elif name == "poll":
+            self.poll(&s, 0, &inc)
+        elif name == "confirm":
+            self.confirm(&s, 0)
+        else:
+            raise ValueError(f"not a method a channel must provide: {name!r}")

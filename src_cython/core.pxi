@@ -183,8 +183,8 @@ cdef class Core:
         call.block_elems = max(1, min(self.block_bytes, call.max_block) // call.itemsize)
         alg.layout(call)
         call.sig = mpl_hash4(<uint64_t>call.count,
-                             <uint64_t>(dtype | op << 8 | algo << 16 | self.tree.radix << 24
-                                        | <uint64_t>coll << 40),
+                             <uint64_t>dtype | <uint64_t>op << 8 | <uint64_t>algo << 16
+                             | <uint64_t>self.tree.radix << 24 | <uint64_t>coll << 40,
                              <uint64_t>call.block_elems,
                              <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)) | 1
         if self.chan.begin(call):

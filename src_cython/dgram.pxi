@@ -411,13 +411,15 @@ cdef class DgramChannel(Channel):
         cdef mpl_packet_t* hdr = <mpl_packet_t*>(buf + self.prefix)
         self.fill_header(hdr, MPL_PKT_DATA, self.cur.seq, slot, block, count, nbytes)
         hdr.sig = <uint32_t>self.cur.sig
-        self.seal(hdr)
-        self.published[parity][record] = 1
-        if self.cur.timeout >= 0 and mpl_now() > self.cur.start + self.cur.timeout:
+        if self.past_cap():
             # Past the deadline every reader has stopped waiting: sending
-            # would only make this call later.
+            # would only make this call later.  (Kept for NACKs: none come
+            # with a deadline.)
             self.n_unsent += ndests
             ndests = 0
+        else:
+            self.seal(hdr)
+        self.published[parity][record] = 1
         for i in range(ndests):
             self.send(dests[i], buf, self.prefix + HEADER_BYTES + nbytes, parity)
         self.published_blocks[slot] += 1
@@ -443,6 +445,10 @@ cdef class DgramChannel(Channel):
         """Write the MAC of a filled header and the payload that follows it."""
         mpl_mac_tag(&self.mac, hdr, MPL_PKT_MAC_OFFSET, (<const char*>hdr) + HEADER_BYTES,
                     hdr.nbytes, hdr.mac)
+
+    cdef inline bint past_cap(self) noexcept nogil:
+        """Is the current call past its hard cap (start + timeout)?"""
+        return self.cur.timeout >= 0 and mpl_now() > self.cur.start + self.cur.timeout
 
     cdef double stall_limit(self) noexcept nogil:
         """Until when a send may wait for room: the call's end with a
@@ -662,11 +668,11 @@ cdef class DgramChannel(Channel):
         snprintf(self.error.msg, MPL_MSG_LEN,
                  b"ranks disagree on call %llu: rank %d: %s of %llu x %s op=%s algorithm=%s; "
                  b"rank %d: %s of %llu x %s op=%s algorithm=%s",
-                 <unsigned long long>c.seq, hdr.src, COLL_NAMES[(hello.algo >> 4) % 3],
-                 <unsigned long long>hello.count, DTYPE_NAMES[hello.dtype % 5],
-                 OP_NAMES[hello.op % 2], ALGO_NAMES[(hello.algo & 15) % 3],
-                 self.rank, COLL_NAMES[c.coll], <unsigned long long>c.count,
-                 DTYPE_NAMES[c.dtype], OP_NAMES[c.op], ALGO_NAMES[c.algo])
+                 <unsigned long long>c.seq, hdr.src, coll_name(hello.algo >> 4),
+                 <unsigned long long>hello.count, dtype_name(hello.dtype),
+                 op_name(hello.op), algo_name(hello.algo & 15),
+                 self.rank, coll_name(c.coll), <unsigned long long>c.count,
+                 dtype_name(c.dtype), op_name(c.op), algo_name(c.algo))
 
     cdef void take_error(self, const mpl_error_t* e) noexcept nogil:
         if self.error.kind == ERR_NONE:
@@ -720,9 +726,11 @@ cdef class DgramChannel(Channel):
         cdef CallInfo* c = &self.cur
         cdef Py_ssize_t at = <Py_ssize_t>s.index * c.nblocks + block
         cdef double now
-        if not self.arrived[at] and block == s.cursor:
+        if not self.arrived[at] and block == s.cursor and not self.past_cap():
             # Drain for the cursor only: a look-ahead over many missing
-            # blocks would otherwise make a system call per block.
+            # blocks would otherwise make a system call per block.  Past the
+            # call's hard cap nothing new is taken: the engine is only
+            # resolving what is in hand, and each drain costs system calls.
             self.service()
         if self.error.kind != ERR_NONE:
             return POLL_FAIL
@@ -767,6 +775,11 @@ cdef class DgramChannel(Channel):
             self.send_control(MPL_PKT_NACK, c.seq, s.slot, 0, missing, 4 * n, s.peer)
 
     cdef bint random_access(self, Stream* s) noexcept nogil:
+        return True
+
+    cdef bint confirm(self, Stream* s, int block) noexcept nogil:
+        # A placed block stays as it is until the next call: place() never
+        # writes a block twice.
         return True
 
     cdef bint closed(self, Stream* s) noexcept nogil:

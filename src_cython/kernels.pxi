@@ -4,7 +4,9 @@
 # the call derives from the contributor count (scale_factor in channel.pxi).
 # Integers are summed in unsigned arithmetic (wrap-around, like MPI) and,
 # only when the factor is not 1 (data was lost), rescaled in double and
-# rounded to nearest.
+# rounded to nearest; a rescaled value beyond the type's range saturates to
+# its minimum or maximum (never wraps).  Since the rescaling goes through
+# double, an int64 rescaled past 2**53 in magnitude is rounded to 53 bits.
 
 cdef enum:
     DT_F16 = 0
@@ -83,16 +85,40 @@ cdef void _add_scale_f16(uint16_t* dst, const uint16_t* a, const uint16_t* b, fl
         dst[i] = mpl_f2h((mpl_h2f(a[i]) + mpl_h2f(b[i])) * s)
 
 
+# llround is undefined beyond the range of long long and a cast to int32
+# wraps: clamp first.  (A nan cannot come out of a finite sum times a finite
+# factor; it would give 0.)
+cdef inline int32_t _saturate_i32(double v) noexcept nogil:
+    if v >= 2147483647.0:
+        return 2147483647
+    if v <= -2147483648.0:
+        return -2147483647 - 1
+    if v != v:
+        return 0
+    return <int32_t>llround(v)
+
+
+cdef inline int64_t _saturate_i64(double v) noexcept nogil:
+    # 2**63 is the first double above INT64_MAX (which is not a double).
+    if v >= 9223372036854775808.0:
+        return 9223372036854775807
+    if v <= -9223372036854775808.0:
+        return -9223372036854775807 - 1
+    if v != v:
+        return 0
+    return <int64_t>llround(v)
+
+
 cdef void _rescale_i32(int32_t* dst, const int32_t* src, double s, Py_ssize_t n) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(n):
-        dst[i] = <int32_t>llround(<double>src[i] * s)
+        dst[i] = _saturate_i32(<double>src[i] * s)
 
 
 cdef void _rescale_i64(int64_t* dst, const int64_t* src, double s, Py_ssize_t n) noexcept nogil:
     cdef Py_ssize_t i
     for i in range(n):
-        dst[i] = <int64_t>llround(<double>src[i] * s)
+        dst[i] = _saturate_i64(<double>src[i] * s)
 
 
 cdef inline double scale_factor(int scaling, int op, uint32_t count, int nranks) noexcept nogil:

@@ -30,6 +30,21 @@ static inline void mpl_sleep(double seconds)
 
 static inline void mpl_yield(void) { sched_yield(); }
 
+/* ---- interface methods a channel must override ---------------------------
+ * The base Channel's claim/mine/publish/poll are nogil and cannot raise: a
+ * subclass that forgets one stops the process here instead of losing data. */
+#include <stdio.h>
+#include <stdlib.h>
+
+__attribute__((noreturn, cold))
+static inline void mpl_unimplemented(const char *what)
+{
+    fprintf(stderr, "mpilossy: %s is not implemented by this channel "
+            "(a Channel subclass must override it)\n", what);
+    fflush(stderr);
+    abort();
+}
+
 /* ---- seqlock ordering ------------------------------------------------------
  * A writer clears `seq`, fences, writes the payload, and stores `seq` with
  * release.  A reader loads `seq` with acquire, reads the payload, fences, and
@@ -115,7 +130,14 @@ typedef struct {
     uint64_t pad[5];
 } mpl_record_t;
 
+/* A record's payload follows its header at this offset (rma.pxi: RECORD_HEADER). */
+#define MPL_RECORD_BYTES 64
+_Static_assert(sizeof(mpl_record_t) == MPL_RECORD_BYTES, "record header is 64 bytes");
+
 #define MPL_STATUS_BYTES (((sizeof(mpl_status_t) + MPL_CACHELINE - 1) / MPL_CACHELINE) * MPL_CACHELINE)
+/* The done words (uint64_t) follow the status in every window. */
+_Static_assert(MPL_STATUS_BYTES % MPL_CACHELINE == 0 && MPL_STATUS_BYTES % 8 == 0,
+               "the status block keeps the done words aligned");
 
 static inline uint64_t mpl_record_check(uint64_t seq, uint64_t sig, uint64_t slot, uint64_t block)
 {

@@ -5,6 +5,7 @@ cdef extern from "mpilossy_native.h" nogil:
     double mpl_now()
     void mpl_sleep(double seconds)
     void mpl_yield()
+    void mpl_unimplemented(const char* what)
 
     uint64_t mpl_load_acquire(const uint64_t *p)
     uint64_t mpl_load_relaxed(const uint64_t *p)
@@ -23,6 +24,7 @@ cdef extern from "mpilossy_native.h" nogil:
     enum: MPL_CACHELINE
     enum: MPL_MSG_LEN
     enum: MPL_STATUS_BYTES
+    enum: MPL_RECORD_BYTES
 
     ctypedef struct mpl_status_t:
         uint64_t seq

@@ -22,22 +22,20 @@ cdef enum:
     GET_HDR_LAST = 5
 
 cdef enum:
-    RECORD_HEADER = 64        # sizeof(mpl_record_t), padded
-    MAX_LINGER_EXACT = 5      # seconds a failed call waits for peers without deadline
+    RECORD_HEADER = MPL_RECORD_BYTES    # sizeof(mpl_record_t) (asserted in mpilossy_native.h)
+
+# How long end() waits for consumers to say they are done, at most (seconds):
+# a call's own deadline when it is sooner, else this cap, whatever the call's
+# timeout says (none, inf, nan, or merely huge).  Leaving earlier is safe:
+# a consumer that still reads us gets MPI progress from our next MPI call, and
+# what it reads stays in place until our call after next (two regions).
+cdef double MAX_LINGER = 10.0
+# A failed call without a deadline waits that long for its peers to learn why.
+cdef double MAX_LINGER_EXACT = 5.0
 
 
 cdef inline Py_ssize_t round_up(Py_ssize_t x, Py_ssize_t to) noexcept nogil:
     return ((x + to - 1) // to) * to
-
-
-cdef const char* DTYPE_NAMES[5]
-DTYPE_NAMES[:] = [b"float16", b"float32", b"float64", b"int32", b"int64"]
-cdef const char* OP_NAMES[2]
-OP_NAMES[:] = [b"sum", b"avg"]
-cdef const char* ALGO_NAMES[3]
-ALGO_NAMES[:] = [b"ring", b"tree", b"direct"]
-cdef const char* COLL_NAMES[3]
-COLL_NAMES[:] = [b"allreduce", b"reduce_scatter", b"allgather"]
 
 
 cdef class RmaChannel(Channel):
@@ -285,10 +283,22 @@ cdef class RmaChannel(Channel):
 
     # -- reading peers -------------------------------------------------------
     cdef inline bint record_valid(self, const mpl_record_t* hdr, uint64_t seq, int slot, int block) noexcept nogil:
+        """Is `hdr` (a private copy: a peer may rewrite the original at any
+        time, even with another call's layout) the header of record (slot,
+        block) of this call, with a payload that fits this call's blocks?"""
         return (seq == self.call.seq
                 and hdr.check == mpl_record_check(seq, self.call.sig, slot, block)
                 and hdr.count <= <uint32_t>self.size
                 and hdr.nbytes <= <uint32_t>self.call.block_bytes)
+
+    cdef inline bint read_header(self, const char* rec, mpl_record_t* hdr, int slot,
+                                 int block) noexcept nogil:
+        """Copy the header of a record in shared memory once, then validate
+        the copy: everything after uses the copy, never the live header."""
+        cdef uint64_t seq = mpl_load_acquire(&(<const mpl_record_t*>rec).seq)
+        memcpy(hdr, rec, RECORD_HEADER)
+        hdr.seq = seq
+        return self.record_valid(hdr, seq, slot, block)
 
     cdef int poll(self, Stream* s, int block, Incoming* inc) noexcept nogil:
         self.consumed_from[s.peer] = 1
@@ -300,24 +310,28 @@ cdef class RmaChannel(Channel):
         return self.peer_base[s.peer] != NULL
 
     cdef int poll_shared(self, Stream* s, int block, Incoming* inc) noexcept nogil:
-        cdef char* rec = self.peer_base[s.peer] + self.record_offset(s.slot, block)
-        cdef mpl_record_t* hdr = <mpl_record_t*>rec
-        cdef uint64_t seq1 = mpl_load_acquire(&hdr.seq)
+        cdef Py_ssize_t off = self.record_offset(s.slot, block)
+        cdef char* rec = self.peer_base[s.peer] + off
+        cdef mpl_record_t* live = <mpl_record_t*>rec
+        cdef mpl_record_t hdr
         cdef int verdict
-        if not self.record_valid(hdr, seq1, s.slot, block):
+        if not self.read_header(rec, &hdr, s.slot, block):
             verdict = self.judge(s.peer, <mpl_status_t*>self.peer_base[s.peer])
             if verdict != POLL_READY:
                 return verdict
             # The producer moved on: its record is now final, look once more.
-            seq1 = mpl_load_acquire(&hdr.seq)
-            if not self.record_valid(hdr, seq1, s.slot, block):
+            if not self.read_header(rec, &hdr, s.slot, block):
                 return POLL_GONE
+        if off + RECORD_HEADER + <Py_ssize_t>hdr.nbytes > self.capacity:
+            return POLL_GONE        # cannot happen with a valid layout; never read past the window
         inc.count = hdr.count
         inc.nbytes = hdr.nbytes
         if s.stable:
-            memcpy(s.gb.payload, rec + RECORD_HEADER, inc.nbytes)
+            if <Py_ssize_t>hdr.nbytes > s.gb.capacity:
+                return POLL_GONE
+            memcpy(s.gb.payload, rec + RECORD_HEADER, hdr.nbytes)
             mpl_fence_acquire()
-            if mpl_load_relaxed(&hdr.seq) != seq1:
+            if mpl_load_relaxed(&live.seq) != hdr.seq or live.check != hdr.check:
                 return POLL_GONE
             inc.data = s.gb.payload
         else:
@@ -325,12 +339,16 @@ cdef class RmaChannel(Channel):
         return POLL_READY
 
     cdef bint confirm(self, Stream* s, int block) noexcept nogil:
+        """The record is still this call's: its sequence number and its check
+        word (a producer two calls ahead with another layout may have written
+        payload over the header, which can match the sequence by chance)."""
         if s.stable or self.peer_base[s.peer] == NULL:
             return True     # already validated when it was copied
         cdef mpl_record_t* hdr = <mpl_record_t*>(
             self.peer_base[s.peer] + self.record_offset(s.slot, block))
         mpl_fence_acquire()
-        return mpl_load_relaxed(&hdr.seq) == self.call.seq
+        return (mpl_load_relaxed(&hdr.seq) == self.call.seq
+                and hdr.check == mpl_record_check(self.call.seq, self.call.sig, s.slot, block))
 
     cdef int judge(self, int peer, const mpl_status_t* st) noexcept nogil:
         """Why is the record not there?  WAIT, FAIL, or READY meaning 'the
@@ -365,10 +383,10 @@ cdef class RmaChannel(Channel):
                  b"ranks disagree on call %llu: rank %d: %s of %llu x %s op=%s algorithm=%s; "
                  b"rank %d: %s of %llu x %s op=%s algorithm=%s",
                  <unsigned long long>c.seq,
-                 peer, COLL_NAMES[(st.algo >> 4) % 3], <unsigned long long>st.count,
-                 DTYPE_NAMES[st.dtype % 5], OP_NAMES[st.op % 2], ALGO_NAMES[(st.algo & 15) % 3],
-                 self.rank, COLL_NAMES[c.coll], <unsigned long long>c.count, DTYPE_NAMES[c.dtype],
-                 OP_NAMES[c.op], ALGO_NAMES[c.algo])
+                 peer, coll_name(st.algo >> 4), <unsigned long long>st.count,
+                 dtype_name(st.dtype), op_name(st.op), algo_name(st.algo & 15),
+                 self.rank, coll_name(c.coll), <unsigned long long>c.count, dtype_name(c.dtype),
+                 op_name(c.op), algo_name(c.algo))
 
     cdef int poll_get(self, Stream* s, Incoming* inc) noexcept nogil:
         """Network path: a small state machine of MPI_Rget for the cursor
@@ -395,7 +413,8 @@ cdef class RmaChannel(Channel):
                     return POLL_FAIL
                 s.cstate = GET_HDR
             elif s.cstate == GET_HDR or s.cstate == GET_HDR_LAST:
-                if self.record_valid(&gb.hdr, gb.hdr.seq, s.slot, s.cursor):
+                if (self.record_valid(&gb.hdr, gb.hdr.seq, s.slot, s.cursor)
+                        and <Py_ssize_t>gb.hdr.nbytes <= gb.capacity):
                     if self.rget(gb.payload, gb.hdr.nbytes, s.peer, off + RECORD_HEADER, &s.req):
                         return POLL_FAIL
                     s.cstate = GET_PAYLOAD
@@ -524,12 +543,13 @@ cdef class RmaChannel(Channel):
     cdef void end(self, CallInfo* call, bint failed) noexcept nogil:
         """Peers reached through MPI_Rget need us to drive progress until they
         have read what we published: tell our producers that we are done,
-        then linger until our consumers say the same (or the deadline)."""
+        then linger until our consumers say the same, or linger_limit."""
         cdef int p, flag
         cdef double limit
         cdef bint waiting
         if self.all_shared:
             return
+        limit = linger_limit(call, failed, mpl_now())
         if self.seen_req != MPI_REQUEST_NULL:
             self.bury(self.seen_req, self.seen_gb)
             self.seen_req = MPI_REQUEST_NULL
@@ -540,11 +560,7 @@ cdef class RmaChannel(Channel):
             self.ends_gb = NULL
         for p in range(self.size):
             if p != self.rank and self.peer_base[p] == NULL and (failed or self.consumed_from[p]):
-                self.send_done(p, call)
-        if call.timeout >= 0:
-            limit = call.start + call.timeout
-        else:
-            limit = mpl_now() + MAX_LINGER_EXACT if failed else -1
+                self.send_done(p, call, limit)
         cdef uint64_t* done = self.done_words()
         while True:
             waiting = False
@@ -555,18 +571,18 @@ cdef class RmaChannel(Channel):
                         and mpl_load_acquire(&done[p]) < call.seq):
                     waiting = True
                     break
-            if not waiting or (limit >= 0 and mpl_now() >= limit):
+            if not waiting or mpl_now() >= limit:
                 return
             self.progress()
             mpl_yield()
 
-    cdef void send_done(self, int peer, CallInfo* call) noexcept nogil:
+    cdef void send_done(self, int peer, CallInfo* call, double limit) noexcept nogil:
         cdef int flag = 1
         if self.done_req[peer] != MPI_REQUEST_NULL:
             MPI_Test(&self.done_req[peer], &flag, MPI_STATUS_IGNORE)
-            if not flag and call.timeout < 0:
-                MPI_Wait(&self.done_req[peer], MPI_STATUS_IGNORE)
-                flag = 1
+            while not flag and call.timeout < 0 and mpl_now() < limit:
+                mpl_yield()
+                MPI_Test(&self.done_req[peer], &flag, MPI_STATUS_IGNORE)
         if not flag:
             return      # the previous signal is still in flight; it will do
         self.done_out[peer] = call.seq
@@ -647,6 +663,18 @@ cdef class RmaChannel(Channel):
         return 0
 
 
+cdef inline double linger_limit(const CallInfo* call, bint failed, double now) noexcept nogil:
+    """When end() stops waiting for consumers: the call's deadline if it has
+    one and it is sooner than MAX_LINGER seconds from `now`, else that cap
+    (MAX_LINGER_EXACT for a failed call without a deadline).  A timeout that
+    is not a finite number >= 0 counts as no deadline."""
+    cdef double cap = now + (MAX_LINGER_EXACT if failed and call.timeout < 0 else MAX_LINGER)
+    cdef double deadline = call.start + call.timeout
+    if call.timeout >= 0 and deadline < cap:      # false for nan and inf
+        return deadline
+    return cap
+
+
 cdef GetBuffers* alloc_getbuffers(Py_ssize_t capacity) noexcept nogil:
     cdef GetBuffers* gb = <GetBuffers*>calloc(1, sizeof(GetBuffers))
     if gb == NULL:
@@ -670,3 +698,177 @@ cdef void free_getbuffers(GetBuffers* gb) noexcept nogil:
     if gb != NULL:
         free(gb.payload)
         free(gb)
+
+
+# -- for tests -----------------------------------------------------------------
+
+cdef enum:
+    RECORD_JUDGE_GUARD = 256
+
+
+cdef class RecordJudge:
+    """Feeds hand-written records of one peer (rank 1) to the shared-memory
+    read path (poll_shared, confirm), without MPI, for tests.  The peer's
+    window is plain memory.  A stable stream's copy lands between guard
+    zones that must never change.  flip() rewrites a record's header from a
+    second thread while hammer() polls it, as a producer two calls ahead
+    with another layout can."""
+    cdef RmaChannel chan
+    cdef CallInfo call
+    cdef Stream st
+    cdef GetBuffers gb
+    cdef char* window
+    cdef char* area
+    cdef Py_ssize_t block_bytes
+    cdef uint64_t stop
+
+    def __cinit__(self, int size=4, int nslots=2, int nblocks=2, Py_ssize_t block_bytes=256,
+                  uint64_t seq=5, uint64_t sig=0x5EED):
+        cdef RmaChannel c = RmaChannel()
+        self.chan = c
+        c.rank = 0
+        c.size = size
+        c.nslots_max = max(size, 2)
+        c.peer_base = <char**>calloc(size, sizeof(char*))
+        c.consumed_from = <unsigned char*>calloc(size, 1)
+        c.ends_offset = MPL_STATUS_BYTES + 8 * size
+        c.rec_offset = round_up(c.ends_offset + 8 * c.nslots_max, MPL_CACHELINE)
+        memset(&self.call, 0, sizeof(CallInfo))
+        self.call.seq = seq
+        self.call.sig = sig
+        self.call.nslots = nslots
+        self.call.nblocks = nblocks
+        self.call.block_bytes = block_bytes
+        self.call.timeout = 1.0
+        self.call.start = mpl_now()
+        c.call = &self.call
+        c.stride = RECORD_HEADER + round_up(block_bytes, MPL_CACHELINE)
+        c.region = <Py_ssize_t>nslots * nblocks * c.stride
+        c.capacity = c.rec_offset + 2 * c.region
+        self.block_bytes = block_bytes
+        self.window = <char*>calloc(c.capacity, 1)
+        self.area = <char*>malloc(block_bytes + 2 * RECORD_JUDGE_GUARD)
+        if not (c.peer_base and c.consumed_from and self.window and self.area):
+            raise MemoryError()
+        memset(self.area, 0xAB, block_bytes + 2 * RECORD_JUDGE_GUARD)
+        c.peer_base[1] = self.window
+        c.peer_base[0] = self.window        # not read: only rank 1 is polled
+        memset(&self.gb, 0, sizeof(GetBuffers))
+        self.gb.payload = self.area + RECORD_JUDGE_GUARD
+        self.gb.capacity = block_bytes
+        memset(&self.st, 0, sizeof(Stream))
+        self.st.peer = 1
+        self.st.nblocks = nblocks
+        self.st.gb = &self.gb
+        self.set_status(seq)
+
+    def __dealloc__(self):
+        free(self.window)
+        free(self.area)
+
+    cdef mpl_record_t* record(self, int slot, int block):
+        if not (0 <= slot < self.call.nslots and 0 <= block < self.call.nblocks):
+            raise IndexError(f"no record ({slot}, {block})")
+        return <mpl_record_t*>(self.window + self.chan.record_offset(slot, block))
+
+    def set_status(self, uint64_t seq, sig=None, uint32_t dtype=0, uint32_t op=0,
+                   uint32_t algo=0, uint64_t count=0):
+        """The call the peer announces being in (> this call: it moved on),
+        and the layout it announces for it (default: this call's)."""
+        cdef mpl_status_t* st = <mpl_status_t*>self.window
+        mpl_store_relaxed(&st.seq, 0)
+        st.sig = self.call.sig if sig is None else <uint64_t>sig
+        st.dtype = dtype
+        st.op = op
+        st.algo = algo
+        st.count = count
+        mpl_store_release(&st.seq, seq)
+
+    def error(self):
+        """(kind, message) of the last POLL_FAIL."""
+        return self.chan.error.kind, self.chan.error.msg.decode(errors="replace")
+
+    def write(self, int slot, int block, uint32_t count, uint32_t nbytes, seq=None, check=None,
+              int fill=0x5A):
+        """Publish a record as the peer would (payload: `fill` bytes); `seq`
+        and `check` default to this call's."""
+        cdef mpl_record_t* hdr = self.record(slot, block)
+        cdef uint64_t s = self.call.seq if seq is None else seq
+        mpl_store_relaxed(&hdr.seq, 0)
+        memset(<char*>hdr + RECORD_HEADER, fill, self.block_bytes)
+        hdr.count = count
+        hdr.nbytes = nbytes
+        hdr.check = (mpl_record_check(s, self.call.sig, slot, block) if check is None
+                     else <uint64_t>check)
+        mpl_store_release(&hdr.seq, s)
+
+    def set_check(self, int slot, int block, uint64_t check):
+        """Overwrite only the check word (payload of another layout landing
+        on the header, sequence number intact)."""
+        self.record(slot, block).check = check
+
+    def poll(self, int slot, int block, bint stable):
+        """(verdict, count, nbytes, payload bytes that fit in a block)."""
+        cdef Incoming inc
+        self.record(slot, block)
+        memset(&inc, 0, sizeof(Incoming))
+        self.st.slot = slot
+        self.st.stable = stable
+        verdict = self.chan.poll(&self.st, block, &inc)
+        if verdict != POLL_READY:
+            return (verdict, 0, 0, b"")
+        return (verdict, inc.count, inc.nbytes,
+                inc.data[:min(<Py_ssize_t>inc.nbytes, self.block_bytes)])
+
+    def confirm(self, int slot, int block):
+        self.st.slot = slot
+        self.st.stable = False
+        return self.chan.confirm(&self.st, block)
+
+    def guards_intact(self) -> bool:
+        cdef Py_ssize_t i, n = self.block_bytes + 2 * RECORD_JUDGE_GUARD
+        for i in range(n):
+            if (i < RECORD_JUDGE_GUARD or i >= n - RECORD_JUDGE_GUARD) and \
+                    <unsigned char>self.area[i] != 0xAB:
+                return False
+        return True
+
+    def arm(self):
+        """Before starting flip() in another thread."""
+        mpl_store_relaxed(&self.stop, 0)
+
+    def halt(self):
+        """Stop flip() (hammer() does it when it ends)."""
+        mpl_store_relaxed(&self.stop, 1)
+
+    def flip(self, int slot, int block, uint32_t good_count, uint32_t good_nbytes,
+             uint32_t bad_count, uint32_t bad_nbytes):
+        """Until hammer() ends: rewrite the record's (count, nbytes) between
+        a valid pair and an invalid one, sequence and check word intact."""
+        cdef uint64_t* word = <uint64_t*>&self.record(slot, block).count
+        cdef uint64_t good = good_count | (<uint64_t>good_nbytes << 32)
+        cdef uint64_t bad = bad_count | (<uint64_t>bad_nbytes << 32)
+        with nogil:
+            while not mpl_load_relaxed(&self.stop):
+                mpl_store_relaxed(word, bad)
+                mpl_store_relaxed(word, good)
+
+    def hammer(self, double seconds, int slot, int block, bint stable):
+        """Poll the record for `seconds`, then stop flip().  Returns (polls,
+        ready, bad): bad = READY answers whose count or nbytes break the
+        rule (count <= size, nbytes <= block_bytes)."""
+        cdef Incoming inc
+        cdef long polls = 0, ready = 0, bad = 0
+        cdef double end = mpl_now() + seconds
+        self.record(slot, block)
+        self.st.slot = slot
+        self.st.stable = stable
+        with nogil:
+            while polls & 1023 or mpl_now() < end:
+                polls += 1
+                if self.chan.poll(&self.st, block, &inc) == POLL_READY:
+                    ready += 1
+                    if inc.count > <uint32_t>self.chan.size or inc.nbytes > <uint32_t>self.block_bytes:
+                        bad += 1
+            mpl_store_relaxed(&self.stop, 1)
+        return polls, ready, bad

@@ -19,6 +19,9 @@ cdef enum:
     TREE_PARTIAL = 0
     TREE_RESULT = 1
 
+cdef enum:
+    RADIX_MAX = 64        # the widest tree (a star up to 65 ranks); part of the call signature
+
 
 cdef class Tree(Algorithm):
     cdef int radix
@@ -45,8 +48,8 @@ cdef class Tree(Algorithm):
         free(self.stage_end)
 
     cdef int set_radix(self, int radix) except -1:
-        if radix < 2:
-            raise ValueError("tree radix must be at least 2")
+        if not 2 <= radix <= RADIX_MAX:
+            raise ValueError(f"tree radix must be in 2..{RADIX_MAX}, got {radix}")
         self.radix = radix
         return 0
 
