@@ -783,7 +783,7 @@ cdef class DgramChannel(Channel):
         return True
 
     cdef bint closed(self, Stream* s) noexcept nogil:
-        if not self.ended[s.index]:
+        if not self.ended[s.index] and not self.past_cap():
             self.service()
         return self.ended[s.index]
 

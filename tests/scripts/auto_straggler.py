@@ -1,0 +1,52 @@
+"""timeout="auto" (or --timeout SECONDS) with a straggler present from the first call: rank
+size-1 sleeps DELAY before PROB of the calls (the same draws on every rank,
+no barrier between calls).  Prints one JSON line from rank 0: for the other
+ranks, the deadline each call used, the time inside each call and how far
+past its deadline it returned.  Used by tests/test_fault_matrix.py and for
+docs/deadlines.md."""
+
+import argparse
+import json
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpilossy
+
+p = argparse.ArgumentParser()
+p.add_argument("--calls", type=int, default=400)
+p.add_argument("--bytes", type=int, default=1 << 20)
+p.add_argument("--delay", type=float, default=0.02)
+p.add_argument("--prob", type=float, default=0.05)
+p.add_argument("--algorithm", default="ring")
+p.add_argument("--channel", default="rma")
+p.add_argument("--timeout", default="auto", help="'auto' or seconds")
+args = p.parse_args()
+
+comm = MPI.COMM_WORLD
+sleeper = comm.size - 1
+rng = np.random.default_rng(1)
+x = np.ones(args.bytes // 4, np.float32)
+out = np.empty_like(x)
+rows = []
+timeout = args.timeout if args.timeout == "auto" else float(args.timeout)
+with mpilossy.Communicator(comm, timeout=timeout, channel=args.channel) as lc:
+    for call in range(args.calls):
+        if rng.random() < args.prob and comm.rank == sleeper:
+            time.sleep(args.delay)
+        began = time.perf_counter()
+        stats = lc.allreduce(x, out, algorithm=args.algorithm)
+        took = time.perf_counter() - began
+        if comm.rank != sleeper:
+            rows.append((took, stats.timeout, stats.delivered))
+every = comm.gather(rows, root=0)
+if comm.rank == 0:
+    took, timeout, delivered = (np.array(v) for v in zip(*[r for rank in every for r in rank]))
+    over = took - timeout
+    print(json.dumps({
+        "ranks": comm.size, "calls": args.calls, "bytes": args.bytes,
+        "learned_ms": 1e3 * float(np.median(timeout[len(timeout) // 2:])),
+        "p50_ms": 1e3 * float(np.percentile(took, 50)), "p99_ms": 1e3 * float(np.percentile(took, 99)),
+        "max_ms": 1e3 * float(took.max()), "max_over_deadline_ms": 1e3 * float(over.max()),
+        "over_30ms": int(np.sum(over > 0.03)), "delivered": float(delivered.mean())}))
