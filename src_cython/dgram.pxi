@@ -180,12 +180,18 @@ cdef class DgramChannel(Channel):
             raise MPILossyChannelError(f"channel='ud': datagrams too small ({agreed} bytes of payload)")
         self.payload_max = agreed
         self.pkt = round_up(self.prefix + HEADER_BYTES + self.payload_max, MPL_CACHELINE)
-        self.allocate_fixed()
-        # Addresses, over MPI.
+        # Local steps that can fail are agreed on before the next collective:
+        # a rank that raised alone would leave the others waiting in it.
         addrlen = 256
         cdef char local[256]
-        if mpl_fab_getname(self.fab, local, &addrlen, self.errbuf, 256):
-            raise MPILossyChannelError(self.errbuf.decode(errors="replace"))
+        failure = None
+        try:
+            self.allocate_fixed()
+            if mpl_fab_getname(self.fab, local, &addrlen, self.errbuf, 256):
+                raise MPILossyChannelError(self.errbuf.decode(errors="replace"))
+        except Exception as exc:
+            failure = exc
+        agree_or_raise(comm, failure)
         memcpy(self.local_addr, local, addrlen)
         self.local_len = addrlen
         if mpl_fab_provider(self.fab) == b"udp":
@@ -205,8 +211,14 @@ cdef class DgramChannel(Channel):
         if any_bad:
             raise MPILossyChannelError("channel='ud': cannot insert peer addresses: "
                                        + self.errbuf.decode(errors="replace"))
-        self.post_receives()
-        chk(MPI_Barrier(comm))          # nobody sends before every receive is posted
+        failure = None
+        try:
+            self.post_receives()
+        except Exception as exc:
+            failure = exc
+        # (An allreduce: it also keeps anyone from sending before every
+        # receive is posted.)
+        agree_or_raise(comm, failure)
         return 0
 
     cdef int allocate_fixed(self) except -1:
@@ -856,6 +868,18 @@ cdef void* aligned(Py_ssize_t nbytes) noexcept nogil:
     if posix_memalign(&p, 4096, <size_t>max(nbytes, 64)) != 0:
         return NULL
     return p
+
+
+cdef int agree_or_raise(MPI_Comm comm, object failure) except -1:
+    """Collective: raise `failure` on the rank that had it, and an error that
+    names the ranks on every other rank; return 0 if nobody failed."""
+    cdef int mine = 0 if failure is None else 1, anyone = 0
+    chk(MPI_Allreduce(&mine, &anyone, 1, MPI_INT, MPI_MAX, comm))
+    if not anyone:
+        return 0
+    if failure is not None:
+        raise failure
+    raise MPILossyChannelError("channel='ud' could not be set up on another rank")
 
 
 cdef bint one_host(MPI_Comm comm, int size) except -1:
