@@ -66,6 +66,10 @@ def _slot(key: Key) -> int:
     return (coll * _ALGORITHMS + algo) * _BUCKETS + min(bucket, _BUCKETS - 1)
 
 
+def _key(slot: int) -> Key:
+    return (slot // (_ALGORITHMS * _BUCKETS), slot // _BUCKETS % _ALGORITHMS, slot % _BUCKETS)
+
+
 class AutoDeadline:
     """The learned, agreed deadline of each kind of call on one communicator."""
 
@@ -117,10 +121,11 @@ class AutoDeadline:
             if time.monotonic() - began > budget:
                 return time.monotonic() - began      # look again at the next call
         self.pending = None
-        for key in set(self.durations) | set(self.timeouts):
-            estimate = float(self.recv[_slot(key)])
-            if estimate > 0:
-                self.timeouts[key] = min(max(FACTOR * estimate, self.floor), self.cap)
+        # Every kind any rank reported, also those this rank has not used yet:
+        # the deadlines must be the same everywhere when it does.
+        for slot in np.flatnonzero(self.recv > 0):
+            self.timeouts[_key(int(slot))] = min(max(FACTOR * float(self.recv[slot]), self.floor),
+                                                 self.cap)
         return time.monotonic() - began
 
     def timeout(self, key: Key) -> float:
