@@ -35,7 +35,7 @@ from .communicator import (AllreduceStats, CollectiveStats, Communicator, allgat
 from .contributors import Contributors
 from .errors import LaggingError, MismatchError, MPILossyError
 
-__version__ = "0.1.0"
+__version__: str = _core.VERSION      # VERSION, through meson.build
 
 __all__ = [
     "AllreduceStats",

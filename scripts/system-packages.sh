@@ -8,10 +8,11 @@
 #   libssl-dev        OpenSSL libcrypto headers: the datagrams' keyed MAC
 #                     (without them channel="ud" and its decoder tests skip)
 #   nftables, iproute2  real kernel drops in tests/test_ud.py (network namespace)
+#   shellcheck        lints the shell scripts and jobs/ templates (tests/test_slurm.py)
 # Never fails: where the packages cannot be installed, those tests skip and
 # say why.
 set -uo pipefail
-PACKAGES=(slurm-wlm munge libpmix-dev libfabric-dev libssl-dev nftables iproute2)
+PACKAGES=(slurm-wlm munge libpmix-dev libfabric-dev libssl-dev nftables iproute2 shellcheck)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -37,6 +37,9 @@ from mpilossy.errors import MPILossyError as MPILossyChannelError
 
 from native cimport *
 
+cdef extern from *:
+    const char* MPILOSSY_VERSION      # -D by meson.build, from the file VERSION
+
 cdef extern from "Python.h":
     int PyErr_CheckSignals()      # (no `except`: the loop that calls it decides)
 
@@ -76,6 +79,7 @@ ERRORS = {
     "mismatch": ERR_MISMATCH, "protocol": ERR_PROTOCOL, "mpi": ERR_MPI,
     "interrupted": ERR_INTERRUPTED,
 }
+VERSION = MPILOSSY_VERSION.decode()
 HAVE_LIBFABRIC = bool(MPL_HAVE_LIBFABRIC)
 HAVE_DATAGRAM_AUTH = bool(MPL_HAVE_MAC)    # OpenSSL: channel="ud" needs it too
 MAC_KEY_BYTES = MPL_MAC_KEY_BYTES
