@@ -46,7 +46,8 @@ class Core:
     def __init__(self, comm: MPI.Comm, capacity: int, block_bytes: int, radix: int,
                  use_shared: bool, zero_fill: bool = ..., rotate: bool = ..., channel: str = ...,
                  provider: str = ..., domain: str = ..., datagram_bytes: int = ...,
-                 recv_buffers: int = ..., socket_bytes: int = ...) -> None: ...
+                 recv_buffers: int = ..., socket_bytes: int = ..., spin: int = ...,
+                 early_close: float = ...) -> None: ...
     @property
     def seq(self) -> int: ...
     @property

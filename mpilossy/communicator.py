@@ -8,12 +8,12 @@ import itertools
 import math
 import os
 import weakref
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 from mpi4py import MPI
 
-from . import _buffers, _core, device as _device, loss as _loss
+from . import _buffers, _core, device as _device, loss as _loss, settings as _settings
 from .contributors import Contributors
 from .deadline import AutoDeadline, size_bucket
 from .errors import LaggingError, MismatchError, MPILossyError
@@ -31,10 +31,7 @@ CHANNELS = ("rma", "ud", "auto")
 HARDWARE_DATAGRAMS = ("verbs", "efa")
 SCALINGS = ("unbiased", "zero-fill")
 
-DEFAULT_BLOCK_BYTES = 256 * 1024
 DEFAULT_CAPACITY = 4 * 1024 * 1024
-DEFAULT_TREE_RADIX = 4
-DEFAULT_MAX_BEHIND = 1000   # calls in a row behind every peer before LaggingError
 # Largest message for which algorithm="auto" picks the tree, by rank count,
 # measured with `mpiexec -n N python -m mpilossy.bench.crossover` on the
 # development machine (docs/performance.md).  Larger jobs could not be
@@ -112,24 +109,6 @@ class _Unset:
 
 
 _UNSET: Any = _Unset()
-
-
-def _env_int(name: str, default: int) -> int:
-    """An integer setting from the environment, with an error that names it."""
-    text = os.environ.get(name)
-    if text is None or not text.strip():
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not an integer") from None
-
-
-def _env_timeout() -> Any:
-    text = os.environ.get("MPILOSSY_TIMEOUT", "").strip().lower()
-    if text in ("", "none", "inf"):
-        return None
-    return "auto" if text == "auto" else float(text)
 
 
 AUTO = -2.0     # _check_timeout's answer for timeout="auto"
@@ -210,7 +189,7 @@ class Communicator:
     """
 
     def __init__(self, comm: Optional[MPI.Comm] = None, *, channel: str = "rma",
-                 timeout: Optional[float] = _UNSET, loss: Any = _UNSET,
+                 timeout: Union[float, str, None] = _UNSET, loss: Any = _UNSET,
                  algorithm: str = "auto", block_bytes: Optional[int] = None,
                  capacity: int = DEFAULT_CAPACITY, tree_radix: Optional[int] = None,
                  scaling: str = "unbiased", rotate: bool = True) -> None:
@@ -223,17 +202,17 @@ class Communicator:
         self._comm = comm.Dup()
         error: Optional[BaseException] = None
         settings: tuple = ()
+        env: Optional[_settings.Settings] = None
         try:
-            self._timeout = _check_timeout(_env_timeout() if timeout is _UNSET else timeout)
-            self._loss_models = _models(os.environ.get("MPILOSSY_LOSS") if loss is _UNSET else loss)
+            env = _settings.from_environment()
+            self._timeout = _check_timeout(env.timeout if timeout is _UNSET else timeout)
+            self._loss_models = _models(env.loss if loss is _UNSET else loss)
             loss_spec = _loss.to_spec(self._loss_models)
             if channel not in CHANNELS:
                 raise ValueError(f"channel must be one of {CHANNELS}, got {channel!r}")
             self._algorithm = self._check_algorithm(algorithm)
-            block = _env_int("MPILOSSY_BLOCK_BYTES", DEFAULT_BLOCK_BYTES) \
-                if block_bytes is None else block_bytes
-            radix = _env_int("MPILOSSY_TREE_RADIX", DEFAULT_TREE_RADIX) \
-                if tree_radix is None else tree_radix
+            block = env.block_bytes if block_bytes is None else block_bytes
+            radix = env.tree_radix if tree_radix is None else tree_radix
             if isinstance(block, bool) or not isinstance(block, int) or block < 64:
                 raise ValueError(f"block_bytes must be an int >= 64, got {block!r}")
             if (isinstance(radix, bool) or not isinstance(radix, int)
@@ -246,12 +225,8 @@ class Communicator:
                 raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
             if not isinstance(rotate, bool):
                 raise TypeError(f"rotate must be a bool, not {type(rotate).__name__}")
-            use_shared = os.environ.get("MPILOSSY_RMA_SHM", "1") != "0"
-            datagram = dict(provider=os.environ.get("FI_PROVIDER", ""),
-                            domain=os.environ.get("MPILOSSY_UD_DOMAIN", ""),
-                            datagram_bytes=_env_int("MPILOSSY_UD_MTU", 8192),
-                            recv_buffers=_env_int("MPILOSSY_UD_RECV_BUFFERS", 512),
-                            socket_bytes=_env_int("MPILOSSY_UD_SOCKET_BYTES", 32 << 20))
+            use_shared = env.rma_shm
+            provider = os.environ.get("FI_PROVIDER", "")       # libfabric's own variable
             # What every rank must share, agreed before any channel work (a
             # rank on another channel or window size would wait forever in a
             # collective the others never enter).  Per-node settings (the
@@ -259,8 +234,7 @@ class Communicator:
             settings = (("channel", channel), ("block_bytes", block), ("tree_radix", radix),
                         ("capacity", capacity), ("scaling", scaling), ("rotate", rotate),
                         ("MPILOSSY_RMA_SHM", use_shared),
-                        ("FI_PROVIDER", datagram["provider"]),
-                        ("MPILOSSY_UD_MTU", datagram["datagram_bytes"]))
+                        ("FI_PROVIDER", provider), ("MPILOSSY_UD_MTU", env.ud_mtu))
         except (TypeError, ValueError) as exc:
             error = exc
         # Construction is collective: every rank learns of any rank's bad
@@ -281,12 +255,19 @@ class Communicator:
             if error is not None:
                 raise error
             raise ValueError(f"Communicator arguments rejected on rank(s) {failed}")
+        assert env is not None
+        _settings.configure_logging(env, self._comm.Get_rank())
+        _settings.warn_from_environment(
+            env, MPI.COMM_WORLD.Get_rank(),
+            tuple(name for name, given in (("loss", loss), ("timeout", timeout)) if given is _UNSET))
         if channel == "auto":
             channel = self._auto_channel()
         try:
             self._core = _core.Core(
                 self._comm, capacity, block, radix, use_shared, scaling == "zero-fill", rotate,
-                channel=channel, **datagram)
+                channel=channel, provider=provider, domain=env.ud_domain,
+                datagram_bytes=env.ud_mtu, recv_buffers=env.ud_recv_buffers,
+                socket_bytes=env.ud_socket_bytes, spin=env.spin, early_close=env.early_close)
             self._core.configure_loss(loss_spec)
         except BaseException as exc:
             error = exc
@@ -312,16 +293,17 @@ class Communicator:
         self._staging = _device.Staging()       # pinned host copies of GPU buffers
         self._copy_back: Optional[tuple] = None
         self._channel = channel
-        self._trace = self._open_trace(os.environ.get("MPILOSSY_TRACE"))
+        self._settings = env
+        self._trace = self._open_trace(env.trace)
         # Calls in a row in which every peer had already moved on (see _watch_lag).
         self._behind = 0
-        self._max_behind = _env_int("MPILOSSY_MAX_BEHIND", DEFAULT_MAX_BEHIND)
-        self._auto = AutoDeadline(self._comm.Dup(),
-                                  floor=float(os.environ.get("MPILOSSY_AUTO_FLOOR", 1e-3)),
-                                  cap=float(os.environ.get("MPILOSSY_AUTO_CAP", 1.0)))
-        override = os.environ.get("MPILOSSY_TREE_MAX_BYTES")
-        self._tree_max_bytes = int(override) if override else TREE_MAX_BYTES.get(
-            self.size, TREE_MAX_BYTES_LARGE)
+        self._max_behind: int = env.max_behind
+        self._auto = AutoDeadline(self._comm.Dup(), floor=env.auto_floor, cap=env.auto_cap)
+        self._tree_max_bytes: int = env.tree_max_bytes if env.tree_max_bytes is not None \
+            else TREE_MAX_BYTES.get(self.size, TREE_MAX_BYTES_LARGE)
+        _settings.log.info("communicator of %d ranks: channel=%s timeout=%s loss=%s "
+                           "block_bytes=%d", self._size, channel, self.timeout,
+                           self._loss_models or None, block)
 
     def _auto_channel(self) -> str:
         """ud where the fabric does datagrams in hardware (or FI_PROVIDER asks
@@ -506,21 +488,22 @@ class Communicator:
         the auto deadline's schedule) stay the same on every rank."""
         self._alive()
         self._copy_back = None
-        spent = self._auto.tick(self._timeout == AUTO if timeout is _UNSET
-                                else isinstance(timeout, str) and timeout == "auto")
+        spent = 0.0
         try:
+            spent = self._auto.tick(self._timeout == AUTO if timeout is _UNSET
+                                    else isinstance(timeout, str) and timeout == "auto")
             tmo = self._timeout if timeout is _UNSET else _check_timeout(timeout)
             send, recv, opcode, algo = prepare(tmo != -1.0)
         except BaseException as exc:
             # Validation errors become the same exception on every rank;
             # anything else (a device error, Ctrl-C) is raised here as it
             # is, and the peers learn that this rank dropped out of the call.
-            validation = isinstance(exc, (TypeError, ValueError, BufferError))
+            kind = next((k for cls, k in _KINDS.items() if isinstance(exc, cls)), None)
+            validation = kind is not None
             message = str(exc) if validation else (
                 f"rank {self.rank} could not take part: {type(exc).__name__}: {exc}")
-            result = self._core.fail(_core.ERRORS[_KINDS.get(type(exc), "value")
-                                                  if validation else "protocol"],
-                                     message, self._fail_timeout())
+            result = self._core.fail(_core.ERRORS[kind or "protocol"], message,
+                                     self._fail_timeout())
             if validation:
                 raise self._error(coll, result, type(exc)) from None
             raise

@@ -37,7 +37,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Dict, Optional, Tuple
+from typing import Deque, Dict, NamedTuple, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -70,6 +70,13 @@ def _key(slot: int) -> Key:
     return (slot // (_ALGORITHMS * _BUCKETS), slot // _BUCKETS % _ALGORITHMS, slot % _BUCKETS)
 
 
+class _Agreement(NamedTuple):
+    request: MPI.Request
+    send: np.ndarray            # kept alive until the request completes
+    recv: np.ndarray
+    due: int                    # the call at which the result applies
+
+
 class AutoDeadline:
     """The learned, agreed deadline of each kind of call on one communicator."""
 
@@ -82,11 +89,8 @@ class AutoDeadline:
         self.calls = 0
         self.durations: Dict[Key, deque] = {}
         self.timeouts: Dict[Key, float] = {}
-        self.pending: Optional[MPI.Request] = None
-        self.due = 0
+        self.pending: Deque[_Agreement] = deque()
         self.active = False
-        self.send = np.zeros(_SLOTS)
-        self.recv = np.zeros(_SLOTS)
 
     def tick(self, auto: bool) -> float:
         """Count one call on the communicator: every rank, every call, before
@@ -97,36 +101,46 @@ class AutoDeadline:
         self.calls += 1
         self.active = self.active or auto
         spent = 0.0
-        if self.pending is not None and self.calls >= self.due:
-            spent = self._settle()
-        elif self.pending is not None:
-            self.pending.Test()          # drive MPI progress: shared-memory calls make none
-        if self.active and self.calls % PERIOD == 0 and self.pending is None:
-            self.send[:] = 0.0
+        for agreement in self.pending:
+            agreement.request.Test()     # drive MPI progress: shared-memory calls make none
+        # Agreements complete in the order they were started; each applies
+        # at its due call, or at the first call after it that finds it done.
+        while self.pending and self.calls >= self.pending[0].due:
+            waited, done = self._settle(self.pending[0])
+            spent += waited
+            if not done:
+                break
+            self._apply(self.pending.popleft().recv)
+        # Agreement k starts at call k * PERIOD on every rank, whatever is
+        # still pending: the collectives match by order, so none is skipped.
+        if self.active and self.calls % PERIOD == 0:
+            send = np.zeros(_SLOTS)
             for key, durations in self.durations.items():
                 if durations:
-                    self.send[_slot(key)] = float(np.percentile(list(durations), PERCENTILE))
-            self.pending = self.comm.Iallreduce(self.send, self.recv, op=MPI.MAX)
-            self.due = self.calls + LAG
+                    send[_slot(key)] = float(np.percentile(list(durations), PERCENTILE))
+            recv = np.zeros(_SLOTS)
+            self.pending.append(_Agreement(self.comm.Iallreduce(send, recv, op=MPI.MAX), send,
+                                           recv, self.calls + LAG))
         return spent
 
-    def _settle(self) -> float:
-        """Complete the agreement if the peers have joined it: wait at most
-        SETTLE_SHARE of the shortest deadline in use (every rank that is on
-        time gets there within it, so all apply the result at the same call);
-        a straggler that has not joined costs no more than that."""
+    def _settle(self, agreement: "_Agreement") -> Tuple[float, bool]:
+        """Wait for an agreement at most SETTLE_SHARE of the shortest deadline
+        in use (every rank that is on time gets there within it, so all apply
+        the result at the same call); a straggler that has not joined costs
+        no more than that.  (seconds waited, done)."""
         began = time.monotonic()
         budget = SETTLE_SHARE * min(self.timeouts.values(), default=self.cap)
-        while not self.pending.Test():
+        while not agreement.request.Test():
             if time.monotonic() - began > budget:
-                return time.monotonic() - began      # look again at the next call
-        self.pending = None
+                return time.monotonic() - began, False      # look again at the next call
+        return time.monotonic() - began, True
+
+    def _apply(self, recv: np.ndarray) -> None:
         # Every kind any rank reported, also those this rank has not used yet:
         # the deadlines must be the same everywhere when it does.
-        for slot in np.flatnonzero(self.recv > 0):
-            self.timeouts[_key(int(slot))] = min(max(FACTOR * float(self.recv[slot]), self.floor),
+        for slot in np.flatnonzero(recv > 0):
+            self.timeouts[_key(int(slot))] = min(max(FACTOR * float(recv[slot]), self.floor),
                                                  self.cap)
-        return time.monotonic() - began
 
     def timeout(self, key: Key) -> float:
         """The deadline of this call, of this kind."""
@@ -138,14 +152,15 @@ class AutoDeadline:
             self.durations.setdefault(key, deque(maxlen=WINDOW)).append(duration)
 
     def close(self, limit: float = 1.0) -> None:
-        """Finish the agreement in flight; give up after `limit` seconds (a
+        """Finish the agreements in flight; give up after `limit` seconds (a
         peer that never gets here) rather than hang."""
-        if self.pending is None:
-            return
         end = time.monotonic() + limit
-        while not self.pending.Test() and time.monotonic() < end:
-            time.sleep(1e-4)
-        self.pending = None     # (MPI cannot cancel a collective: left to complete)
+        while self.pending and time.monotonic() < end:
+            if self.pending[0].request.Test():
+                self.pending.popleft()
+            else:
+                time.sleep(1e-4)
+        self.pending.clear()    # (MPI cannot cancel a collective: left to complete)
 
     def snapshot(self) -> dict:
         """Current deadline per kind, for logs and tests."""

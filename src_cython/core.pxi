@@ -39,11 +39,11 @@ cdef class Core:
                   int radix, bint use_shared, bint zero_fill=False, bint rotate=True,
                   str channel="rma", str provider="", str domain="",
                   Py_ssize_t datagram_bytes=8192, int recv_buffers=DEFAULT_RECV_BUFFERS,
-                  int socket_bytes=32 << 20):
+                  int socket_bytes=32 << 20, int spin=DEFAULT_SPIN,
+                  double early_close=DEFAULT_EARLY_CLOSE):
         global SPIN_BEFORE_YIELD, EARLY_CLOSE_GRACE
-        import os
-        SPIN_BEFORE_YIELD = int(os.environ.get("MPILOSSY_SPIN", DEFAULT_SPIN))
-        EARLY_CLOSE_GRACE = float(os.environ.get("MPILOSSY_EARLY_CLOSE", DEFAULT_EARLY_CLOSE))
+        SPIN_BEFORE_YIELD = spin                # (MPILOSSY_SPIN, MPILOSSY_EARLY_CLOSE:
+        EARLY_CLOSE_GRACE = early_close         #  mpilossy/settings.py)
         self.comm = comm
         self.scaling = SCALE_ZERO_FILL if zero_fill else SCALE_UNBIASED
         self.rotate = rotate
@@ -157,7 +157,7 @@ cdef class Core:
         else:
             alg = self.tree
         cdef double t0 = mpl_now(), pause
-        cdef int failed = 0, i
+        cdef int failed = 0, i, began
         cdef bint lossy = self.loss.drops()
         self.seq += 1
         memset(call, 0, sizeof(CallInfo))
@@ -187,7 +187,19 @@ cdef class Core:
                              | <uint64_t>self.tree.radix << 24 | <uint64_t>coll << 40,
                              <uint64_t>call.block_elems,
                              <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)) | 1
-        if self.chan.begin(call):
+        try:
+            began = self.chan.begin(call)
+        except BaseException:
+            # Tell the peers (and finish the call) before the error leaves.
+            self.err.kind = ERR_PROTOCOL
+            self.err.rank = self.rank
+            snprintf(self.err.msg, MPL_MSG_LEN, b"rank %d could not start call %llu",
+                     self.rank, <unsigned long long>call.seq)
+            with nogil:
+                self.chan.fail(call, &self.err)
+                self.chan.end(call, True)
+            raise
+        if began:
             memcpy(&self.err, &self.chan.error, sizeof(ErrorInfo))
             failed = 1
         else:

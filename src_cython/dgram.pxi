@@ -28,6 +28,7 @@
 
 cdef enum:
     HEADER_BYTES = 64              # sizeof(mpl_packet_t)
+    MIN_PAYLOAD = 256              # >= sizeof(mpl_error_t), rounded to 64: errors must fit
     DEFAULT_RECV_BUFFERS = 512
     SEND_SLOTS = 1024
     CONTROL_BUFFERS = 256
@@ -148,8 +149,13 @@ cdef class DgramChannel(Channel):
             memcpy(secret, <const char*>drawn, MPL_MAC_KEY_BYTES + 8)
         chk(MPI_Bcast(secret, MPL_MAC_KEY_BYTES + 8, MPI_BYTE, 0, comm))
         memcpy(&self.token, secret + MPL_MAC_KEY_BYTES, 8)
-        self.open_mac(secret)
+        failure = None
+        try:
+            self.open_mac(secret)       # (OpenSSL's configuration may differ per node)
+        except Exception as exc:
+            failure = exc
         memset(secret, 0, MPL_MAC_KEY_BYTES + 8)
+        agree_or_raise(comm, failure)
         # On one host the loopback interface will do (and must: only loopback
         # traffic is allowed in tests); across hosts the provider's first match.
         if not domain and provider in ("", "udp") and one_host(comm, size):
@@ -176,8 +182,10 @@ cdef class DgramChannel(Channel):
         cdef long agreed
         mine = (mine // 64) * 64
         chk(MPI_Allreduce(&mine, &agreed, 1, MPI_LONG, MPI_MIN, comm))
-        if agreed < 64:
-            raise MPILossyChannelError(f"channel='ud': datagrams too small ({agreed} bytes of payload)")
+        if agreed < MIN_PAYLOAD:
+            raise MPILossyChannelError(
+                f"channel='ud': datagrams too small ({agreed} bytes of payload; at least "
+                f"{MIN_PAYLOAD}, so that an error record fits: MPILOSSY_UD_MTU)")
         self.payload_max = agreed
         self.pkt = round_up(self.prefix + HEADER_BYTES + self.payload_max, MPL_CACHELINE)
         # Local steps that can fail are agreed on before the next collective:
@@ -423,15 +431,13 @@ cdef class DgramChannel(Channel):
         cdef mpl_packet_t* hdr = <mpl_packet_t*>(buf + self.prefix)
         self.fill_header(hdr, MPL_PKT_DATA, self.cur.seq, slot, block, count, nbytes)
         hdr.sig = <uint32_t>self.cur.sig
+        self.seal(hdr)                  # (a NACK may still ask for it)
+        self.published[parity][record] = 1
         if self.past_cap():
             # Past the deadline every reader has stopped waiting: sending
-            # would only make this call later.  (Kept for NACKs: none come
-            # with a deadline.)
+            # would only make this call later.
             self.n_unsent += ndests
             ndests = 0
-        else:
-            self.seal(hdr)
-        self.published[parity][record] = 1
         for i in range(ndests):
             self.send(dests[i], buf, self.prefix + HEADER_BYTES + nbytes, parity)
         self.published_blocks[slot] += 1
@@ -529,6 +535,8 @@ cdef class DgramChannel(Channel):
                               int npeers) noexcept nogil:
         """A control datagram to `npeers` peers, or to every peer when npeers < 0."""
         cdef int owner, p
+        if nbytes > <uint32_t>self.payload_max:    # cannot happen (setup): never overflow
+            return
         cdef char* buf = self.control_buffer(&owner)
         if buf == NULL:
             return
@@ -613,7 +621,7 @@ cdef class DgramChannel(Channel):
                 self.n_future += 1
             return
         if hdr.kind == MPL_PKT_NACK:
-            self.answer_nack(&hdr, <const uint32_t*>(data + HEADER_BYTES))
+            self.answer_nack(&hdr, data + HEADER_BYTES)
             return
         if hdr.seq != cur:
             if hdr.seq < cur:
@@ -695,7 +703,7 @@ cdef class DgramChannel(Channel):
             memcpy(self.error.msg, e.msg, MPL_MSG_LEN)
             self.error.msg[MPL_MSG_LEN - 1] = 0
 
-    cdef void answer_nack(self, const mpl_packet_t* hdr, const uint32_t* blocks) noexcept nogil:
+    cdef void answer_nack(self, const mpl_packet_t* hdr, const char* blocks) noexcept nogil:
         """A reader that waits without deadline asks again for the blocks
         listed in the payload (of slot hdr.slot)."""
         cdef int parity = hdr.seq & 1, i
@@ -705,7 +713,7 @@ cdef class DgramChannel(Channel):
         if self.out_seq[parity] != hdr.seq:
             return
         for i in range(hdr.nbytes // 4):
-            block = blocks[i]
+            memcpy(&block, blocks + 4 * i, 4)       # (the buffer may be unaligned)
             if block >= <uint32_t>self.out_nblocks[parity]:
                 continue
             record = <Py_ssize_t>hdr.slot * self.out_nblocks[parity] + block

@@ -29,6 +29,7 @@
 typedef struct {
     EVP_MAC *mac;
     EVP_MAC_CTX *ctx;
+    unsigned char key[MPL_MAC_KEY_BYTES];
 } mpl_mac_t;
 
 static inline void mpl_mac_close(mpl_mac_t *m)
@@ -37,6 +38,7 @@ static inline void mpl_mac_close(mpl_mac_t *m)
     EVP_MAC_free(m->mac);
     m->ctx = NULL;
     m->mac = NULL;
+    OPENSSL_cleanse(m->key, MPL_MAC_KEY_BYTES);
 }
 
 static inline int mpl_mac_open(mpl_mac_t *m, const unsigned char *key, char *err, size_t errlen)
@@ -46,12 +48,14 @@ static inline int mpl_mac_open(mpl_mac_t *m, const unsigned char *key, char *err
     params[0] = OSSL_PARAM_construct_size_t("size", &tag);
     params[1] = OSSL_PARAM_construct_end();
     m->ctx = NULL;
+    memcpy(m->key, key, MPL_MAC_KEY_BYTES);
     m->mac = EVP_MAC_fetch(NULL, "SIPHASH", NULL);
     if (m->mac) m->ctx = EVP_MAC_CTX_new(m->mac);
     if (!m->ctx || !EVP_MAC_init(m->ctx, key, MPL_MAC_KEY_BYTES, params)) {
         unsigned long code = ERR_get_error();
         const char *why = code ? ERR_reason_error_string(code) : NULL;
         snprintf(err, errlen, "OpenSSL's SipHash is unavailable: %s", why ? why : "no such MAC");
+        ERR_clear_error();
         mpl_mac_close(m);
         return -1;
     }
@@ -63,7 +67,9 @@ static inline int mpl_mac_tag(mpl_mac_t *m, const void *head, size_t nhead, cons
                               size_t nbody, unsigned char *tag)
 {
     size_t len = 0;
-    if (!EVP_MAC_init(m->ctx, NULL, 0, NULL)) return -1;       /* same key, fresh state */
+    /* Fresh state from the key each time: re-initialising without the key
+     * is a no-op on OpenSSL 3.0.0-3.0.2, which would chain the datagrams. */
+    if (!EVP_MAC_init(m->ctx, m->key, MPL_MAC_KEY_BYTES, NULL)) return -1;
     if (!EVP_MAC_update(m->ctx, (const unsigned char *)head, nhead)) return -1;
     if (nbody && !EVP_MAC_update(m->ctx, (const unsigned char *)body, nbody)) return -1;
     if (!EVP_MAC_final(m->ctx, tag, &len, MPL_MAC_TAG_BYTES) || len != MPL_MAC_TAG_BYTES) return -1;

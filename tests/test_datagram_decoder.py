@@ -70,7 +70,9 @@ def test_a_forged_datagram_changes_nothing_a_real_one_would():
     j.feed(datagram(key=wrong, seq=SEQ + 10**9))
     assert j.counters()["forged"] == 3
     assert j.error == "" and j.peer_seen_in(1) == 0
-    # The same three with the key: an error, and a peer far ahead.
+    # With the key: a peer far ahead, and an error.
+    j.feed(datagram(seq=SEQ + 10**9))
+    assert j.peer_seen_in(1) == SEQ + 10**9
     j.feed(datagram(kind=_core.PKT_ERROR, payload=error_record()))
     assert "boom" in j.error
 

@@ -247,6 +247,5 @@ def test_auto_deadline_holds_with_a_straggler(ranks):
     proc = run_mpi_script("auto_straggler.py", ranks, "--calls", "300", timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["learned_ms"] < 20, result
     # (Measured 2-6 ms past the deadline at worst after the fix, 32 ms before.)
     assert result["max_over_deadline_ms"] < 15, result

@@ -88,9 +88,11 @@ def test_an_unexpected_error_on_one_rank_keeps_every_rank_in_step(comm, timeout,
 
 
 @pytest.mark.mpi(min_size=2)
-def test_a_failing_timeout_is_bounded(comm):
+def test_a_failing_timeout_is_bounded(comm, monkeypatch):
     """Before: timeout=inf on the failing rank passed inf to the failure path,
-    whose end() then waited for ever."""
+    whose end() then waited for ever.  (Network path: on shared memory end()
+    does not wait.)"""
+    monkeypatch.setenv("MPILOSSY_RMA_SHM", "0")
     culprit = comm.rank == comm.size - 1
     with mpilossy.Communicator(comm, timeout=None) as lc:
         out = np.empty(1000, np.float32)
@@ -100,6 +102,7 @@ def test_a_failing_timeout_is_bounded(comm):
                                                    timeout=float("inf")), BufferError)
         assert time.monotonic() - began < 30
         exact_next_call(comm, lc)
+        assert lc.shared_memory_peers == 0
 
 
 # -- timeout="auto": one schedule on every rank, never waited for -----------------------
@@ -214,3 +217,33 @@ def test_a_rank_behind_every_peer_call_after_call_raises(comm, monkeypatch):
     assert [call for call, _ in everyone[0]] == [7], everyone
     assert "MPILOSSY_MAX_BEHIND" in everyone[0][0][1]
     assert all(not r for r in everyone[1:]), everyone
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_auto_agreements_stay_matched_after_a_long_stall(comm, monkeypatch):
+    """One rank stalls for more than PERIOD deadlines while the others go on.
+    Before: a rank whose agreement was still pending skipped starting the
+    next one, and from then on the ranks applied every result at different
+    calls, half of each period, for good.  Now agreement k starts at call
+    k * PERIOD on every rank: once the straggler has caught up, every rank
+    uses the same deadline for the same call again."""
+    monkeypatch.setenv("MPILOSSY_AUTO_CAP", "1.0")
+    staller = comm.size - 1
+    x = np.ones(4096)
+    used = {}
+    with mpilossy.Communicator(comm, timeout="auto") as lc:
+        for _ in range(3 * deadline.PERIOD):
+            lc.allreduce(x, np.empty_like(x))
+        comm.Barrier()
+        learned = lc.allreduce(x, np.empty_like(x)).timeout
+        if comm.rank == staller:
+            time.sleep(40 * learned + 0.1)
+        for _ in range(8 * deadline.PERIOD):
+            stats = lc.allreduce(x, np.empty_like(x))
+            used[stats.seq] = stats.timeout
+        comm.Barrier()
+    tail = sorted(used)[-2 * deadline.PERIOD:]
+    everyone = comm.allgather([used[seq] for seq in tail])
+    assert all(u == everyone[0] for u in everyone), everyone
+

@@ -204,8 +204,9 @@ def test_channel_without_override_aborts(method):
 def test_failed_call_with_infinite_timeout_returns(comm, clean_env, monkeypatch):
     """Rank 0 rejects its buffers with timeout=inf while its peers never
     enter the call, so nobody tells it they are done: the failed call must
-    still return, after a bounded linger (10 s), not wait forever.  (Network
-    path, where end() lingers: MPILOSSY_RMA_SHM=0.)"""
+    still return, not wait forever.  (Network path, where end() lingers:
+    MPILOSSY_RMA_SHM=0.  The failure path now uses the communicator's
+    deadline, and end() caps its linger at 10 s whatever it is given.)"""
     monkeypatch.setenv("MPILOSSY_RMA_SHM", "0")
     took = 0.0
     with mpilossy.Communicator(comm, timeout=0.5, loss=None) as lc:

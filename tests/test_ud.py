@@ -114,6 +114,16 @@ def test_mismatch_and_local_errors_reach_every_rank(comm, timeout):
         np.testing.assert_array_equal(z, mpi_sum(comm, y))
 
 
+@pytest.mark.mpi
+def test_datagrams_too_small_for_an_error_record_are_refused(comm, monkeypatch):
+    """An ERROR datagram carries a 208-byte record: a payload smaller than
+    that could not tell the peers of a failure (and overflowed its buffer)."""
+    monkeypatch.setenv("MPILOSSY_UD_MTU", "128")
+    message = all_ranks_raise(comm, lambda: mpilossy.Communicator(comm, channel="ud"),
+                              mpilossy.MPILossyError)
+    assert "MPILOSSY_UD_MTU" in message, message
+
+
 # -- garbage and forgeries from another process ------------------------------------
 @pytest.mark.mpi(min_size=2)
 def test_garbage_and_forged_datagrams_are_dropped_and_counted(comm):
