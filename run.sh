@@ -8,6 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/setup.sh
+# shellcheck source=/dev/null  # made by scripts/setup.sh
 . .venv/bin/activate
 cd "$(mktemp -d)"        # not the checkout: its mpilossy/ is the source, not the build
 NP=${NP:-4}

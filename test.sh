@@ -7,5 +7,6 @@ set -euo pipefail
 cd "$(dirname "$0")"
 bash scripts/system-packages.sh   # Debian packages some tests use (as root; else they skip)
 bash scripts/setup.sh
+# shellcheck source=/dev/null  # made by scripts/setup.sh
 . .venv/bin/activate
 exec python tests/run.py "$@"

@@ -7,6 +7,7 @@ PYTHON=${PYTHON:-python3}
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
+# shellcheck source=/dev/null  # made just above, not in the repository
 . .venv/bin/activate
 pip_install() { python -m pip install --disable-pip-version-check -q "$@" 2>&1 | grep -v "WARNING: Location" || true; }
 # Build requirements first, then the package without build isolation: faster,

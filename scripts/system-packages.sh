@@ -8,7 +8,7 @@
 #   libssl-dev        OpenSSL libcrypto headers: the datagrams' keyed MAC
 #                     (without them channel="ud" and its decoder tests skip)
 #   nftables, iproute2  real kernel drops in tests/test_ud.py (network namespace)
-#   shellcheck        lints the shell scripts and jobs/ templates (tests/test_slurm.py)
+#   ShellCheck        lints the shell scripts and jobs/ templates (tests/test_scripts.py)
 # Never fails: where the packages cannot be installed, those tests skip and
 # say why.
 set -uo pipefail

@@ -67,7 +67,8 @@ def make_venv(path: Path, *packages: str) -> Path:
 def copy_sources(dest: Path) -> Path:
     """What a build needs, out of the checkout (so the build writes nothing there)."""
     dest.mkdir(parents=True)
-    for name in ("pyproject.toml", "meson.build", "meson.options", "README.md"):
+    for name in ("pyproject.toml", "meson.build", "meson.options", "README.md", "VERSION",
+                 "LICENSE"):
         shutil.copy2(REPO / name, dest / name)
     for name in ("meson", "src_cython", "mpilossy"):
         shutil.copytree(REPO / name, dest / name,

@@ -8,6 +8,7 @@ runs in the single-rank session only."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from pathlib import Path
@@ -95,18 +96,39 @@ def test_bench(slurm, tmp_path):
     assert "loss bernoulli:0.05" in tables[2]
 
 
+# A tiny model for a few steps: the job's plumbing, not the learning
+# (tests/test_example_lm.py checks that).
+TINY = ("--width 32 --layers 1 --heads 2 --context 32 --batch 8 --val-windows 32 "
+        "--lr 1e-2 --warmup 2 --measure-every 5 --broadcast-every 5")
+
+
 def test_train(slurm, tmp_path):
-    """The stand-in (the benchmark) under the training settings: MPILOSSY_*
-    reach every rank (one trace file per rank proves MPILOSSY_TRACE did)."""
-    job, code, out, err = submit(slurm, tmp_path, "train.sbatch", TRAIN_SIZES="64K,1M",
-                                 TRAIN_STEPS="4", MPILOSSY_TIMEOUT="0.1",
-                                 MPILOSSY_LOSS="bernoulli:0.05")
+    """The language-model example on 4 tasks under the training settings:
+    deadline and loss reach the example, MPILOSSY_TRACE every rank (one trace
+    file per rank), and the results folder holds the JSON and the summary."""
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+    pytest.importorskip("tqdm", reason="tqdm is not installed")
+    job, code, out, err = submit(slurm, tmp_path, "train.sbatch", TRAIN_STEPS="10",
+                                 TRAIN_TIMEOUT="0.1", TRAIN_LOSS="bernoulli:0.05",
+                                 TRAIN_ARGS=TINY)
     assert code == 0, out + err
-    assert "timeout 0.1, loss bernoulli:0.05" in out, out
-    traces = tmp_path / f"mpilossy-trace-{job}"
+    assert f"job {job}: 4 tasks on 1 node(s)" in out, out
+    assert "python -m mpilossy.examples.lm --steps 10 --timeout 0.1" in out, out
+    results = tmp_path / f"mpilossy-train-{job}"
+    r = json.loads((results / "result.json").read_text())
+    assert r["ranks"] == 4, r
+    assert r["config"]["steps"] == 10 and r["config"]["timeout"] == 0.1, r["config"]
+    assert r["config"]["loss"] == "bernoulli:0.05" and r["config"]["width"] == 32, r["config"]
+    assert all(math.isfinite(p) and p > 1 for p in r["val_perplexity_ranks"]), r
+    assert 0 < r["delivered"] < 1.0, r                  # the loss was injected
+    summary = (results / "summary.txt").read_text()
+    assert "ranks 4" in summary and "loss bernoulli:0.05" in summary, summary
+    assert re.search(r"^val perplexity +\d+\.\d+", summary, re.M), summary
+    assert f"results: {results}/result.json" in out, out
+    traces = results / "trace"
     files = sorted(p.name for p in traces.iterdir())
-    assert len(files) == 4, files
+    assert len(files) == 4, files          # one per rank
     assert all(re.fullmatch(r"trace-\d+-rank[0-3]\.tsv", f) for f in files), files
     lines = (traces / files[0]).read_text().splitlines()
-    assert lines[0].startswith("seq\t") and len(lines) > 4, lines[:3]
-    assert "traces: 4 files" in out
+    assert lines[0].startswith("seq\t") and len(lines) > 10, lines[:3]
+    assert f"traces: {len(files)} files" in out, out
