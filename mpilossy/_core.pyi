@@ -1,6 +1,6 @@
 # Type stubs for the compiled core (src_cython/_core.pyx).  The Python layer
 # (mpilossy.communicator) validates every argument before it gets here.
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 from mpi4py import MPI
 
@@ -30,11 +30,21 @@ PKT_NACK: int
 PKT_END: int
 ERRORS: Dict[str, int]
 
-# (err_kind, err_rank, err_msg, delivered, elapsed, deadline_hit, fallback,
-#  min_contributors, seq, lost_blocks, timing, agreed, contributors)
-CallResult = Tuple[int, int, str, float, float, bool, float, int, int,
-                   Tuple[int, int, int, int], Tuple[float, float, float], float,
-                   Optional[Tuple[bytes, int, int, int, int]]]
+class CallResult(NamedTuple):
+    """What one call returns to the Python layer."""
+    err_kind: int
+    err_rank: int
+    err_msg: str
+    delivered: float
+    elapsed: float
+    deadline_hit: bool
+    fallback: float
+    min_contributors: int
+    seq: int
+    lost_blocks: Tuple[int, int, int, int]
+    timing: Tuple[float, float, float]
+    agreed: float
+    contributors: Optional[Tuple[bytes, int, int, int, int]]
 
 def library_version() -> str: ...
 def datagram_providers() -> List[str]: ...

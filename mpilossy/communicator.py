@@ -516,26 +516,27 @@ class Communicator:
                 budget = max(tmo - spent, 0.25 * tmo)
         copy_back, self._copy_back = self._copy_back, None
         result = self._core.collective(send, recv, coll, dtype, opcode, algo, budget)
-        if copy_back is not None and not result[0]:
+        if copy_back is not None and not result.err_kind:
             self._copy_out(*copy_back)
-        start, anchor, end = result[10]
-        if anchor >= 0 and not result[0] and self._size > 1:
-            self._auto.record(key, end - anchor, result[3] >= 1.0 and not result[5])
+        start, anchor, end = result.timing
+        if anchor >= 0 and not result.err_kind and self._size > 1:
+            self._auto.record(key, end - anchor, result.delivered >= 1.0 and not result.deadline_hit)
         if self._trace is not None:
             self._write_trace(result, coll, algo, send.nbytes, tmo)
-        if result[0]:
+        if result.err_kind:
             raise self._error(coll, result)
         self._watch_lag(result)
         contributors = None
         if algo == _core.DIRECT:
             contributors = Contributors(
-                result[12], size=self._size, rank=self._comm.Get_rank(),
+                result.contributors, size=self._size, rank=self._comm.Get_rank(),
                 count=recv.size if coll == _core.ALLGATHER else send.size,
                 chunks=(self._comm.Get_rank(),) if coll == _core.REDUCE_SCATTER
                 else tuple(range(self._size)))
-        return CollectiveStats(result[3], result[4], result[5], result[6], result[7],
-                               ALGORITHM_NAMES[algo], send.nbytes, result[8], result[9],
-                               COLLECTIVE_NAMES[coll], None if tmo < 0 else tmo, result[11],
+        return CollectiveStats(result.delivered, result.elapsed, result.deadline_hit,
+                               result.fallback, result.min_contributors,
+                               ALGORITHM_NAMES[algo], send.nbytes, result.seq, result.lost_blocks,
+                               COLLECTIVE_NAMES[coll], None if tmo < 0 else tmo, result.agreed,
                                contributors)
 
     def _watch_lag(self, result: tuple) -> None:
@@ -544,7 +545,7 @@ class Communicator:
         such calls return at once while the peers wait for it.  One that
         stays behind for `MPILOSSY_MAX_BEHIND` calls in a row has dropped
         out of the others' calls: say so instead of staying silent."""
-        delivered, lost = result[3], result[9]
+        delivered, lost = result.delivered, result.lost_blocks
         behind = (self._size > 1 and lost[2] > 0 and lost[1] == 0
                   and delivered <= 1.0 / self._size + 1e-9)
         self._behind = self._behind + 1 if behind else 0
@@ -552,7 +553,7 @@ class Communicator:
             calls, self._behind = self._behind, 0
             raise LaggingError(
                 f"rank {self.rank}: every peer had already finished this rank's call on "
-                f"{calls} calls in a row (call {result[8]}): this rank no longer takes part in "
+                f"{calls} calls in a row (call {result.seq}): this rank no longer takes part in "
                 f"the others' calls. Do all ranks make the same calls? (MPILOSSY_MAX_BEHIND="
                 f"{self._max_behind} sets how many calls in a row are tolerated)")
 
@@ -698,15 +699,15 @@ class Communicator:
 
     def _write_trace(self, result: tuple, coll: int, algo: int, nbytes: int,
                      timeout: float) -> None:
-        start, anchor, _end = result[10]
+        start, anchor, _end = result.timing
         self._trace.write("\t".join(map(str, (
-            result[8], f"{COLLECTIVE_NAMES[coll]}/{ALGORITHM_NAMES[algo]}", nbytes, timeout,
+            result.seq, f"{COLLECTIVE_NAMES[coll]}/{ALGORITHM_NAMES[algo]}", nbytes, timeout,
             f"{start:.6f}",
-            f"{(anchor - start) * 1e3:.3f}" if anchor >= 0 else "-", f"{result[4] * 1e3:.3f}",
-            f"{result[3]:.4f}", *result[9], result[0]))) + "\n")
+            f"{(anchor - start) * 1e3:.3f}" if anchor >= 0 else "-", f"{result.elapsed * 1e3:.3f}",
+            f"{result.delivered:.4f}", *result.lost_blocks, result.err_kind))) + "\n")
 
     def _error(self, coll: int, result: tuple, local: Optional[type] = None) -> Exception:
-        kind, rank, message, seq = result[0], result[1], result[2], result[8]
+        kind, rank, message, seq = result.err_kind, result.err_rank, result.err_msg, result.seq
         cls = _EXCEPTIONS.get(kind, MPILossyError)
         if local is not None and kind != _core.ERRORS["mismatch"]:
             cls = local

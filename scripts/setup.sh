@@ -13,7 +13,7 @@ pip_install() { python -m pip install --disable-pip-version-check -q "$@" 2>&1 |
 # Build requirements first, then the package without build isolation: faster,
 # and the build sees the same mpich/mpi4py that will run it.
 pip_install "meson-python>=0.15" "meson>=1.1" ninja "cython>=3.0" "mpi4py>=4.0" "mpich>=4.2" "numpy>=1.23"
-pip_install --no-build-isolation ".[test]"     # (tqdm, matplotlib: the examples' too)
+pip_install --no-build-isolation ".[test,mpich]"     # (tqdm, matplotlib: the examples' too)
 # PyTorch for mpilossy.torch and its tests: 2.13.0 is a CPU wheel that pip
 # finds locally here; an unpinned `torch` would download GBs of CUDA.
 pip_install "torch==2.13.0" || echo "setup: torch not installed; mpilossy.torch tests will skip"

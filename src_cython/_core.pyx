@@ -28,6 +28,7 @@ from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE,
                              PyBUF_ANY_CONTIGUOUS)
 
 import os
+from collections import namedtuple
 
 cimport cython
 from mpi4py cimport MPI

@@ -16,6 +16,17 @@ def library_version() -> str:
     return text[:length].decode(errors="replace")
 
 
+# What one call returns to the Python layer (mpilossy.communicator).
+CallResult = namedtuple("CallResult", [
+    "err_kind", "err_rank", "err_msg",        # ERR_NONE (0) when the call succeeded
+    "delivered", "elapsed", "deadline_hit", "fallback", "min_contributors", "seq",
+    "lost_blocks",                            # (injected, late, gone, torn)
+    "timing",                                 # (start, anchor, end), monotonic clock
+    "agreed",
+    "contributors",                           # direct / all-gather: the core's bitmaps
+])
+
+
 cdef class Core:
     """Channel, algorithms and call counter of one mpilossy.Communicator."""
     cdef MPI.Comm comm           # the communicator's private duplicate
@@ -140,7 +151,7 @@ cdef class Core:
             PyBuffer_Release(&rb)
             PyBuffer_Release(&sb)
 
-    cdef tuple run(self, char* send, char* recv, Py_ssize_t nbytes, int coll, int dtype,
+    cdef object run(self, char* send, char* recv, Py_ssize_t nbytes, int coll, int dtype,
                    int op, int algo, double timeout):
         """`nbytes`: the whole vector (the send buffer of an all-reduce or a
         reduce-scatter, the receive buffer of an all-gather)."""
@@ -177,7 +188,7 @@ cdef class Core:
         call.start = mpl_now()
         if self.size == 1:
             k_scale(dtype, 1.0, recv, send, call.count)    # every collective is a copy
-            return (ERR_NONE, -1, "", 1.0, mpl_now() - t0, False, 0.0, 1, call.seq, (0, 0, 0, 0),
+            return CallResult(ERR_NONE, -1, "", 1.0, mpl_now() - t0, False, 0.0, 1, call.seq, (0, 0, 0, 0),
                     (call.start, call.start, mpl_now()), 1.0, None)
         call.max_block = self.chan.max_block_bytes()
         call.block_elems = max(1, min(self.block_bytes, call.max_block) // call.itemsize)
@@ -216,10 +227,10 @@ cdef class Core:
         if failed and self.err.kind == ERR_INTERRUPTED and PyErr_Occurred():
             raise_pending()         # the signal handler's exception (KeyboardInterrupt)
         if failed:
-            return (self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
+            return CallResult(self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
                     0.0, finished - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
                     (call.start, -1.0, finished), 0.0, None)
-        return (ERR_NONE, -1, "", alg.delivered(), finished - t0, alg.deadline_hit,
+        return CallResult(ERR_NONE, -1, "", alg.delivered(), finished - t0, alg.deadline_hit,
                 alg.fallback_elems / <double>alg.result_elems if alg.result_elems else 0.0,
                 alg.min_count, call.seq,
                 (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
@@ -245,7 +256,7 @@ cdef class Core:
             with nogil:
                 self.chan.fail(call, &self.err)
                 self.chan.end(call, True)
-        return (kind, self.rank, message, 0.0, 0.0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
+        return CallResult(kind, self.rank, message, 0.0, 0.0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
                 (call.start, -1.0, call.start), 0.0, None)
 
 
