@@ -76,7 +76,7 @@ def _check_single_mpi() -> None:
                       "libraries in one process')", RuntimeWarning, stacklevel=3)
 
 
-def _loaded_mpi_libraries() -> list:
+def _loaded_mpi_libraries() -> list[str]:
     """Files of core MPI libraries mapped into this process (Linux only; the
     Fortran, C++ and GPU companions of an MPI library do not count)."""
     import os

@@ -31,7 +31,7 @@ class Contributors:
     __slots__ = ("size", "rank", "count", "block_elems", "_bits", "_entries", "_nblocks",
                  "_chunks", "_members")
 
-    def __init__(self, raw: Optional[tuple], *, size: int, rank: int, count: int,
+    def __init__(self, raw: Optional[Tuple[bytes, int, int, int, int]], *, size: int, rank: int, count: int,
                  chunks: Tuple[int, ...]) -> None:
         """`raw`: the core's (bitmap bytes, entries, nblocks, block_elems,
         words), or None for a job of one rank.  `count`: elements of the

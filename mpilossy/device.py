@@ -17,7 +17,7 @@ is complete when it returns and the result may be used on any stream.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
@@ -30,7 +30,7 @@ class DeviceBuffer(NamedTuple):
     """What the staging needs to know of a device array."""
 
     ptr: int
-    shape: tuple
+    shape: Tuple[int, ...]
     dtype: np.dtype
     readonly: bool
     contiguous: bool
@@ -61,7 +61,8 @@ def is_device(obj: Any) -> bool:
     return int(kind) in (KDL_CUDA, KDL_CUDA_MANAGED)
 
 
-def _c_contiguous(shape: tuple, strides: Optional[tuple], itemsize: int) -> bool:
+def _c_contiguous(shape: Tuple[int, ...], strides: Optional[Tuple[int, ...]],
+                  itemsize: int) -> bool:
     if strides is None:
         return True
     expected = itemsize
@@ -158,7 +159,7 @@ class Staging:
 
     def __init__(self) -> None:
         self._backend: Any = None
-        self._buffers: list = [None, None]
+        self._buffers: List[Optional[np.ndarray]] = [None, None]
 
     @property
     def backend(self) -> Any:

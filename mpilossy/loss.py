@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Iterable, Union
+from typing import Any, Dict, Iterable, Union
 
 __all__ = ["Bernoulli", "GilbertElliott", "Straggler", "LossModel", "parse"]
 
@@ -49,7 +49,7 @@ class Bernoulli:
         _probability("p", self.p)
         _seed(self.seed)
 
-    def _spec(self) -> dict:
+    def _spec(self) -> Dict[str, Any]:
         return {"bernoulli": (float(self.p), _seed(self.seed))}
 
 
@@ -78,7 +78,7 @@ class GilbertElliott:
         bad = self.p_good_to_bad / total if total else 0.0
         return bad * self.loss_bad + (1.0 - bad) * self.loss_good
 
-    def _spec(self) -> dict:
+    def _spec(self) -> Dict[str, Any]:
         return {"gilbert": (float(self.p_good_to_bad), float(self.p_bad_to_good),
                             float(self.loss_good), float(self.loss_bad), _seed(self.seed))}
 
@@ -100,7 +100,7 @@ class Straggler:
         _probability("prob", self.prob)
         _seed(self.seed)
 
-    def _spec(self) -> dict:
+    def _spec(self) -> Dict[str, Any]:
         return {"straggler": (int(self.rank), float(self.delay), float(self.prob), _seed(self.seed))}
 
 
@@ -109,9 +109,9 @@ _MODELS = {"bernoulli": Bernoulli, "gilbert-elliott": GilbertElliott, "ge": Gilb
            "straggler": Straggler}
 
 
-def to_spec(models: Iterable[LossModel]) -> dict:
+def to_spec(models: Iterable[LossModel]) -> Dict[str, Any]:
     """The compiled core's description of a set of models (one of each kind)."""
-    spec: dict = {}
+    spec: Dict[str, Any] = {}
     for model in models:
         if not hasattr(model, "_spec"):
             raise TypeError(f"not a loss model: {model!r}")

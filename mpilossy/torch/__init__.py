@@ -9,7 +9,9 @@
 - the sharded, bounded-drift mode: ``ShardedOptimizer``;
 - error feedback for both (``error_feedback=True``, ``ErrorFeedback``);
 - ``PhaseAwareTolerance``: tight loss tolerance early in training, loose later;
-- ``StepStats``: what each step's communication delivered.
+- ``StepStats``: what each step's communication delivered;
+- ``WrappedOptimizer``: the type of what the optimizer wrappers return (for
+  annotations: ``stats``, ``drift_control``, ``communicator``...).
 
 See docs/training.md.  Tensors must live on the CPU.
 """
@@ -25,7 +27,7 @@ from .broadcast import (average_optimizer_state, average_parameters, broadcast_o
 from .drift import DriftController, DriftStep, measure_drift
 from .feedback import ErrorFeedback
 from .hooks import AllreduceHookState, allreduce_hook, destroy_process_group, init_process_group
-from .optimizer import DistributedOptimizer
+from .optimizer import DistributedOptimizer, WrappedOptimizer
 from .sharded import ShardedOptimizer
 from .stats import StepStats
 from .tolerance import PhaseAwareTolerance
@@ -39,6 +41,7 @@ __all__ = [
     "PhaseAwareTolerance",
     "ShardedOptimizer",
     "StepStats",
+    "WrappedOptimizer",
     "allreduce_hook",
     "average_optimizer_state",
     "average_parameters",

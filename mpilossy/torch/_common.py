@@ -44,7 +44,9 @@ def reliable_comm(comm: CommLike) -> MPI.Intracomm:
             _world = MPI.COMM_WORLD.Dup()
         return _world
     if isinstance(comm, Communicator):
-        return comm.comm
+        lent = comm.comm
+        if isinstance(lent, MPI.Intracomm):     # (always: it duplicates one)
+            return lent
     if isinstance(comm, MPI.Intracomm) and comm != MPI.COMM_NULL:
         return comm
     raise TypeError(f"comm must be an mpi4py intracommunicator or an mpilossy.Communicator, "
@@ -107,7 +109,7 @@ def host_problem(name: str, tensor: torch.Tensor, reducible: bool) -> Optional[E
     return None
 
 
-def signature(named: NamedTensors) -> list:
+def signature(named: NamedTensors) -> List[Tuple[Any, ...]]:
     return [(name, tuple(t.shape), str(t.dtype), t.device.type) for name, t in named]
 
 
@@ -117,7 +119,7 @@ _ERROR_TYPES = {"TypeError": TypeError, "ValueError": ValueError, "BufferError":
 
 
 def check_everywhere(comm: MPI.Intracomm, local_error: Optional[Exception],
-                     entries: Sequence = (), what: str = "parameters") -> None:
+                     entries: Sequence[Any] = (), what: str = "parameters") -> None:
     """Collective: raise the same exception on every rank if any rank has a
     local error, or if `entries` differ between ranks (MismatchError naming
     the first difference).  One small allgather; one more on mismatch."""
@@ -134,7 +136,7 @@ def check_everywhere(comm: MPI.Intracomm, local_error: Optional[Exception],
         raise MismatchError(f"{what} differ across ranks: {_first_difference(every)}")
 
 
-def _first_difference(every: list) -> str:
+def _first_difference(every: List[List[Any]]) -> str:
     ref = every[0]
     for rank, entries in enumerate(every[1:], 1):
         if entries == ref:
@@ -207,7 +209,7 @@ class Flat:
     def pieces(self, max_bytes: int) -> List[Tuple[torch.dtype, int, np.ndarray]]:
         """(dtype, first element, NumPy view) of the buffers, cut into pieces
         of at most max_bytes."""
-        out = []
+        out: List[Tuple[torch.dtype, int, np.ndarray]] = []
         for dtype, arr in self.arrays.items():
             step = max(1, max_bytes // arr.itemsize)
             out.extend((dtype, i, arr[i:i + step]) for i in range(0, arr.size, step))

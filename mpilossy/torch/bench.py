@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import List
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from mpi4py import MPI
@@ -22,6 +22,7 @@ import mpilossy
 
 from . import (AllreduceHookState, DistributedOptimizer, ShardedOptimizer, allreduce_hook,
                broadcast_parameters, destroy_process_group, init_process_group)
+from .optimizer import WrappedOptimizer
 
 
 def mlp(width: int, layers: int, inputs: int = 32, outputs: int = 8) -> torch.nn.Module:
@@ -33,13 +34,14 @@ def mlp(width: int, layers: int, inputs: int = 32, outputs: int = 8) -> torch.nn
     return torch.nn.Sequential(*mods, torch.nn.Linear(sizes[-1], outputs))
 
 
-def data(rank: int, step: int, batch: int, inputs: int = 32, outputs: int = 8):
+def data(rank: int, step: int, batch: int, inputs: int = 32,
+         outputs: int = 8) -> Tuple[torch.Tensor, torch.Tensor]:
     teacher = torch.randn(inputs, outputs, generator=torch.Generator().manual_seed(99)) / 4
     x = torch.randn(batch, inputs, generator=torch.Generator().manual_seed(step * 1000 + rank))
     return x, torch.sin(x @ teacher)
 
 
-MODES = {
+MODES: Dict[str, Tuple[str, Optional[str], bool, Optional[str]]] = {
     # mode: (wrapper, re-synchronisation, error feedback, missed blocks)
     "allreduce": ("replicated", None, False, None),
     "allreduce+bcast": ("replicated", "broadcast", False, None),
@@ -63,7 +65,9 @@ def drift(args: argparse.Namespace) -> None:
         model = mlp(args.width, args.layers)
         broadcast_parameters(model)
         inner = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
+        opt: WrappedOptimizer
         if wrapper == "sharded":
+            assert missed is not None       # (every sharded mode names one)
             opt = ShardedOptimizer(inner, model.named_parameters(), lc,
                                    measure_every=args.measure_every, error_feedback=feedback,
                                    resync_every=args.broadcast_every if resync else None,
@@ -82,6 +86,7 @@ def drift(args: argparse.Namespace) -> None:
             value.backward()
             opt.step()
             s = opt.stats
+            assert s is not None            # (after a step)
             delivered.append(s.delivered)
             comm_s += s.comm_seconds
             if s.drift is not None:
@@ -90,6 +95,7 @@ def drift(args: argparse.Namespace) -> None:
         wall = time.perf_counter() - began
         tail = losses[-max(1, args.steps // 10):]
         control = opt.drift_control
+        assert control is not None          # (measure_every is always given)
         per_bcast = control.broadcast_seconds / control.broadcasts if control.broadcasts else 0.0
         per_measure = control.measure_seconds / len(control.history)
         rows.append((mode, statistics.mean(drifts), max(drifts), drifts[-1],
@@ -144,7 +150,7 @@ def overlap(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     init_process_group()
     loss = mpilossy.loss.Bernoulli(args.loss, seed=1) if args.loss else None
-    results = {}
+    results: Dict[bool, List[float]] = {}
     for background in (False, True, False, True):      # twice each, interleaved
         lc = mpilossy.Communicator(comm, timeout=args.timeout, loss=loss,
                                    capacity=2 * args.bucket_mb * 2 ** 20)

@@ -54,7 +54,7 @@ class _Meter:
     """Relative L2 distance of each rank's parameters from the rank average,
     with one reliable MPI_Allreduce (float64, into a preallocated buffer)."""
 
-    def __init__(self, comm: MPI.Intracomm, tensors: List[torch.Tensor]):
+    def __init__(self, comm: MPI.Intracomm, tensors: List[torch.Tensor]) -> None:
         self.comm = comm
         self.tensors = [t for t in tensors if t.is_floating_point()]
         self.flat = Flat(self.tensors, dtype=torch.float64)
@@ -114,8 +114,9 @@ class DriftController:
             named = named_tensors(parameters)   # of a module: parameters and buffers
         except TypeError as exc:
             problem, named = exc, []
-        measured = ([t for _, t in parameters.named_parameters()]
-                    if isinstance(parameters, torch.nn.Module) else [t for _, t in named])
+        measured: List[torch.Tensor] = ([t for _, t in parameters.named_parameters()]
+                                         if isinstance(parameters, torch.nn.Module)
+                                         else [t for _, t in named])
         # (collective: a bad argument on one rank raises on every rank)
         check_tensors(self.comm, named, reducible=False, problem=problem,
                       extra=(broadcast_every, measure_every, root_rank, optimizer is not None,

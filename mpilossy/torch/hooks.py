@@ -7,7 +7,7 @@ import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -48,7 +48,7 @@ class AllreduceHookState:
     def __init__(self, communicator: Optional[Communicator] = None, *, op: str = "avg",
                  background: bool = False, model: Optional[torch.nn.Module] = None) -> None:
         self.communicator = lossy_communicator(communicator)
-        comm = self.communicator.comm
+        comm = reliable_comm(self.communicator)
         problem = check_settings(op)
         if not isinstance(background, bool):
             problem = problem or TypeError("background must be a bool")
@@ -74,18 +74,20 @@ class AllreduceHookState:
             self._worker = None
 
     def _reduce(self, tensor: torch.Tensor, index: int, last: bool,
-                future: torch.futures.Future) -> None:
+                future: torch.futures.Future[torch.Tensor]) -> None:
         try:
             stats = self.communicator.allreduce(tensor, op=self.op)
         except BufferError as exc:
             # Every rank gets this (the core spreads errors): say it in torch terms.
-            future.set_exception(BufferError(
+            # (torch's annotation of set_exception takes the Future's value type,
+            # not the exception that it documents and checks for: hence the ignores)
+            future.set_exception(BufferError(  # type: ignore[arg-type]
                 f"gradient bucket {index} (shape {tuple(tensor.shape)}, device "
                 f"{tensor.device}, contiguous={tensor.is_contiguous()}) cannot be reduced: "
                 f"{exc}"))
             return
         except BaseException as exc:
-            future.set_exception(exc)
+            future.set_exception(exc)  # type: ignore[arg-type]
             return
         self.bucket_stats[index] = stats
         self._recorder.add(stats)
@@ -123,22 +125,23 @@ def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Intracomm] =
     127.0.0.1 (when all ranks share rank 0's host; rank 0's host name
     otherwise) and a free port chosen by rank 0.  Collective; does nothing
     if a process group already exists."""
-    comm = reliable_comm(comm)
+    reliable = reliable_comm(comm)
     if dist.is_initialized():
         return
     host = MPI.Get_processor_name()
-    hosts = comm.allgather(host)
+    hosts = reliable.allgather(host)
     choice = None
-    if comm.rank == 0:
+    if reliable.rank == 0:
         same_host = all(h == host for h in hosts)
         choice = (os.environ.get("MASTER_ADDR") or ("127.0.0.1" if same_host
                                                     else socket.gethostname()),
                   os.environ.get("MASTER_PORT") or str(_free_port()))
-    addr, port = comm.bcast(choice, 0)
+    addr, port = reliable.bcast(choice, 0)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
-    kwargs = {} if timeout is None else {"timeout": timeout}
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=comm.rank,
-                            world_size=comm.size, **kwargs)
+    # (only when given: torch's own default otherwise)
+    kwargs: Dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=reliable.rank,
+                            world_size=reliable.size, **kwargs)
 
 
 def destroy_process_group() -> None:

@@ -4,29 +4,40 @@ before every step, with no torch.distributed process group."""
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type, TypeVar, cast
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
 from ..communicator import Communicator
-from ._common import Flat, check_tensors, lossy_communicator, optimizer_parameters
+from ._common import (Flat, check_tensors, lossy_communicator, optimizer_parameters,
+                      reliable_comm)
 from .drift import DriftController, every_problem, resync_problem
 from .feedback import ErrorFeedback, feedback_problem
 from .stats import Recorder, StepStats
 from .tolerance import PhaseAwareTolerance
 
-__all__ = ["DistributedOptimizer"]
+__all__ = ["DistributedOptimizer", "WrappedOptimizer"]
 
 DEFAULT_BUCKET_BYTES = 4 * 1024 * 1024    # the Communicator's default capacity
 
+if TYPE_CHECKING:
+    # A wrapped optimizer is an instance of a subclass of (wrapper class,
+    # the optimizer's own class), made by wrap(): to a type checker the
+    # wrapper classes are optimizers.  At run time they derive from object.
+    _OptimizerBase = torch.optim.Optimizer
+else:
+    _OptimizerBase = object
 
-class _Wrapped:
+
+class WrappedOptimizer(_OptimizerBase):
     """Base of every wrapper class: what DistributedOptimizer and
-    ShardedOptimizer add to the wrapped optimizer's own class."""
+    ShardedOptimizer add to the wrapped optimizer's own class.  What they
+    return is a torch.optim.Optimizer (an instance of the optimizer's own
+    class) and a WrappedOptimizer."""
 
-    _mpilossy: Any
+    _mpilossy: Engine
 
     @property
     def stats(self) -> Optional[StepStats]:
@@ -49,9 +60,10 @@ class _Wrapped:
 
 
 _classes: Dict[Tuple[type, type], type] = {}
+_W = TypeVar("_W", bound=WrappedOptimizer)
 
 
-def wrap(optimizer: torch.optim.Optimizer, mixin: type, engine: Any) -> torch.optim.Optimizer:
+def wrap(optimizer: torch.optim.Optimizer, mixin: Type[_W], engine: Engine) -> _W:
     """An object of a subclass of (mixin, type(optimizer)) that shares the
     optimizer's __dict__: it *is* the same optimizer (param_groups, state,
     hooks, state_dict) and stays an instance of its class (LR schedulers),
@@ -61,7 +73,7 @@ def wrap(optimizer: torch.optim.Optimizer, mixin: type, engine: Any) -> torch.op
     if sub is None:
         sub = type(cls.__name__, (mixin, cls), {"__module__": mixin.__module__})
         _classes[(mixin, cls)] = sub
-    wrapped = object.__new__(sub)
+    wrapped = cast(_W, object.__new__(sub))
     wrapped.__dict__ = optimizer.__dict__
     # An LR scheduler made before wrapping put the original's step() into
     # the instance dict, which would hide ours (the scheduler warns once).
@@ -71,7 +83,7 @@ def wrap(optimizer: torch.optim.Optimizer, mixin: type, engine: Any) -> torch.op
 
 
 def already_wrapped(optimizer: Any) -> Optional[Exception]:
-    if isinstance(optimizer, _Wrapped) or "_mpilossy" in getattr(optimizer, "__dict__", {}):
+    if isinstance(optimizer, WrappedOptimizer) or "_mpilossy" in getattr(optimizer, "__dict__", {}):
         return ValueError("this optimizer is already wrapped by mpilossy.torch")
     return None
 
@@ -84,7 +96,7 @@ def check_settings(op: Any, bucket_bytes: Any = DEFAULT_BUCKET_BYTES) -> Optiona
     return None
 
 
-def params_changed(engine: Any, optimizer: torch.optim.Optimizer) -> None:
+def params_changed(engine: Engine, optimizer: torch.optim.Optimizer) -> None:
     ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
     if ids != engine.ids:
         raise RuntimeError("the optimizer's parameters changed after it was wrapped "
@@ -97,7 +109,7 @@ class Engine:
     def __init__(self, lc: Communicator, params: List[torch.Tensor], op: str,
                  drift: Optional[DriftController]) -> None:
         self.lc, self.params, self.op, self.drift = lc, params, op, drift
-        self.ids = [id(p) for p in params]      # the optimizer's parameters
+        self.ids: List[int] = [id(p) for p in params]      # the optimizer's parameters
         self.recorder = Recorder()
         self.feedback: Optional[ErrorFeedback] = None
 
@@ -133,6 +145,7 @@ class _GradientAllreduce(Engine):
         policy = self.tolerance
         limit = policy.begin() if policy is not None else 1.0
         if limit <= 0.0:
+            assert policy is not None       # (without a policy the limit is 1)
             self.reduce_reliably()
             policy.reliable += 1
             if policy.critical_ended is None:       # the signal still votes
@@ -183,7 +196,9 @@ class _GradientAllreduce(Engine):
         self.recorder.reliable = True
 
 
-class _DistributedOptimizer(_Wrapped):
+class _DistributedOptimizer(WrappedOptimizer):
+
+    _mpilossy: _GradientAllreduce
 
     def synchronize(self) -> None:
         """All-reduce the gradients now (to clip them, say); the next
@@ -191,7 +206,7 @@ class _DistributedOptimizer(_Wrapped):
         params_changed(self._mpilossy, self)
         self._mpilossy.reduce()
 
-    def step(self, closure: Any = None, **kwargs: Any) -> Any:
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         """All-reduce the gradients (unless synchronize() did), then step.
         A closure is evaluated once, before the reduction."""
         loss = None
@@ -216,12 +231,13 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          root_rank: int = 0,
                          tolerance: Optional[PhaseAwareTolerance] = None,
                          resync: str = "broadcast",
-                         error_feedback: bool = False) -> torch.optim.Optimizer:
+                         error_feedback: bool = False) -> _DistributedOptimizer:
     """Wrap `optimizer` so that step() first all-reduces the gradients through
     mpilossy's lossy all-reduce (unbiased average, deadline-bound).
 
     The result is the same optimizer (it shares param_groups, state,
-    state_dict, zero_grad) and stays an instance of its class.  Gradients
+    state_dict, zero_grad) and stays an instance of its class (to a type
+    checker: a torch.optim.Optimizer and a WrappedOptimizer).  Gradients
     are copied into one flat buffer per dtype and reduced in pieces of at most
     `bucket_bytes`.  A parameter without a gradient on a rank counts as zeros
     there, and has a gradient after the step on every rank.
@@ -251,7 +267,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     ``communicator``, ``synchronize()``.
     """
     lc = lossy_communicator(communicator)
-    comm = lc.comm
+    comm = reliable_comm(lc)
     problem = (already_wrapped(optimizer) or check_settings(op, bucket_bytes)
                or every_problem(broadcast_every=broadcast_every, measure_every=measure_every)
                or resync_problem(resync) or feedback_problem(lc, error_feedback))

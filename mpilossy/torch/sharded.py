@@ -20,18 +20,19 @@ therefore stays bounded without broadcasts.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from mpi4py import MPI
 
 from ..communicator import CollectiveStats, Communicator
 from ._common import (REDUCIBLE, Flat, as_bytes, check_tensors, lossy_communicator,
-                      optimizer_parameters)
+                      optimizer_parameters, reliable_comm)
 from .broadcast import bcast_tensors
 from .drift import DriftController, every_problem
 from .feedback import ErrorFeedback, feedback_problem
-from .optimizer import Engine, _Wrapped, already_wrapped, check_settings, params_changed, wrap
+from .optimizer import (Engine, WrappedOptimizer, already_wrapped, check_settings, params_changed,
+                        wrap)
 
 __all__ = ["ShardedOptimizer"]
 
@@ -136,7 +137,9 @@ class _Trend:
         self.age = torch.ones_like(values)
 
     def update(self, values: torch.Tensor, stats: CollectiveStats) -> None:
-        got = torch.from_numpy(stats.contributors.received())
+        contributors = stats.contributors
+        assert contributors is not None     # (the all-gather records them)
+        got = torch.from_numpy(contributors.received())
         with torch.no_grad():
             fresh = torch.where(got, (values - self.last) / self.age, self.rate)
             self.rate.copy_(fresh)
@@ -151,11 +154,13 @@ class _Trend:
             self.age.fill_(1)
 
 
-class _ShardedOptimizer(_Wrapped):
+class _ShardedOptimizer(WrappedOptimizer):
+
+    _mpilossy: _ShardedExchange
 
     per_rank_state = True       # (broadcast_optimizer_state refuses it)
 
-    def step(self, closure: Any = None, **kwargs: Any) -> Any:
+    def step(self, closure: Optional[Callable[[], Any]] = None, **kwargs: Any) -> Any:
         """Reduce-scatter the gradients, update this rank's chunk, all-gather
         the parameters.  A closure is evaluated once, before the exchange."""
         loss = None
@@ -196,7 +201,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
                      communicator: Optional[Communicator] = None, *, op: str = "avg",
                      resync_every: Optional[int] = None, measure_every: Optional[int] = None,
                      root_rank: int = 0, error_feedback: bool = False,
-                     missed: str = "keep") -> torch.optim.Optimizer:
+                     missed: str = "keep") -> _ShardedOptimizer:
     """Wrap a freshly built `optimizer` for the sharded, bounded-drift mode
     (see the module documentation).
 
@@ -225,7 +230,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     with the same checks as DistributedOptimizer.
     """
     lc = lossy_communicator(communicator)
-    comm = lc.comm
+    comm = reliable_comm(lc)
     problem = (already_wrapped(optimizer) or check_settings(op)
                or every_problem(resync_every=resync_every, measure_every=measure_every)
                or feedback_problem(lc, error_feedback))

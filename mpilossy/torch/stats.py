@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 from ..communicator import CollectiveStats
 
@@ -44,7 +44,7 @@ class StepStats:
     tolerance: a tight phase, or more loss than the step could accept)."""
 
     @classmethod
-    def of(cls, step: int, calls: Sequence[CollectiveStats], **extra) -> "StepStats":
+    def of(cls, step: int, calls: Sequence[CollectiveStats], **extra: Any) -> "StepStats":
         nbytes = sum(c.nbytes for c in calls)
 
         def weighted(field: str, empty: float) -> float:
@@ -80,7 +80,7 @@ class Recorder:
     def add(self, stats: CollectiveStats) -> None:
         self._calls.append(stats)
 
-    def finish(self, **extra) -> StepStats:
+    def finish(self, **extra: Any) -> StepStats:
         self.steps += 1
         self.last = StepStats.of(self.steps, self._calls, reliable=self.reliable, **extra)
         self._calls = []

@@ -18,7 +18,7 @@ ended when the late tolerance is 1.
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import List, Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -87,7 +87,7 @@ class PhaseAwareTolerance:
         """Steps whose loss exceeded their tolerance and were re-sent reliably."""
         self.reliable = 0
         """Steps reduced reliably from the start (tolerance 0)."""
-        self._norms: list = []
+        self._norms: List[float] = []
         self._previous_mean: Optional[float] = None
         self._vote = 0.0                 # this rank: the signal says "still critical"
         self._votes = np.zeros(2)        # (lost fraction, vote), agreed with MAX
@@ -120,7 +120,7 @@ class PhaseAwareTolerance:
         """Does the step under way end with the small reliable all-reduce?"""
         return self.tolerance() < 1.0 or self.critical_ended is None
 
-    def agree(self, comm: MPI.Intracomm, lost: float) -> float:
+    def agree(self, comm: MPI.Comm, lost: float) -> float:
         """Collective: the largest loss of any rank in this step; also
         settles the gradient-norm vote."""
         self._votes[0] = lost

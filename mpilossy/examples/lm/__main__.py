@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import List, Optional
 
 from mpi4py import MPI
 
@@ -72,7 +73,7 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     cfg = Config(reduce=args.reduce, loss=loss_spec(args.loss), timeout=args.timeout,
                  block_bytes=args.block_bytes, algorithm=args.algorithm,

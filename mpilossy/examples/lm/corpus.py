@@ -13,7 +13,7 @@ from __future__ import annotations
 import pathlib
 import sysconfig
 import zlib
-from typing import List, NamedTuple
+from typing import List, NamedTuple, Set
 
 import numpy as np
 
@@ -47,7 +47,8 @@ def load(root: str = "") -> Corpus:
         raise FileNotFoundError(f"no Python sources under {base}")
     train: List[bytes] = []
     val: List[bytes] = []
-    train_mods, val_mods = set(), set()
+    train_mods: Set[str] = set()
+    val_mods: Set[str] = set()
     for path in files:
         module = module_of(path, base)
         (val if is_validation(module) else train).append(path.read_bytes())

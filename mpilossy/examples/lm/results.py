@@ -269,7 +269,7 @@ def plot(data: Dict[str, List[dict]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
-def main(argv=None) -> int:
+def main(argv: Optional[List[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mpilossy.examples.lm.results",
                                  description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -96,20 +96,28 @@ def perplexity(model: TinyGPT, val: torch.Tensor, batch: int = 64) -> float:
 class MPIAllreduce:
     """The reliable baseline: one MPI_Allreduce of all gradients per step."""
 
-    def __init__(self, comm: MPI.Intracomm, params: List[torch.Tensor]) -> None:
+    def __init__(self, comm: MPI.Intracomm, params: Sequence[torch.Tensor]) -> None:
         self.comm, self.params = comm, params
         self.flat = torch.zeros(sum(p.numel() for p in params))
 
     def __call__(self) -> float:
         began = time.perf_counter()
-        torch.cat([p.grad.reshape(-1) for p in self.params], out=self.flat)
+        grads = [gradient(p) for p in self.params]
+        torch.cat([g.reshape(-1) for g in grads], out=self.flat)
         self.comm.Allreduce(MPI.IN_PLACE, self.flat.numpy(), op=MPI.SUM)
         self.flat /= self.comm.size
         offset = 0
-        for p in self.params:
-            p.grad.copy_(self.flat[offset:offset + p.numel()].view_as(p))
+        for p, g in zip(self.params, grads):
+            g.copy_(self.flat[offset:offset + p.numel()].view_as(p))
             offset += p.numel()
         return time.perf_counter() - began
+
+
+def gradient(p: torch.Tensor) -> torch.Tensor:
+    """p's gradient (after backward, every parameter of TinyGPT has one)."""
+    if p.grad is None:
+        raise RuntimeError("a parameter has no gradient")
+    return p.grad
 
 
 def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = True) -> Dict[str, Any]:
@@ -138,9 +146,11 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
 
     lc = None
     tolerance = None
+    optimizer: torch.optim.Optimizer = inner
+    wrapped: Optional[mt.WrappedOptimizer] = None      # (mpilossy's wrapper of `inner`)
+    drift_control: Optional[mt.DriftController]
     if cfg.reduce == "mpi":
         reduce_mpi = MPIAllreduce(comm, params)
-        optimizer = inner
         drift_control = mt.DriftController(model, comm=comm, measure_every=cfg.measure_every)
     else:
         # Each seed draws its own losses too.
@@ -155,19 +165,21 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
         if cfg.phase_aware:
             tolerance = mt.PhaseAwareTolerance(critical_steps=int(cfg.steps * cfg.critical_fraction))
         if cfg.mode == "sharded":
-            optimizer = mt.ShardedOptimizer(inner, model.named_parameters(), lc,
-                                            resync_every=cfg.resync_every,
-                                            measure_every=cfg.measure_every,
-                                            error_feedback=cfg.error_feedback,
-                                            missed=cfg.missed)
+            wrapped = mt.ShardedOptimizer(inner, model.named_parameters(), lc,
+                                          resync_every=cfg.resync_every,
+                                          measure_every=cfg.measure_every,
+                                          error_feedback=cfg.error_feedback,
+                                          missed=cfg.missed)
         else:
-            optimizer = mt.DistributedOptimizer(inner, model.named_parameters(), lc,
-                                                broadcast_every=cfg.resync_every,
-                                                measure_every=cfg.measure_every,
-                                                broadcast_state=cfg.resync == "average",
-                                                resync=cfg.resync, tolerance=tolerance,
-                                                error_feedback=cfg.error_feedback)
-        drift_control = optimizer.drift_control
+            wrapped = mt.DistributedOptimizer(inner, model.named_parameters(), lc,
+                                              broadcast_every=cfg.resync_every,
+                                              measure_every=cfg.measure_every,
+                                              broadcast_state=cfg.resync == "average",
+                                              resync=cfg.resync, tolerance=tolerance,
+                                              error_feedback=cfg.error_feedback)
+        optimizer = wrapped
+        drift_control = wrapped.drift_control
+    assert drift_control is not None        # (measure_every is always given)
 
     bar = None
     if progress and rank == 0:
@@ -194,8 +206,10 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
                 # to ~100 ms apart, which a 50 ms deadline would count as
                 # loss; lined up, the loss measured is the injected one.
                 comm.Barrier()
+            assert wrapped is not None
             optimizer.step()
-            stats = optimizer.stats
+            stats = wrapped.stats
+            assert stats is not None        # (after a step)
             delivered.append(stats.delivered)
             comm_seconds += stats.comm_seconds + stats.sync_seconds
         losses.append(loss.item())
