@@ -71,7 +71,7 @@ def _datagram_channel() -> str:
 def report(comm: MPI.Comm) -> Optional[List[str]]:
     """The report's lines on rank 0 (None elsewhere).  Collective."""
     ranks = comm.gather(_rank_line(), root=0)
-    if comm.Get_rank() != 0:
+    if ranks is None:           # not rank 0
         return None
     libraries = mpilossy._loaded_mpi_libraries()
     env = settings.from_environment()

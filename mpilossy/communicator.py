@@ -8,7 +8,7 @@ import itertools
 import math
 import os
 import weakref
-from typing import Any, NamedTuple, Optional, Union
+from typing import Any, NamedTuple, Optional, Type, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -369,21 +369,18 @@ class Communicator:
     @property
     def calls(self) -> int:
         """Calls made so far (the sequence number of the last one)."""
-        self._alive()
-        return self._core.seq
+        return self._alive().seq
 
     def channel_info(self) -> dict:
         """The channel and, for "ud", its provider, domain, datagram size and
         counters of datagrams dropped by cause (foreign, truncated, malformed,
         forged, stale, future, unexpected, duplicate, mismatch; docs/ud.md)."""
-        self._alive()
-        return self._core.channel_info()
+        return self._alive().channel_info()
 
     @property
     def shared_memory_peers(self) -> int:
         """Peers read through shared memory; the others through MPI_Rget."""
-        self._alive()
-        return self._core.shared_peers
+        return self._alive().shared_peers
 
     # -- lifetime ------------------------------------------------------------
     def free(self) -> None:
@@ -411,9 +408,11 @@ class Communicator:
         return (f"<mpilossy.Communicator {state} channel={self._channel!r} "
                 f"timeout={self.timeout!r} loss={self._loss_models!r}>")
 
-    def _alive(self) -> None:
+    def _alive(self) -> _core.Core:
+        """The compiled core; raises once the communicator was freed."""
         if self._core is None:
             raise MPILossyError("this mpilossy.Communicator was freed")
+        return self._core
 
     # -- collectives -----------------------------------------------------------
     def allreduce(self, sendbuf: Any, recvbuf: Any = None, *, op: str = "sum",
@@ -486,7 +485,7 @@ class Communicator:
         """Validate (every failure goes to every rank), run, report.  Every
         rank counts every call, whatever fails, so that the call numbers (and
         the auto deadline's schedule) stay the same on every rank."""
-        self._alive()
+        core = self._alive()
         self._copy_back = None
         spent = 0.0
         try:
@@ -502,9 +501,8 @@ class Communicator:
             validation = kind is not None
             message = str(exc) if validation else (
                 f"rank {self.rank} could not take part: {type(exc).__name__}: {exc}")
-            result = self._core.fail(_core.ERRORS[kind or "protocol"], message,
-                                     self._fail_timeout())
-            if validation:
+            result = core.fail(_core.ERRORS[kind or "protocol"], message, self._fail_timeout())
+            if isinstance(exc, Exception) and validation:
                 raise self._error(coll, result, type(exc)) from None
             raise
         dtype = _buffers.DTYPE_CODES[send.dtype]
@@ -515,7 +513,7 @@ class Communicator:
             if spent:       # the agreement's wait is part of this call's deadline
                 budget = max(tmo - spent, 0.25 * tmo)
         copy_back, self._copy_back = self._copy_back, None
-        result = self._core.collective(send, recv, coll, dtype, opcode, algo, budget)
+        result = core.collective(send, recv, coll, dtype, opcode, algo, budget)
         if copy_back is not None and not result.err_kind:
             self._copy_out(*copy_back)
         start, anchor, end = result.timing
@@ -539,7 +537,7 @@ class Communicator:
                                COLLECTIVE_NAMES[coll], None if tmo < 0 else tmo, result.agreed,
                                contributors)
 
-    def _watch_lag(self, result: tuple) -> None:
+    def _watch_lag(self, result: _core.CallResult) -> None:
         """A rank that finds every peer already past its call (only its own
         data in the result, blocks `gone`, none late) catches up by itself:
         such calls return at once while the peers wait for it.  One that
@@ -697,7 +695,7 @@ class Communicator:
                     "\tdelivered\tlost_injected\tlost_late\tlost_gone\tlost_torn\terror\n")
         return trace
 
-    def _write_trace(self, result: tuple, coll: int, algo: int, nbytes: int,
+    def _write_trace(self, result: _core.CallResult, coll: int, algo: int, nbytes: int,
                      timeout: float) -> None:
         start, anchor, _end = result.timing
         self._trace.write("\t".join(map(str, (
@@ -706,7 +704,8 @@ class Communicator:
             f"{(anchor - start) * 1e3:.3f}" if anchor >= 0 else "-", f"{result.elapsed * 1e3:.3f}",
             f"{result.delivered:.4f}", *result.lost_blocks, result.err_kind))) + "\n")
 
-    def _error(self, coll: int, result: tuple, local: Optional[type] = None) -> Exception:
+    def _error(self, coll: int, result: _core.CallResult,
+               local: Optional[Type[Exception]] = None) -> Exception:
         kind, rank, message, seq = result.err_kind, result.err_rank, result.err_msg, result.seq
         cls = _EXCEPTIONS.get(kind, MPILossyError)
         if local is not None and kind != _core.ERRORS["mismatch"]:
