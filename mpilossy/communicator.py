@@ -8,7 +8,7 @@ import itertools
 import math
 import os
 import weakref
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -210,7 +210,7 @@ class Communicator:
     """
 
     def __init__(self, comm: Optional[MPI.Comm] = None, *, channel: str = "rma",
-                 timeout: Optional[float] = _UNSET, loss: Any = _UNSET,
+                 timeout: Union[float, str, None] = _UNSET, loss: Any = _UNSET,
                  algorithm: str = "auto", block_bytes: Optional[int] = None,
                  capacity: int = DEFAULT_CAPACITY, tree_radix: Optional[int] = None,
                  scaling: str = "unbiased", rotate: bool = True) -> None:
