@@ -1,17 +1,28 @@
-"""Timing loop and nccl-tests style table for lossy vs reliable all-reduce."""
+"""``mpiexec -n 4 python -m mpilossy.bench allreduce [options]``: lossy
+all-reduce against MPI_Allreduce, side by side, nccl-tests style table on
+rank 0 (the command ``python -m mpilossy.bench`` runs when given none).
+With --scenario, tail latency under a straggler or a microburst instead."""
 
 from __future__ import annotations
 
-import json
+import argparse
 import math
+import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
 
 import mpilossy
+
+from .harness import figure, parse_size, parse_sizes, save_figure, say, size_range, write_json
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+Timeout = Union[float, str, None]     # seconds, "auto" or None
 
 TYPE_NAMES = {"float16": "half", "float32": "float", "float64": "double",
               "int32": "int32", "int64": "int64"}
@@ -24,7 +35,7 @@ class BenchConfig:
     op: str = "sum"
     algorithms: Sequence[str] = ("ring",)
     channels: Sequence[str] = ("rma",)
-    timeout: Optional[float] = None
+    timeout: Timeout = None
     loss: Optional[str] = None
     iters: int = 20
     warmup: int = 5
@@ -51,8 +62,8 @@ class Row:
     p50_us: float
     p99_us: float
     mpi_p99_us: float
-    times_us: list = field(default_factory=list, repr=False)
-    mpi_times_us: list = field(default_factory=list, repr=False)
+    times_us: List[float] = field(default_factory=list, repr=False)
+    mpi_times_us: List[float] = field(default_factory=list, repr=False)
 
 
 def bus_factor(nranks: int) -> float:
@@ -65,14 +76,10 @@ def _data(count: int, rank: int, dtype: np.dtype, salt: int = 0) -> np.ndarray:
     return ((np.arange(count, dtype=np.int64) * 7 + 3 * rank + salt) % 23).astype(dtype)
 
 
-def _slowest(comm: MPI.Comm, seconds: float) -> float:
-    return comm.allreduce(seconds, op=MPI.MAX)
-
-
 def run_allreduce_bench(comm: MPI.Comm, cfg: BenchConfig,
-                        progress: Optional[Callable[[str], None]] = None) -> list:
+                        progress: Optional[Callable[[str], None]] = None) -> List[Row]:
     """Measure every (size, algorithm); return rows (identical on all ranks)."""
-    rows = []
+    rows: List[Row] = []
     for channel in cfg.channels:
         with mpilossy.Communicator(comm, channel=channel, timeout=cfg.timeout, loss=cfg.loss,
                                    block_bytes=cfg.block_bytes,
@@ -81,7 +88,8 @@ def run_allreduce_bench(comm: MPI.Comm, cfg: BenchConfig,
     return rows
 
 
-def _sweep(comm, lc, cfg, channel, progress) -> list:
+def _sweep(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channel: str,
+           progress: Optional[Callable[[str], None]]) -> List[Row]:
     dtype = np.dtype(cfg.dtype)
     rows = []
     for size in cfg.sizes:
@@ -107,7 +115,8 @@ def _sweep(comm, lc, cfg, channel, progress) -> list:
 BATCH = 5   # calls per timed batch
 
 
-def _measure(comm, lc, cfg, channel, algorithm, send, exact, scale) -> Row:
+def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channel: str,
+             algorithm: str, send: np.ndarray, exact: np.ndarray, scale: float) -> Row:
     """nccl-tests style: back-to-back calls timed in batches, the slowest
     rank's batch time divided by its calls.  Batches of MPI_Allreduce and of
     mpilossy alternate, so that drift in the machine's load hits both alike.
@@ -116,16 +125,18 @@ def _measure(comm, lc, cfg, channel, algorithm, send, exact, scale) -> Row:
     mpi_send = send.astype(np.float64) if send.dtype == np.float16 else send
     mpi_recv = np.empty_like(mpi_send)
     totals = {"mpi": 0.0, "lossy": 0.0}
-    calls = {"mpi": [], "lossy": []}
-    delivered = []
+    calls: Dict[str, List[float]] = {"mpi": [], "lossy": []}
+    delivered: List[float] = []
     wrong, max_err = 0, 0.0
     done = 0
 
-    def lossy():
+    def lossy() -> Optional[mpilossy.CollectiveStats]:
         return lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm)
 
-    def mpi():
+    def mpi() -> None:
         comm.Allreduce(mpi_send, mpi_recv)
+
+    fn: Callable[[], Optional[mpilossy.CollectiveStats]]
 
     for phase, count in (("warmup", cfg.warmup), ("measure", cfg.iters)):
         left = count
@@ -140,7 +151,7 @@ def _measure(comm, lc, cfg, channel, algorithm, send, exact, scale) -> Row:
                     stats = fn()
                     if phase == "measure":
                         calls[name].append(time.perf_counter() - t0)
-                        if name == "lossy":
+                        if stats is not None:
                             delivered.append(stats.delivered)
                 elapsed = comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
                 if phase == "measure":
@@ -179,7 +190,7 @@ UNITS = ("#        (B)  (elements)                                         (us) 
          "      (us)    (GB/s) mpi/us                             (us)         (us)")
 
 
-def format_table(rows: list, comm: MPI.Comm, cfg: BenchConfig) -> str:
+def format_table(rows: Sequence[Row], comm: MPI.Comm, cfg: BenchConfig) -> str:
     vendor = " ".join(MPI.Get_library_version().split()[:3])
     lines = [
         f"# mpilossy.bench allreduce: {comm.size} ranks, {vendor}, mpilossy {mpilossy.__version__}",
@@ -204,9 +215,10 @@ def format_table(rows: list, comm: MPI.Comm, cfg: BenchConfig) -> str:
     return "\n".join(lines)
 
 
-def write_json(path: str, rows: list, comm: MPI.Comm, cfg: BenchConfig,
-               tail_rows: Sequence = ()) -> None:
-    doc = {
+def document(rows: Sequence[Row], comm: MPI.Comm, cfg: BenchConfig,
+             tail_rows: Sequence[TailRow] = ()) -> Dict[str, Any]:
+    """Every number of a run, for --json."""
+    return {
         "ranks": comm.size,
         "mpi": " ".join(MPI.Get_library_version().split()[:3]),
         "mpilossy": mpilossy.__version__,
@@ -214,8 +226,6 @@ def write_json(path: str, rows: list, comm: MPI.Comm, cfg: BenchConfig,
         "rows": [asdict(r) for r in rows],
         "tail": [asdict(r) for r in tail_rows],
     }
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
 
 
 # -- tail latency under stragglers and microbursts ------------------------------
@@ -235,16 +245,16 @@ class TailRow:
     max_us: float
     p99_ratio: float          # MPI p99 / mpilossy p99 (> 1: mpilossy better)
     delivered: float
-    lossy_timeouts: list = field(default_factory=list, repr=False)
-    times_us: list = field(default_factory=list, repr=False)
-    mpi_times_us: list = field(default_factory=list, repr=False)
+    lossy_timeouts: List[float] = field(default_factory=list, repr=False)
+    times_us: List[float] = field(default_factory=list, repr=False)
+    mpi_times_us: List[float] = field(default_factory=list, repr=False)
 
 
-def parse_scenario(text: str) -> dict:
+def parse_scenario(text: str) -> Dict[str, Any]:
     """'straggler:rank=3,delay=0.02,prob=0.05' or
     'microburst:p_good_to_bad=0.01,p_bad_to_good=0.2,rto=0.005'."""
     kind, _, args = text.partition(":")
-    params = {}
+    params: Dict[str, float] = {}
     for item in filter(None, args.split(",")):
         key, _, value = item.partition("=")
         params[key.strip()] = float(value)
@@ -262,7 +272,7 @@ def parse_scenario(text: str) -> dict:
     return {"kind": kind, **params}
 
 
-def run_tail_bench(comm: MPI.Comm, cfg: BenchConfig, scenario: str) -> list:
+def run_tail_bench(comm: MPI.Comm, cfg: BenchConfig, scenario: str) -> List[TailRow]:
     """The same disturbance applied to MPI_Allreduce and to mpilossy.
 
     Each rank's time *inside* the call is recorded, over every call and rank:
@@ -274,7 +284,7 @@ def run_tail_bench(comm: MPI.Comm, cfg: BenchConfig, scenario: str) -> list:
     the burst hit any link (a reliable transport resends after a timeout and
     every rank waits for the slowest) — an emulation, stated as such."""
     s = parse_scenario(scenario)
-    rows = []
+    rows: List[TailRow] = []
     straggler = int(s["rank"]) if s["kind"] == "straggler" and s["rank"] >= 0 else comm.size - 1
     loss = None
     if s["kind"] == "microburst":
@@ -290,12 +300,16 @@ def run_tail_bench(comm: MPI.Comm, cfg: BenchConfig, scenario: str) -> list:
     return rows
 
 
-def _tail(comm, lc, cfg, s, straggler, size, algorithm, channel) -> TailRow:
+def _tail(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, s: Dict[str, Any],
+          straggler: int, size: int, algorithm: str, channel: str) -> TailRow:
     dtype = np.dtype(cfg.dtype)
     send = _data(max(size // dtype.itemsize, 0), comm.rank, dtype)
     recv, mpi_recv = np.empty_like(send), np.empty_like(send)
     rng = np.random.default_rng(int(s["seed"]))          # the same draws on every rank
-    mine, mpi_mine, delivered, timeouts = [], [], [], []
+    mine: List[float] = []
+    mpi_mine: List[float] = []
+    delivered: List[float] = []
+    timeouts: List[Optional[float]] = []
     for it in range(cfg.warmup + cfg.iters):
         late = s["kind"] == "straggler" and rng.random() < s["prob"]
         comm.Barrier()
@@ -336,7 +350,7 @@ def _tail(comm, lc, cfg, s, straggler, size, algorithm, channel) -> TailRow:
         times_us=times.tolist(), mpi_times_us=mpi_times.tolist())
 
 
-def format_tail(rows: list, comm: MPI.Comm, cfg: BenchConfig) -> str:
+def format_tail(rows: Sequence[TailRow], comm: MPI.Comm, cfg: BenchConfig) -> str:
     lines = [
         f"# tail latency: {comm.size} ranks, timeout {cfg.timeout}, iters {cfg.iters}; "
         "time inside the call, every rank and call",
@@ -354,27 +368,19 @@ def format_tail(rows: list, comm: MPI.Comm, cfg: BenchConfig) -> str:
     return "\n".join(lines)
 
 
-def plot(path: str, rows: list, tail_rows: list) -> None:
+def plot(path: str, rows: Sequence[Row], tail_rows: Sequence[TailRow]) -> None:
     """busbw against size (mpilossy and MPI_Allreduce), and, with a scenario,
     the distribution of per-call times (CDF) of both."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     panels = (1 if rows else 0) + (1 if tail_rows else 0)
-    fig, axes = plt.subplots(1, max(panels, 1), figsize=(6.5 * max(panels, 1), 4.5),
-                             squeeze=False)
-    axes = list(axes[0])
+    fig, axes = figure(max(panels, 1), 6.5, 4.5)
     if rows:
         _plot_busbw(axes.pop(0), rows)
     if tail_rows:
         _plot_cdf(axes.pop(0), tail_rows)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
-def _plot_busbw(ax, rows) -> None:
+def _plot_busbw(ax: Axes, rows: Sequence[Row]) -> None:
     groups = sorted({(r.algorithm, r.channel) for r in rows})
     for algorithm, channel in groups:
         sel = sorted((r for r in rows if (r.algorithm, r.channel) == (algorithm, channel)),
@@ -382,7 +388,7 @@ def _plot_busbw(ax, rows) -> None:
         ax.plot([r.size for r in sel], [r.busbw for r in sel], "o-",
                 label=f"mpilossy {algorithm}/{channel}")
     if rows:
-        ref = {}
+        ref: Dict[int, List[float]] = {}
         for r in rows:
             ref.setdefault(r.size, []).append(r.mpi_busbw)
         sizes = sorted(ref)
@@ -395,7 +401,7 @@ def _plot_busbw(ax, rows) -> None:
     ax.legend(fontsize=8)
 
 
-def _plot_cdf(ax, tail_rows) -> None:
+def _plot_cdf(ax: Axes, tail_rows: Sequence[TailRow]) -> None:
     for r in tail_rows:
         for label, times, style in ((f"mpilossy {r.algorithm}/{r.channel}", r.times_us, "-"),
                                     ("MPI_Allreduce", r.mpi_times_us, "--")):
@@ -407,3 +413,62 @@ def _plot_cdf(ax, tail_rows) -> None:
     ax.set_title(tail_rows[0].scenario, fontsize=9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+
+
+# -- the command line ------------------------------------------------------------
+
+def parse_timeout(text: str) -> Timeout:
+    text = str(text).strip().lower()
+    if text in ("", "none", "inf"):
+        return None
+    return "auto" if text == "auto" else float(text)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"))
+    p.add_argument("-e", "--maxbytes", type=parse_size, default=parse_size("16M"))
+    p.add_argument("-f", "--stepfactor", type=int, default=4)
+    p.add_argument("--sizes", help="comma-separated sizes (overrides -b/-e/-f), e.g. 64K,1M,16M")
+    p.add_argument("-d", "--dtype", default="float32",
+                   choices=["float16", "float32", "float64", "int32", "int64"])
+    p.add_argument("-o", "--op", default="sum", choices=["sum", "avg"])
+    p.add_argument("-a", "--algorithm", default="ring",
+                   help="ring, tree, auto, or a comma-separated list")
+    p.add_argument("-c", "--channel", default="rma", help="rma, ud, or a comma-separated list")
+    p.add_argument("-t", "--timeout", type=parse_timeout,
+                   default=parse_timeout(os.environ.get("MPILOSSY_TIMEOUT", "none")),
+                   help="seconds, 'auto' or 'none' (default: $MPILOSSY_TIMEOUT, else none)")
+    p.add_argument("--loss", default=os.environ.get("MPILOSSY_LOSS") or None,
+                   help="loss model, MPILOSSY_LOSS syntax (default: $MPILOSSY_LOSS)")
+    p.add_argument("--scenario", default=None,
+                   help="tail latency: 'straggler:rank=R,delay=S,prob=P' or "
+                        "'microburst:p_good_to_bad=A,p_bad_to_good=B,rto=S', applied to "
+                        "MPI_Allreduce and mpilossy alike")
+    p.add_argument("-n", "--iters", type=int, default=20)
+    p.add_argument("-w", "--warmup", type=int, default=5)
+    p.add_argument("--block-bytes", type=parse_size, default=None)
+    p.add_argument("--json", metavar="FILE", help="write every number as JSON")
+    p.add_argument("--plot", metavar="FILE.png", help="busbw against size, and the latency CDF "
+                   "of the scenario (needs matplotlib)")
+
+
+def run(args: argparse.Namespace) -> int:
+    comm = MPI.COMM_WORLD
+    sizes = (parse_sizes(args.sizes) if args.sizes
+             else size_range(args.minbytes, args.maxbytes, args.stepfactor))
+    cfg = BenchConfig(sizes=sizes, dtype=args.dtype, op=args.op,
+                      algorithms=[a.strip() for a in args.algorithm.split(",")],
+                      channels=[c.strip() for c in args.channel.split(",")],
+                      timeout=args.timeout, loss=args.loss, iters=args.iters,
+                      warmup=args.warmup, block_bytes=args.block_bytes)
+    rows = run_allreduce_bench(comm, cfg) if not args.scenario else []
+    tail = run_tail_bench(comm, cfg, args.scenario) if args.scenario else []
+    if rows:
+        say(comm, format_table(rows, comm, cfg))
+    if tail:
+        say(comm, format_tail(tail, comm, cfg))
+    if comm.rank == 0:
+        write_json(args.json, document(rows, comm, cfg, tail))
+        if args.plot:
+            plot(args.plot, rows, tail)
+    return 0

@@ -1,8 +1,8 @@
 """Measurements behind docs/training.md (printed by rank 0).
 
-    mpiexec -n 4 python -m mpilossy.torch.bench drift     # drift: all-reduce + broadcast vs sharded
-    mpiexec -n 4 python -m mpilossy.torch.bench drift --steps 3000 --modes allreduce,sharded --plot d.png
-    mpiexec -n 2 python -m mpilossy.torch.bench overlap   # DDP hook: inline vs background thread
+    mpiexec -n 4 python -m mpilossy.bench torch drift     # drift: all-reduce + broadcast vs sharded
+    mpiexec -n 4 python -m mpilossy.bench torch drift --steps 3000 --modes allreduce,sharded --plot d.png
+    mpiexec -n 2 python -m mpilossy.bench torch overlap   # DDP hook: inline vs background thread
 
 Both train a small MLP on a synthetic regression task (a fixed random
 teacher), every rank on its own data.
@@ -13,15 +13,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import List
+from typing import Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from mpi4py import MPI
 
 import mpilossy
+from mpilossy.torch import (AllreduceHookState, DistributedOptimizer, ShardedOptimizer,
+                            allreduce_hook, broadcast_parameters, destroy_process_group,
+                            init_process_group)
+from mpilossy.torch.optimizer import _Wrapped
 
-from . import (AllreduceHookState, DistributedOptimizer, ShardedOptimizer, allreduce_hook,
-               broadcast_parameters, destroy_process_group, init_process_group)
+from .harness import figure, save_figure, say
 
 
 def mlp(width: int, layers: int, inputs: int = 32, outputs: int = 8) -> torch.nn.Module:
@@ -33,28 +36,36 @@ def mlp(width: int, layers: int, inputs: int = 32, outputs: int = 8) -> torch.nn
     return torch.nn.Sequential(*mods, torch.nn.Linear(sizes[-1], outputs))
 
 
-def data(rank: int, step: int, batch: int, inputs: int = 32, outputs: int = 8):
+def data(rank: int, step: int, batch: int, inputs: int = 32,
+         outputs: int = 8) -> Tuple[torch.Tensor, torch.Tensor]:
     teacher = torch.randn(inputs, outputs, generator=torch.Generator().manual_seed(99)) / 4
     x = torch.randn(batch, inputs, generator=torch.Generator().manual_seed(step * 1000 + rank))
     return x, torch.sin(x @ teacher)
 
 
+class Mode(NamedTuple):
+    wrapper: str                    # "replicated" (DistributedOptimizer) or "sharded"
+    resync: Optional[str]           # re-synchronisation: "broadcast", "average", "resync"
+    feedback: bool                  # error feedback
+    missed: str = "keep"            # missed blocks (sharded)
+
+
 MODES = {
-    # mode: (wrapper, re-synchronisation, error feedback, missed blocks)
-    "allreduce": ("replicated", None, False, None),
-    "allreduce+bcast": ("replicated", "broadcast", False, None),
-    "allreduce+average": ("replicated", "average", False, None),
-    "sharded": ("sharded", None, False, "keep"),
-    "sharded+resync": ("sharded", "resync", False, "keep"),
-    "sharded+extrapolate": ("sharded", None, False, "extrapolate"),
-    "sharded+ef": ("sharded", None, True, "keep"),
+    "allreduce": Mode("replicated", None, False),
+    "allreduce+bcast": Mode("replicated", "broadcast", False),
+    "allreduce+average": Mode("replicated", "average", False),
+    "sharded": Mode("sharded", None, False),
+    "sharded+resync": Mode("sharded", "resync", False),
+    "sharded+extrapolate": Mode("sharded", None, False, "extrapolate"),
+    "sharded+ef": Mode("sharded", None, True),
 }
 
 
 def drift(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     loss = mpilossy.loss.Bernoulli(args.loss, seed=1) if args.loss else None
-    rows, curves = [], {}
+    rows = []
+    curves: Dict[str, List[Tuple[int, float]]] = {}
     for mode in args.modes:
         wrapper, resync, feedback, missed = MODES[mode]
         lc = mpilossy.Communicator(comm, timeout=args.timeout, loss=loss,
@@ -73,7 +84,11 @@ def drift(args: argparse.Namespace) -> None:
                 inner, model.named_parameters(), lc, measure_every=args.measure_every,
                 broadcast_every=args.broadcast_every if resync else None,
                 resync=resync or "broadcast", broadcast_state=resync == "average")
-        drifts, delivered, comm_s, losses = [], [], 0.0, []
+        assert isinstance(opt, _Wrapped)       # what both wrappers return
+        drifts: List[float] = []
+        delivered: List[float] = []
+        losses: List[float] = []
+        comm_s = 0.0
         began = time.perf_counter()
         for step in range(args.steps):
             opt.zero_grad()
@@ -82,6 +97,7 @@ def drift(args: argparse.Namespace) -> None:
             value.backward()
             opt.step()
             s = opt.stats
+            assert s is not None                # a step has run
             delivered.append(s.delivered)
             comm_s += s.comm_seconds
             if s.drift is not None:
@@ -90,6 +106,7 @@ def drift(args: argparse.Namespace) -> None:
         wall = time.perf_counter() - began
         tail = losses[-max(1, args.steps // 10):]
         control = opt.drift_control
+        assert control is not None              # measure_every is given
         per_bcast = control.broadcast_seconds / control.broadcasts if control.broadcasts else 0.0
         per_measure = control.measure_seconds / len(control.history)
         rows.append((mode, statistics.mean(drifts), max(drifts), drifts[-1],
@@ -103,29 +120,24 @@ def drift(args: argparse.Namespace) -> None:
         lc.free()
     if comm.rank == 0 and args.plot:
         plot_drift(curves, args)
-    if comm.rank == 0:
-        n = sum(p.numel() for p in mlp(args.width, args.layers).parameters())
-        print(f"# {comm.size} ranks, {n} parameters, {args.steps} steps, loss {args.loss}, "
-              f"timeout {args.timeout} s, block {args.block_bytes} B, drift every "
-              f"{args.measure_every} steps, broadcast every {args.broadcast_every}")
-        print("# drift: relative L2 distance from the rank average (largest rank), measured\n"
-              "# before any broadcast of the same step; comm ms: lossy calls per step; bcast ms:\n"
-              "# per re-synchronisation; meter ms: per drift measurement; loss: mean of the last\n"
-              "# tenth of the steps")
-        print(f"# {'mode':<16} {'drift mean':>10} {'drift max':>10} {'drift end':>10} "
-              f"{'delivered':>9} {'comm ms':>8} {'bcast ms':>8} {'meter ms':>8} {'step ms':>8} "
-              f"{'loss':>8}")
-        for r in rows:
-            print(f"  {r[0]:<16} {r[1]:10.2e} {r[2]:10.2e} {r[3]:10.2e} {r[4]:9.4f} "
-                  f"{r[5]:8.2f} {r[6]:8.2f} {r[7]:8.2f} {r[8]:8.2f} {r[9]:8.5f}")
+    n = sum(p.numel() for p in mlp(args.width, args.layers).parameters())
+    say(comm,
+        f"# {comm.size} ranks, {n} parameters, {args.steps} steps, loss {args.loss}, "
+        f"timeout {args.timeout} s, block {args.block_bytes} B, drift every "
+        f"{args.measure_every} steps, broadcast every {args.broadcast_every}",
+        "# drift: relative L2 distance from the rank average (largest rank), measured\n"
+        "# before any broadcast of the same step; comm ms: lossy calls per step; bcast ms:\n"
+        "# per re-synchronisation; meter ms: per drift measurement; loss: mean of the last\n"
+        "# tenth of the steps",
+        f"# {'mode':<16} {'drift mean':>10} {'drift max':>10} {'drift end':>10} "
+        f"{'delivered':>9} {'comm ms':>8} {'bcast ms':>8} {'meter ms':>8} {'step ms':>8} "
+        f"{'loss':>8}",
+        *(f"  {r[0]:<16} {r[1]:10.2e} {r[2]:10.2e} {r[3]:10.2e} {r[4]:9.4f} "
+          f"{r[5]:8.2f} {r[6]:8.2f} {r[7]:8.2f} {r[8]:8.2f} {r[9]:8.5f}" for r in rows))
 
 
-def plot_drift(curves: dict, args: argparse.Namespace) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+def plot_drift(curves: Dict[str, List[Tuple[int, float]]], args: argparse.Namespace) -> None:
+    fig, (ax,) = figure(1, 7, 4)
     for mode, history in curves.items():
         steps = [s for s, _ in history]
         ax.plot(steps, [max(d, 1e-7) for _, d in history], lw=1, label=mode)
@@ -135,8 +147,7 @@ def plot_drift(curves: dict, args: argparse.Namespace) -> None:
     ax.set_title(f"{MPI.COMM_WORLD.size} ranks, {args.loss:.0%} block loss, "
                  f"re-sync every {args.broadcast_every} where on", fontsize=9)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(args.plot, dpi=120)
+    save_figure(fig, args.plot)
 
 
 def overlap(args: argparse.Namespace) -> None:
@@ -144,7 +155,7 @@ def overlap(args: argparse.Namespace) -> None:
     comm = MPI.COMM_WORLD
     init_process_group()
     loss = mpilossy.loss.Bernoulli(args.loss, seed=1) if args.loss else None
-    results = {}
+    results: Dict[bool, List[float]] = {}
     for background in (False, True, False, True):      # twice each, interleaved
         lc = mpilossy.Communicator(comm, timeout=args.timeout, loss=loss,
                                    capacity=2 * args.bucket_mb * 2 ** 20)
@@ -168,17 +179,24 @@ def overlap(args: argparse.Namespace) -> None:
         lc.free()
         results.setdefault(background, []).extend(times)
     destroy_process_group()
-    if comm.rank == 0:
-        n = sum(p.numel() for p in mlp(args.width, args.layers).parameters())
-        print(f"# {comm.size} ranks, {n} parameters, {buckets} buckets, batch {args.batch}, "
-              f"{torch.get_num_threads()} torch threads, loss {args.loss}, timeout {args.timeout}")
-        for background, times in results.items():
-            print(f"  background={background!s:<5} step median {statistics.median(times) * 1e3:7.2f} ms"
-                  f"  p90 {sorted(times)[int(0.9 * len(times))] * 1e3:7.2f} ms")
+    n = sum(p.numel() for p in mlp(args.width, args.layers).parameters())
+    say(comm,
+        f"# {comm.size} ranks, {n} parameters, {buckets} buckets, batch {args.batch}, "
+        f"{torch.get_num_threads()} torch threads, loss {args.loss}, timeout {args.timeout}",
+        *(f"  background={background!s:<5} step median {statistics.median(times) * 1e3:7.2f} ms"
+          f"  p90 {sorted(times)[int(0.9 * len(times))] * 1e3:7.2f} ms"
+          for background, times in results.items()))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parse_modes(text: str) -> List[str]:
+    modes = text.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown modes: {', '.join(unknown)}")
+    return modes
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     d = sub.add_parser("drift")
     d.add_argument("--steps", type=int, default=400)
@@ -192,7 +210,7 @@ def main() -> None:
     d.add_argument("--measure-every", type=int, default=10)
     d.add_argument("--broadcast-every", type=int, default=50,
                    help="re-synchronisation period of the modes that have one")
-    d.add_argument("--modes", type=lambda t: t.split(","),
+    d.add_argument("--modes", type=parse_modes,
                    default=["allreduce", "allreduce+bcast", "sharded"],
                    help=f"comma-separated, of {', '.join(MODES)}")
     d.add_argument("--plot", help="write drift against step to this image (rank 0)")
@@ -205,11 +223,11 @@ def main() -> None:
     o.add_argument("--batch", type=int, default=256)
     o.add_argument("--bucket-mb", type=int, default=4)
     o.add_argument("--lr", type=float, default=0.01)
-    args = parser.parse_args()
-    if args.what == "drift" and set(args.modes) - set(MODES):
-        parser.error(f"unknown modes: {', '.join(sorted(set(args.modes) - set(MODES)))}")
-    drift(args) if args.what == "drift" else overlap(args)
 
 
-if __name__ == "__main__":
-    main()
+def run(args: argparse.Namespace) -> int:
+    if args.what == "drift":
+        drift(args)
+    else:
+        overlap(args)
+    return 0
