@@ -36,7 +36,7 @@ DEFAULT_CAPACITY = 4 * 1024 * 1024
 DEFAULT_TREE_RADIX = 4
 DEFAULT_MAX_BEHIND = 1000   # calls in a row behind every peer before LaggingError
 # Largest message for which algorithm="auto" picks the tree, by rank count,
-# measured with `mpiexec -n N python -m mpilossy.bench.crossover` on the
+# measured with `mpiexec -n N python -m mpilossy.bench crossover` on the
 # development machine (docs/performance.md).  Larger jobs could not be
 # measured there: they use TREE_MAX_BYTES_LARGE until calibrated
 # (MPILOSSY_TREE_MAX_BYTES overrides the table).
