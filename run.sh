@@ -15,9 +15,9 @@ NP=${NP:-4}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [ "${1:-lm}" = bench ]; then
     echo "== lossless: mpilossy against MPI_Allreduce, $NP ranks"
-    mpiexec -n "$NP" python -m mpilossy.bench --sizes 64K,1M,16M -a ring,tree
+    mpiexec -n "$NP" python -m mpilossy.bench allreduce --sizes 64K,1M,16M -a ring,tree
     echo "== 10% injected loss, 20 ms deadline"
-    mpiexec -n "$NP" python -m mpilossy.bench --sizes 64K,1M -a ring,tree --loss bernoulli:0.1 -t 0.02
+    mpiexec -n "$NP" python -m mpilossy.bench allreduce --sizes 64K,1M -a ring,tree --loss bernoulli:0.1 -t 0.02
 else
     echo "== byte-level transformer on the standard library's sources, $NP ranks, loss ${LOSS:-0.1}"
     mpiexec -n "$NP" python -m mpilossy.examples.lm --loss "${LOSS:-0.1}"

@@ -33,7 +33,7 @@ SCALINGS = ("unbiased", "zero-fill")
 
 DEFAULT_CAPACITY = 4 * 1024 * 1024
 # Largest message for which algorithm="auto" picks the tree, by rank count,
-# measured with `mpiexec -n N python -m mpilossy.bench.crossover` on the
+# measured with `mpiexec -n N python -m mpilossy.bench crossover` on the
 # development machine (docs/performance.md).  Larger jobs could not be
 # measured there: they use TREE_MAX_BYTES_LARGE until calibrated
 # (MPILOSSY_TREE_MAX_BYTES overrides the table).

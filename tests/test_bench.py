@@ -1,13 +1,14 @@
-"""The benchmarks run, print what they promise and write every number.
+"""The benchmarks run, print what they promise and write every number:
+each command of ``python -m mpilossy.bench`` once, at a small size.
 Structure and correctness only: a benchmark is not a timed test."""
 
 import json
 import math
+import sys
 
-import numpy as np
 import pytest
 
-from helpers import clean_subprocess_env, is_singleton, run_bounded
+from helpers import clean_subprocess_env, is_singleton, mpiexec, run_bounded
 
 pytestmark = pytest.mark.skipif(not is_singleton(), reason="starts its own mpiexec: runs at size 1")
 
@@ -19,20 +20,26 @@ TAIL_FIELDS = {"scenario", "size", "algorithm", "channel", "timeout", "mpi_p50_u
                "lossy_timeouts", "times_us", "mpi_times_us"}
 
 
-def bench(tmp_path, *args, nprocs=2):
-    out = tmp_path / "bench.json"
-    import sys
-    from helpers import mpiexec
-    cmd = [mpiexec(), "-n", str(nprocs), sys.executable, "-m", "mpilossy.bench", *args,
-           "--json", str(out)]
-    proc = run_bounded(cmd, 180, clean_subprocess_env(), cwd=tmp_path)
+def command(tmp_path, *args, nprocs=2, timeout=180, module="mpilossy.bench"):
+    """`python -m module args` under mpiexec -n nprocs (none for 0): its output."""
+    cmd = [sys.executable, "-m", module, *args]
+    if nprocs:
+        cmd = [mpiexec(), "-n", str(nprocs), *cmd]
+    proc = run_bounded(cmd, timeout, clean_subprocess_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    return proc.stdout, json.loads(out.read_text())
+    return proc.stdout
+
+
+def bench(tmp_path, *args, nprocs=2):
+    """The all-reduce benchmark: its table and its JSON."""
+    out = tmp_path / "bench.json"
+    text = command(tmp_path, *args, "--json", str(out), nprocs=nprocs)
+    return text, json.loads(out.read_text())
 
 
 def test_table_and_json(tmp_path):
-    text, doc = bench(tmp_path, "--sizes", "1K,8K", "-a", "ring,tree", "-n", "4", "-w", "1",
-                      "--plot", str(tmp_path / "p.png"))
+    text, doc = bench(tmp_path, "allreduce", "--sizes", "1K,8K", "-a", "ring,tree", "-n", "4",
+                      "-w", "1", "--plot", str(tmp_path / "p.png"))
     header = [l for l in text.splitlines() if l.startswith("#       size")][0]
     for column in ("size", "count", "type", "redop", "root", "time", "algbw", "busbw",
                    "#wrong", "delivered", "max-err", "p99-time"):
@@ -50,6 +57,7 @@ def test_table_and_json(tmp_path):
 
 
 def test_lossy_rows_report_loss(tmp_path):
+    # No command: allreduce, as before there were commands.
     _, doc = bench(tmp_path, "--sizes", "64K", "-n", "8", "-w", "1", "--loss",
                    "bernoulli:0.3,seed=2", "-t", "0.02", "-c", "rma")
     row = doc["rows"][0]
@@ -58,8 +66,8 @@ def test_lossy_rows_report_loss(tmp_path):
 
 
 def test_tail_scenario(tmp_path):
-    text, doc = bench(tmp_path, "--sizes", "4K", "-n", "20", "-w", "2", "-t", "0.005",
-                      "--scenario", "straggler:delay=0.02,prob=0.2,seed=3")
+    text, doc = bench(tmp_path, "allreduce", "--sizes", "4K", "-n", "20", "-w", "2",
+                      "-t", "0.005", "--scenario", "straggler:delay=0.02,prob=0.2,seed=3")
     assert "p99-ratio" in text
     (tail,) = doc["tail"]
     assert set(tail) == TAIL_FIELDS, set(tail) ^ TAIL_FIELDS
@@ -69,15 +77,52 @@ def test_tail_scenario(tmp_path):
     assert tail["delivered"] < 1.0
 
 
-def test_kernels_and_crossover_run(tmp_path):
-    import sys
-    proc = run_bounded([sys.executable, "-m", "mpilossy.bench.kernels", "--sizes", "64K",
-                        "-r", "3"], 60, clean_subprocess_env(), cwd=tmp_path)
-    assert proc.returncode == 0 and "eff" in proc.stdout, proc.stderr
-    line = proc.stdout.strip().splitlines()[-1].split()
+def test_kernels(tmp_path):
+    text = command(tmp_path, "kernels", "--sizes", "64K", "-r", "3", nprocs=0, timeout=60)
+    assert "eff" in text
+    line = text.strip().splitlines()[-1].split()
     assert int(line[0]) == 65536 and all(float(x) > 0 for x in line[1:])
-    from helpers import mpiexec
-    proc = run_bounded([mpiexec(), "-n", "2", sys.executable, "-m", "mpilossy.bench.crossover",
-                        "--min", "1024", "--max", "4096", "-n", "3", "--rounds", "1"], 120,
-                       clean_subprocess_env(), cwd=tmp_path)
-    assert proc.returncode == 0 and "tree is faster up to" in proc.stdout, proc.stderr
+
+
+def test_old_module_path_runs_the_command(tmp_path):
+    text = command(tmp_path, "--sizes", "4K", "-r", "1", nprocs=0, timeout=60,
+                   module="mpilossy.bench.kernels")
+    assert text.startswith("# reduction kernels")
+    assert text.strip().splitlines()[-1].split()[0] == "4096"
+
+
+def test_crossover(tmp_path):
+    text = command(tmp_path, "crossover", "--min", "1024", "--max", "4096", "-n", "3",
+                   "--rounds", "1", timeout=120)
+    assert "tree is faster up to" in text
+    assert [int(l.split()[0]) for l in text.splitlines() if not l.startswith("#")] == [1024, 2048,
+                                                                                      4096]
+
+
+def test_deadline(tmp_path):
+    text = command(tmp_path, "deadline", "-t", "0.01", "-s", "4K", "-n", "12", "--share", "0.5",
+                   timeout=120)
+    assert text.startswith("# deadline overshoot: 2 ranks, 4096 B, ring, timeout 10 ms")
+    assert len(text.strip().splitlines()[-1].split()) == 4
+
+
+def test_delivery_launches_each_rank_count(tmp_path):
+    """--ranks: the command starts itself under mpiexec per rank count."""
+    out = tmp_path / "rows.json"
+    text = command(tmp_path, "delivery", "--ranks", "2,3", "--loss", "0.2", "-a", "ring,direct",
+                   "--calls", "10", "--elements", "1024", "--json", str(out), nprocs=0,
+                   timeout=180)
+    rows = json.loads(out.read_text())
+    assert [(r["ranks"], r["algorithm"]) for r in rows] == [(2, "ring"), (2, "direct"),
+                                                            (3, "ring"), (3, "direct")]
+    assert all(r["loss"] == 0.2 and r["calls"] == 10 and 0 < r["agreed"] <= 1 for r in rows)
+    assert len(text.strip().splitlines()) == 1 + len(rows)
+
+
+def test_torch_drift(tmp_path):
+    pytest.importorskip("torch")
+    text = command(tmp_path, "torch", "drift", "--steps", "12", "--modes", "allreduce,sharded",
+                   "--measure-every", "4", "--plot", str(tmp_path / "d.png"), timeout=180)
+    modes = [l.split()[0] for l in text.splitlines() if l.startswith("  ")]
+    assert modes == ["allreduce", "sharded"], text
+    assert (tmp_path / "d.png").stat().st_size > 1000

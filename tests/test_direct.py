@@ -158,7 +158,7 @@ def test_direct_keeps_one_minus_p_at_8_ranks_and_the_ring_does_not(tmp_path):
     half-width of its 95% interval over calls (plus 0.005), and clearly less
     on the ring ((1 - q^8)/p of 8: 0.71)."""
     out = tmp_path / "rows.json"
-    proc = run_bounded([mpiexec(), "-n", "8", "python", "-m", "mpilossy.bench.delivery",
+    proc = run_bounded([mpiexec(), "-n", "8", "python", "-m", "mpilossy.bench", "delivery",
                         "--loss", "0.1", "-a", "direct,ring", "--calls", "120",
                         "--elements", "2048", "--json", str(out)], timeout=360)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,7 +1,7 @@
 """How many contributions each algorithm keeps under loss, at several scales.
 
-    python -m mpilossy.bench.delivery --ranks 2,3,4,8,16 --loss 0.1,0.3
-    mpiexec -n 8 python -m mpilossy.bench.delivery --loss 0.1 --json out.json
+    python -m mpilossy.bench delivery --ranks 2,3,4,8,16 --loss 0.1,0.3
+    mpiexec -n 8 python -m mpilossy.bench delivery --loss 0.1 --json out.json
 
 With --ranks (and not under mpiexec) it starts itself under ``mpiexec -n R``
 for every R and prints one table.  Per (ranks, algorithm, loss): ``agreed``,
@@ -25,8 +25,16 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from typing import TYPE_CHECKING, Any, Dict, List
 
 import numpy as np
+
+from .harness import say, write_json
+
+if TYPE_CHECKING:
+    from mpi4py import MPI
+
+Row = Dict[str, Any]
 
 
 def expected(algorithm: str, n: int, p: float, radix: int = 4) -> float:
@@ -38,7 +46,7 @@ def expected(algorithm: str, n: int, p: float, radix: int = 4) -> float:
         return (1 + (n - 1) * q) / n
     if algorithm == "ring":
         return (1 - q ** n) / p / n if p > 0 else 1.0
-    depths = []
+    depths: List[int] = []
     for v in range(n):
         d = 0
         while v:
@@ -48,8 +56,8 @@ def expected(algorithm: str, n: int, p: float, radix: int = 4) -> float:
     return float(np.mean([q ** d for d in depths]))
 
 
-def measure(comm, algorithm: str, p: float, calls: int, elements: int, timeout: float,
-            seed: int) -> dict:
+def measure(comm: MPI.Comm, algorithm: str, p: float, calls: int, elements: int,
+            timeout: float, seed: int) -> Row:
     import mpilossy
     x = np.ones(elements, np.float32)
     out = np.empty_like(x)
@@ -73,15 +81,13 @@ HEADER = (f"{'ranks':>5} {'algorithm':>9} {'loss':>5} {'agreed':>7} {'±95%':>6}
           f"{'delivered':>9} {'fallback':>8} {'deadline':>8}")
 
 
-def format_row(r: dict) -> str:
+def format_row(r: Row) -> str:
     return (f"{r['ranks']:>5} {r['algorithm']:>9} {r['loss']:>5.2f} {r['agreed']:>7.4f} "
             f"{r['agreed_ci95']:>6.4f} {r['expected']:>8.4f} {r['delivered']:>9.4f} "
             f"{r['fallback']:>8.4f} {r['deadline_calls']:>8.3f}")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mpilossy.bench.delivery", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--ranks", help="comma-separated rank counts: launch mpiexec for each")
     ap.add_argument("--loss", default="0.1,0.3", help="comma-separated loss rates")
     ap.add_argument("-a", "--algorithm", default="ring,tree,direct")
@@ -90,44 +96,33 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=0.5, help="deadline, seconds")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", metavar="FILE", help="write the rows as JSON")
-    args = ap.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.ranks:
-        return launch(args, argv if argv is not None else sys.argv[1:])
+        return launch(args)
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     rows = [measure(comm, a, float(p), args.calls, args.elements, args.timeout, args.seed)
             for p in args.loss.split(",") for a in args.algorithm.split(",")]
+    say(comm, HEADER, *(format_row(r) for r in rows))
     if comm.rank == 0:
-        print(HEADER)
-        for r in rows:
-            print(format_row(r), flush=True)
-        write_rows(args.json, rows)
+        write_json(args.json, rows)
     return 0
 
 
-def write_rows(path, rows: list) -> None:
-    if path:
-        with open(path, "w") as f:
-            json.dump(rows, f, indent=1)
-
-
-def launch(args, argv: list) -> int:
-    """Run this module under mpiexec once per rank count; one table."""
+def launch(args: argparse.Namespace) -> int:
+    """Run this command under mpiexec once per rank count; one table."""
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
-    rest, skip = [], False
-    for a in argv:                          # everything but --ranks and --json
-        if skip:
-            skip = False
-        elif a in ("--ranks", "--json"):
-            skip = True
-        elif not a.startswith(("--ranks=", "--json=")):
-            rest.append(a)
-    rows = []
+    rest = ["--loss", args.loss, "-a", args.algorithm, "--calls", str(args.calls),
+            "--elements", str(args.elements), "--timeout", repr(args.timeout),
+            "--seed", str(args.seed)]
+    rows: List[Row] = []
     print(HEADER, flush=True)
     for n in [int(r) for r in args.ranks.split(",")]:
         with tempfile.TemporaryDirectory() as tmp:
             out = os.path.join(tmp, "rows.json")
-            cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpilossy.bench.delivery",
+            cmd = [mpiexec, "-n", str(n), sys.executable, "-m", "mpilossy.bench", "delivery",
                    *rest, "--json", out]
             proc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
             if proc.returncode != 0:
@@ -138,9 +133,10 @@ def launch(args, argv: list) -> int:
         for r in batch:
             print(format_row(r), flush=True)
         rows += batch
-    write_rows(args.json, rows)
+    write_json(args.json, rows)
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":          # the old spelling: python -m mpilossy.bench.delivery
+    from .__main__ import main
+    sys.exit(main(["delivery", *sys.argv[1:]]))

@@ -1,409 +1,77 @@
-"""Timing loop and nccl-tests style table for lossy vs reliable all-reduce."""
+"""What the benchmarks share: sizes on the command line, output from rank 0,
+JSON and PNG files.  Nothing here measures anything, and nothing here
+starts MPI: a command that never touches MPI (kernels) imports it as well."""
 
 from __future__ import annotations
 
 import json
-import math
-import time
-from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, List, Optional, Tuple
 
-import numpy as np
-from mpi4py import MPI
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from mpi4py import MPI
 
-import mpilossy
-
-TYPE_NAMES = {"float16": "half", "float32": "float", "float64": "double",
-              "int32": "int32", "int64": "int64"}
+SUFFIXES = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
 
 
-@dataclass
-class BenchConfig:
-    sizes: Sequence[int]
-    dtype: str = "float32"
-    op: str = "sum"
-    algorithms: Sequence[str] = ("ring",)
-    channels: Sequence[str] = ("rma",)
-    timeout: Optional[float] = None
-    loss: Optional[str] = None
-    iters: int = 20
-    warmup: int = 5
-    block_bytes: Optional[int] = None
+def parse_size(text: str) -> int:
+    """'64K', '1M', '1MiB', '4096': bytes (binary suffixes)."""
+    text = text.strip().lower().rstrip("b").rstrip("i")
+    if text and text[-1] in SUFFIXES:
+        return int(float(text[:-1]) * SUFFIXES[text[-1]])
+    return int(text)
 
 
-@dataclass
-class Row:
-    size: int                    # bytes
-    count: int                   # elements
-    type: str
-    redop: str
-    algorithm: str
-    channel: str
-    time_us: float               # mean over iterations of the slowest rank
-    algbw: float                 # GB/s
-    busbw: float                 # GB/s
-    wrong: int                   # elements off the exact result (rank 0)
-    mpi_time_us: float
-    mpi_busbw: float
-    ratio: float                 # mpi time / lossy time (>1: lossy faster)
-    delivered: float             # mean over iterations and ranks
-    max_err: float               # largest |result - exact| / max|exact|, any rank, any iteration
-    p50_us: float
-    p99_us: float
-    mpi_p99_us: float
-    times_us: list = field(default_factory=list, repr=False)
-    mpi_times_us: list = field(default_factory=list, repr=False)
+def parse_sizes(text: str) -> List[int]:
+    """A comma-separated list of sizes, e.g. '64K,1M,16M'."""
+    return [parse_size(s) for s in text.split(",")]
 
 
-def bus_factor(nranks: int) -> float:
-    """nccl-tests: busbw = algbw * 2 (n - 1) / n for all-reduce."""
-    return 2.0 * (nranks - 1) / nranks if nranks > 1 else 1.0
+def size_range(lo: int, hi: int, factor: int) -> List[int]:
+    """lo, lo * factor, ... up to hi (nccl-tests' -b, -e, -f)."""
+    sizes, s = [], lo
+    while s <= hi:
+        sizes.append(s)
+        s *= factor
+    return sizes
 
 
-def _data(count: int, rank: int, dtype: np.dtype, salt: int = 0) -> np.ndarray:
-    """Small integers: exact sums in every dtype, so #wrong is exact."""
-    return ((np.arange(count, dtype=np.int64) * 7 + 3 * rank + salt) % 23).astype(dtype)
+def is_root(comm: Optional[MPI.Comm]) -> bool:
+    """Whether this process prints and writes files: rank 0, or any process
+    that runs without a communicator."""
+    return comm is None or comm.rank == 0
 
 
-def _slowest(comm: MPI.Comm, seconds: float) -> float:
-    return comm.allreduce(seconds, op=MPI.MAX)
+def say(comm: Optional[MPI.Comm], *lines: str) -> None:
+    """Print on rank 0 only, at once (ranks' output interleaves otherwise)."""
+    if is_root(comm):
+        for line in lines:
+            print(line, flush=True)
 
 
-def run_allreduce_bench(comm: MPI.Comm, cfg: BenchConfig,
-                        progress: Optional[Callable[[str], None]] = None) -> list:
-    """Measure every (size, algorithm); return rows (identical on all ranks)."""
-    rows = []
-    for channel in cfg.channels:
-        with mpilossy.Communicator(comm, channel=channel, timeout=cfg.timeout, loss=cfg.loss,
-                                   block_bytes=cfg.block_bytes,
-                                   capacity=max(4 << 20, 2 * max(cfg.sizes) + (1 << 20))) as lc:
-            rows += _sweep(comm, lc, cfg, channel, progress)
-    return rows
+def write_json(path: Optional[str], doc: Any) -> None:
+    """Every number, as JSON, where a path was given (call it on rank 0)."""
+    if path:
+        with open(path, "w") as fh:
+            json.dump(doc, fh, indent=1)
 
 
-def _sweep(comm, lc, cfg, channel, progress) -> list:
-    dtype = np.dtype(cfg.dtype)
-    rows = []
-    for size in cfg.sizes:
-        count = max(size // dtype.itemsize, 0)
-        send = _data(count, comm.rank, dtype)
-        exact = np.empty_like(send)
-        if dtype == np.float16:
-            wide = np.empty(count, np.float64)
-            comm.Allreduce(send.astype(np.float64), wide)
-            exact = wide.astype(np.float16)
-        else:
-            comm.Allreduce(send, exact)
-        if cfg.op == "avg":
-            exact = (exact.astype(np.float64) / comm.size).astype(dtype)
-        scale = float(np.max(np.abs(exact.astype(np.float64)))) if count else 1.0
-        for algorithm in cfg.algorithms:
-            if progress:
-                progress(f"{size} B {channel} {algorithm}")
-            rows.append(_measure(comm, lc, cfg, channel, algorithm, send, exact, scale))
-    return rows
-
-
-BATCH = 5   # calls per timed batch
-
-
-def _measure(comm, lc, cfg, channel, algorithm, send, exact, scale) -> Row:
-    """nccl-tests style: back-to-back calls timed in batches, the slowest
-    rank's batch time divided by its calls.  Batches of MPI_Allreduce and of
-    mpilossy alternate, so that drift in the machine's load hits both alike.
-    p50/p99 come from every call's own duration on every rank."""
-    recv = np.empty_like(send)
-    mpi_send = send.astype(np.float64) if send.dtype == np.float16 else send
-    mpi_recv = np.empty_like(mpi_send)
-    totals = {"mpi": 0.0, "lossy": 0.0}
-    calls = {"mpi": [], "lossy": []}
-    delivered = []
-    wrong, max_err = 0, 0.0
-    done = 0
-
-    def lossy():
-        return lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm)
-
-    def mpi():
-        comm.Allreduce(mpi_send, mpi_recv)
-
-    for phase, count in (("warmup", cfg.warmup), ("measure", cfg.iters)):
-        left = count
-        while left > 0:
-            batch = min(BATCH, left)
-            left -= batch
-            for name, fn in (("mpi", mpi), ("lossy", lossy)):
-                comm.Barrier()
-                began = time.perf_counter()
-                for _ in range(batch):
-                    t0 = time.perf_counter()
-                    stats = fn()
-                    if phase == "measure":
-                        calls[name].append(time.perf_counter() - t0)
-                        if name == "lossy":
-                            delivered.append(stats.delivered)
-                elapsed = comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
-                if phase == "measure":
-                    totals[name] += elapsed
-            if phase == "measure" and recv.size:
-                err = np.abs(recv.astype(np.float64) - exact.astype(np.float64))
-                max_err = max(max_err, float(err.max()) / (scale or 1.0))
-                if done == 0:
-                    tol = 1e-3 if send.dtype == np.float16 else 1e-6
-                    wrong = int(np.count_nonzero(err > tol * max(scale, 1.0)))
-                done += 1
-    n = comm.size
-    t = totals["lossy"] / max(cfg.iters, 1)
-    t_mpi = totals["mpi"] / max(cfg.iters, 1)
-    nbytes = send.nbytes
-    algbw = nbytes / t / 1e9 if t > 0 else 0.0
-    mpi_algbw = nbytes / t_mpi / 1e9 if t_mpi > 0 else 0.0
-    every = np.concatenate(comm.allgather(np.asarray(calls["lossy"]))) * 1e6
-    every_mpi = np.concatenate(comm.allgather(np.asarray(calls["mpi"]))) * 1e6
-    return Row(
-        size=nbytes, count=send.size, type=TYPE_NAMES[send.dtype.name], redop=cfg.op,
-        algorithm=algorithm, channel=channel, time_us=t * 1e6, algbw=algbw,
-        busbw=algbw * bus_factor(n), wrong=comm.allreduce(wrong, op=MPI.MAX),
-        mpi_time_us=t_mpi * 1e6, mpi_busbw=mpi_algbw * bus_factor(n),
-        ratio=t_mpi / t if t > 0 else math.nan,
-        delivered=float(np.mean(comm.allgather(float(np.mean(delivered))))),
-        max_err=comm.allreduce(max_err, op=MPI.MAX),
-        p50_us=float(np.percentile(every, 50)), p99_us=float(np.percentile(every, 99)),
-        mpi_p99_us=float(np.percentile(every_mpi, 99)),
-        times_us=every.tolist(), mpi_times_us=every_mpi.tolist())
-
-
-HEADER = ("#       size       count    type  redop  root   algo  chan      time   algbw   busbw  #wrong"
-          "  mpi-time mpi-busbw  ratio  delivered    max-err   p99-time mpi-p99-time")
-UNITS = ("#        (B)  (elements)                                         (us)  (GB/s)  (GB/s)        "
-         "      (us)    (GB/s) mpi/us                             (us)         (us)")
-
-
-def format_table(rows: list, comm: MPI.Comm, cfg: BenchConfig) -> str:
-    vendor = " ".join(MPI.Get_library_version().split()[:3])
-    lines = [
-        f"# mpilossy.bench allreduce: {comm.size} ranks, {vendor}, mpilossy {mpilossy.__version__}",
-        f"# channels {','.join(cfg.channels)}, timeout {cfg.timeout}, loss {cfg.loss or 'none'}, "
-        f"iters {cfg.iters}, warmup {cfg.warmup}",
-        f"# time = back-to-back calls in batches of {BATCH}, slowest rank; busbw = algbw * 2(n-1)/n;",
-        "# ratio = MPI_Allreduce time / mpilossy time in the same run (> 1: mpilossy faster)",
-        "#", HEADER, UNITS,
-    ]
-    for r in rows:
-        lines.append(
-            f"{r.size:12d} {r.count:11d} {r.type:>7s} {r.redop:>6s} {-1:5d} {r.algorithm:>6s} "
-            f"{r.channel:>5s} "
-            f"{r.time_us:9.1f} {r.algbw:7.3f} {r.busbw:7.3f} {r.wrong:7d} "
-            f"{r.mpi_time_us:9.1f} {r.mpi_busbw:9.3f} {r.ratio:6.2f} {r.delivered:10.4f} "
-            f"{r.max_err:10.3g} {r.p99_us:10.1f} {r.mpi_p99_us:12.1f}")
-    if rows:
-        avg = sum(r.busbw for r in rows) / len(rows)
-        lines.append(f"# Avg bus bandwidth    : {avg:.3f} GB/s")
-        lines.append(f"# Geometric mean ratio : "
-                     f"{math.exp(sum(math.log(r.ratio) for r in rows) / len(rows)):.3f}")
-    return "\n".join(lines)
-
-
-def write_json(path: str, rows: list, comm: MPI.Comm, cfg: BenchConfig,
-               tail_rows: Sequence = ()) -> None:
-    doc = {
-        "ranks": comm.size,
-        "mpi": " ".join(MPI.Get_library_version().split()[:3]),
-        "mpilossy": mpilossy.__version__,
-        "config": asdict(cfg),
-        "rows": [asdict(r) for r in rows],
-        "tail": [asdict(r) for r in tail_rows],
-    }
-    with open(path, "w") as fh:
-        json.dump(doc, fh, indent=1)
-
-
-# -- tail latency under stragglers and microbursts ------------------------------
-
-@dataclass
-class TailRow:
-    scenario: str
-    size: int
-    algorithm: str
-    channel: str
-    timeout: Optional[float]
-    mpi_p50_us: float
-    mpi_p99_us: float
-    mpi_max_us: float
-    p50_us: float
-    p99_us: float
-    max_us: float
-    p99_ratio: float          # MPI p99 / mpilossy p99 (> 1: mpilossy better)
-    delivered: float
-    lossy_timeouts: list = field(default_factory=list, repr=False)
-    times_us: list = field(default_factory=list, repr=False)
-    mpi_times_us: list = field(default_factory=list, repr=False)
-
-
-def parse_scenario(text: str) -> dict:
-    """'straggler:rank=3,delay=0.02,prob=0.05' or
-    'microburst:p_good_to_bad=0.01,p_bad_to_good=0.2,rto=0.005'."""
-    kind, _, args = text.partition(":")
-    params = {}
-    for item in filter(None, args.split(",")):
-        key, _, value = item.partition("=")
-        params[key.strip()] = float(value)
-    if kind == "straggler":
-        params.setdefault("rank", -1)
-        params.setdefault("delay", 0.02)
-        params.setdefault("prob", 0.05)
-    elif kind == "microburst":
-        params.setdefault("p_good_to_bad", 0.01)
-        params.setdefault("p_bad_to_good", 0.2)
-        params.setdefault("rto", 0.005)
-    else:
-        raise ValueError(f"unknown scenario {kind!r}: straggler or microburst")
-    params.setdefault("seed", 1)
-    return {"kind": kind, **params}
-
-
-def run_tail_bench(comm: MPI.Comm, cfg: BenchConfig, scenario: str) -> list:
-    """The same disturbance applied to MPI_Allreduce and to mpilossy.
-
-    Each rank's time *inside* the call is recorded, over every call and rank:
-    what a slow peer costs everyone else.  straggler: one rank (the last by
-    default) sleeps `delay` before `prob` of the calls, on both sides, decided
-    by the same seeded draws.  microburst: mpilossy runs under a
-    Gilbert-Elliott loss model; MPI_Allreduce, which loses nothing, is
-    charged one retransmission timeout `rto` on every rank in each call where
-    the burst hit any link (a reliable transport resends after a timeout and
-    every rank waits for the slowest) — an emulation, stated as such."""
-    s = parse_scenario(scenario)
-    rows = []
-    straggler = int(s["rank"]) if s["kind"] == "straggler" and s["rank"] >= 0 else comm.size - 1
-    loss = None
-    if s["kind"] == "microburst":
-        loss = mpilossy.loss.GilbertElliott(s["p_good_to_bad"], s["p_bad_to_good"],
-                                            seed=int(s["seed"]))
-    for channel in cfg.channels:
-        with mpilossy.Communicator(comm, channel=channel, timeout=cfg.timeout, loss=loss,
-                                   block_bytes=cfg.block_bytes,
-                                   capacity=max(4 << 20, 2 * max(cfg.sizes) + (1 << 20))) as lc:
-            for size in cfg.sizes:
-                for algorithm in cfg.algorithms:
-                    rows.append(_tail(comm, lc, cfg, s, straggler, size, algorithm, channel))
-    return rows
-
-
-def _tail(comm, lc, cfg, s, straggler, size, algorithm, channel) -> TailRow:
-    dtype = np.dtype(cfg.dtype)
-    send = _data(max(size // dtype.itemsize, 0), comm.rank, dtype)
-    recv, mpi_recv = np.empty_like(send), np.empty_like(send)
-    rng = np.random.default_rng(int(s["seed"]))          # the same draws on every rank
-    mine, mpi_mine, delivered, timeouts = [], [], [], []
-    for it in range(cfg.warmup + cfg.iters):
-        late = s["kind"] == "straggler" and rng.random() < s["prob"]
-        comm.Barrier()
-        if late and comm.rank == straggler:
-            time.sleep(s["delay"])
-        t0 = time.perf_counter()
-        stats = lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm)
-        t_lossy = time.perf_counter() - t0
-        burst = comm.allreduce(stats.lost_blocks[0] > 0, op=MPI.LOR) \
-            if s["kind"] == "microburst" else False
-        comm.Barrier()
-        if late and comm.rank == straggler:
-            time.sleep(s["delay"])
-        t0 = time.perf_counter()
-        comm.Allreduce(send, mpi_recv)
-        if burst:
-            time.sleep(s["rto"])
-        t_mpi = time.perf_counter() - t0
-        if it >= cfg.warmup:
-            mine.append(t_lossy)
-            mpi_mine.append(t_mpi)
-            delivered.append(stats.delivered)
-            timeouts.append(stats.timeout)
-    times = np.concatenate(comm.allgather(np.asarray(mine))) * 1e6
-    mpi_times = np.concatenate(comm.allgather(np.asarray(mpi_mine))) * 1e6
-    p99, mpi_p99 = float(np.percentile(times, 99)), float(np.percentile(mpi_times, 99))
-    name = (f"straggler(rank={straggler},delay={s['delay']},prob={s['prob']})"
-            if s["kind"] == "straggler" else
-            f"microburst(gb={s['p_good_to_bad']},bg={s['p_bad_to_good']},rto={s['rto']})")
-    return TailRow(
-        scenario=name, size=send.nbytes, algorithm=algorithm, channel=channel,
-        timeout=cfg.timeout if not isinstance(cfg.timeout, str) else None,
-        mpi_p50_us=float(np.percentile(mpi_times, 50)), mpi_p99_us=mpi_p99,
-        mpi_max_us=float(mpi_times.max()), p50_us=float(np.percentile(times, 50)),
-        p99_us=p99, max_us=float(times.max()), p99_ratio=mpi_p99 / p99 if p99 else math.nan,
-        delivered=float(np.mean(comm.allgather(float(np.mean(delivered))))),
-        lossy_timeouts=[t for t in timeouts if t is not None][-1:],
-        times_us=times.tolist(), mpi_times_us=mpi_times.tolist())
-
-
-def format_tail(rows: list, comm: MPI.Comm, cfg: BenchConfig) -> str:
-    lines = [
-        f"# tail latency: {comm.size} ranks, timeout {cfg.timeout}, iters {cfg.iters}; "
-        "time inside the call, every rank and call",
-        "#       size   algo  chan   mpi-p50   mpi-p99   mpi-max   lossy-p50 lossy-p99 "
-        "lossy-max  p99-ratio  delivered  deadline  scenario",
-        "#        (B)                  (us)      (us)      (us)        (us)      (us)      (us)"
-        "  (mpi/lossy)              (s)",
-    ]
-    for r in rows:
-        last = f"{r.lossy_timeouts[-1]:.4f}" if r.lossy_timeouts else "-"
-        lines.append(
-            f"{r.size:12d} {r.algorithm:>6s} {r.channel:>5s} {r.mpi_p50_us:9.1f} {r.mpi_p99_us:9.1f} "
-            f"{r.mpi_max_us:9.1f} {r.p50_us:11.1f} {r.p99_us:9.1f} {r.max_us:9.1f} "
-            f"{r.p99_ratio:10.2f} {r.delivered:10.4f} {last:>9s}  {r.scenario}")
-    return "\n".join(lines)
-
-
-def plot(path: str, rows: list, tail_rows: list) -> None:
-    """busbw against size (mpilossy and MPI_Allreduce), and, with a scenario,
-    the distribution of per-call times (CDF) of both."""
+def figure(panels: int, width: float, height: float) -> Tuple[Figure, List[Axes]]:
+    """A figure of `panels` side by side (width and height of one, inches),
+    drawn without a display; matplotlib is imported here, only when a plot
+    was asked for (pip install 'mpilossy[bench]')."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = (1 if rows else 0) + (1 if tail_rows else 0)
-    fig, axes = plt.subplots(1, max(panels, 1), figsize=(6.5 * max(panels, 1), 4.5),
-                             squeeze=False)
-    axes = list(axes[0])
-    if rows:
-        _plot_busbw(axes.pop(0), rows)
-    if tail_rows:
-        _plot_cdf(axes.pop(0), tail_rows)
+    fig, axes = plt.subplots(1, panels, figsize=(width * panels, height), squeeze=False)
+    return fig, list(axes[0])
+
+
+def save_figure(fig: Figure, path: str) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-
-
-def _plot_busbw(ax, rows) -> None:
-    groups = sorted({(r.algorithm, r.channel) for r in rows})
-    for algorithm, channel in groups:
-        sel = sorted((r for r in rows if (r.algorithm, r.channel) == (algorithm, channel)),
-                     key=lambda r: r.size)
-        ax.plot([r.size for r in sel], [r.busbw for r in sel], "o-",
-                label=f"mpilossy {algorithm}/{channel}")
-    if rows:
-        ref = {}
-        for r in rows:
-            ref.setdefault(r.size, []).append(r.mpi_busbw)
-        sizes = sorted(ref)
-        ax.plot(sizes, [float(np.mean(ref[s])) for s in sizes], "k--", label="MPI_Allreduce")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title("all-reduce bus bandwidth, same run")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def _plot_cdf(ax, tail_rows) -> None:
-    for r in tail_rows:
-        for label, times, style in ((f"mpilossy {r.algorithm}/{r.channel}", r.times_us, "-"),
-                                    ("MPI_Allreduce", r.mpi_times_us, "--")):
-            t = np.sort(np.asarray(times)) / 1e3
-            ax.plot(t, np.arange(1, len(t) + 1) / len(t), style, label=f"{label} ({r.size} B)")
-    ax.set_xscale("log")
-    ax.set_xlabel("time inside the call (ms), every rank")
-    ax.set_ylabel("fraction of calls")
-    ax.set_title(tail_rows[0].scenario, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)

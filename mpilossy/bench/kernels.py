@@ -1,4 +1,4 @@
-"""``python -m mpilossy.bench.kernels``: the reduction kernels against the
+"""``python -m mpilossy.bench kernels``: the reduction kernels against the
 machine's memory bandwidth, measured in the same run as a plain copy
 (np.copyto) of the same size.
 
@@ -17,17 +17,18 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Callable, Dict, TypedDict
 
 import numpy as np
 
 from mpilossy import _core
 
-from .__main__ import parse_size
+from .harness import parse_sizes
 
 STREAMS = {"copy": 2, "add": 3, "acc": 3, "scale": 2, "add_scale": 3}
 
 
-def best_of(fn, repeat: int) -> float:
+def best_of(fn: Callable[[], object], repeat: int) -> float:
     best = float("inf")
     for _ in range(repeat):
         t0 = time.perf_counter()
@@ -36,12 +37,19 @@ def best_of(fn, repeat: int) -> float:
     return best
 
 
-def measure(nbytes: int, dtype: str, repeat: int) -> dict:
+class Measured(TypedDict):
+    bytes: int
+    dtype: str
+    gbs: Dict[str, float]               # operation: GB/s
+    efficiency: Dict[str, float]        # kernel: its GB/s / the copy's
+
+
+def measure(nbytes: int, dtype: str, repeat: int) -> Measured:
     n = nbytes // np.dtype(dtype).itemsize
     a = np.ones(n, dtype)
     b = np.full(n, 2, dtype)
     dst = np.empty(n, dtype)
-    ops = {
+    ops: Dict[str, Callable[[], object]] = {
         "copy": lambda: np.copyto(dst, a),
         "add": lambda: _core.kernel("add", dst, a, b),
         "acc": lambda: _core.kernel("acc", dst, a),
@@ -58,6 +66,11 @@ def measure(nbytes: int, dtype: str, repeat: int) -> dict:
             "efficiency": {k: gbs[k] / gbs["copy"] for k in ops if k != "copy"}}
 
 
+def copies(dst: np.ndarray, src: np.ndarray, times: int) -> None:
+    for _ in range(times):
+        np.copyto(dst, src)
+
+
 def print_mac_cost(count: int = 200_000) -> None:
     print(f"# datagram MAC (SipHash-2-4, 128-bit tag): seal + check per datagram, {count} datagrams")
     print("#  payload   us/datagram   Mdatagrams/s   payload GB/s   copy GB/s   MAC/copy")
@@ -65,26 +78,27 @@ def print_mac_cost(count: int = 200_000) -> None:
         seconds = min(_core.mac_seconds(payload, count) for _ in range(3))
         a = np.ones(payload, np.uint8)
         dst = np.empty_like(a)
-        copy = best_of(lambda: [np.copyto(dst, a) for _ in range(10_000)], 3) / 10_000
+        copy = best_of(lambda: copies(dst, a, 10_000), 3) / 10_000
         gbs = payload * count / seconds / 1e9
         print(f"{payload:10d} {1e6 * seconds / count:13.3f} {count / seconds / 1e6:14.2f} "
               f"{gbs:14.2f} {payload / copy / 1e9:11.2f} {gbs / (payload / copy / 1e9):10.3f}")
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mpilossy.bench.kernels", description=__doc__)
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="256K,4M,64M")
     p.add_argument("-d", "--dtype", default="float32")
     p.add_argument("-r", "--repeat", type=int, default=20)
     p.add_argument("--mac", action="store_true",
                    help="also the cost of authenticating datagrams (channel='ud')")
-    args = p.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
     if args.mac:
         print_mac_cost()
     print(f"# reduction kernels vs np.copyto, {args.dtype}, best of {args.repeat}")
     print("#      bytes   copy GB/s    add GB/s  eff   acc GB/s  eff  scale GB/s  eff "
           " add_scale GB/s  eff")
-    for size in (parse_size(s) for s in args.sizes.split(",")):
+    for size in parse_sizes(args.sizes):
         r = measure(size, args.dtype, args.repeat)
         g, e = r["gbs"], r["efficiency"]
         print(f"{size:12d} {g['copy']:11.1f} {g['add']:11.1f} {e['add']:4.2f} {g['acc']:10.1f} "
@@ -93,5 +107,6 @@ def main(argv=None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+if __name__ == "__main__":          # the old spelling: python -m mpilossy.bench.kernels
+    from .__main__ import main
+    sys.exit(main(["kernels", *sys.argv[1:]]))
