@@ -90,6 +90,7 @@ class AutoDeadline:
         self.durations: Dict[Key, deque] = {}
         self.timeouts: Dict[Key, float] = {}
         self.pending: Deque[_Agreement] = deque()
+        self.started = 0            # agreements started (one per PERIOD calls once active)
         self.active = False
 
     def tick(self, auto: bool) -> float:
@@ -121,6 +122,7 @@ class AutoDeadline:
             recv = np.zeros(_SLOTS)
             self.pending.append(_Agreement(self.comm.Iallreduce(send, recv, op=MPI.MAX), send,
                                            recv, self.calls + LAG))
+            self.started += 1
         return spent
 
     def _settle(self, agreement: "_Agreement") -> Tuple[float, bool]:

@@ -230,20 +230,23 @@ def test_auto_agreements_stay_matched_after_a_long_stall(comm, monkeypatch):
     uses the same deadline for the same call again."""
     monkeypatch.setenv("MPILOSSY_AUTO_CAP", "1.0")
     staller = comm.size - 1
+    compute = 0.002             # between calls, as training would: the staller catches up
     x = np.ones(4096)
     used = {}
     with mpilossy.Communicator(comm, timeout="auto") as lc:
         for _ in range(3 * deadline.PERIOD):
             lc.allreduce(x, np.empty_like(x))
         comm.Barrier()
-        learned = lc.allreduce(x, np.empty_like(x)).timeout
         if comm.rank == staller:
-            time.sleep(40 * learned + 0.1)
-        for _ in range(8 * deadline.PERIOD):
+            time.sleep(0.2)     # > 2 PERIOD calls of the others (each compute + deadline)
+        for _ in range(14 * deadline.PERIOD):
+            time.sleep(compute)
             stats = lc.allreduce(x, np.empty_like(x))
             used[stats.seq] = stats.timeout
         comm.Barrier()
+        schedule = comm.allgather((lc._auto.calls, lc._auto.started))
+    # Every rank started one agreement per PERIOD calls, none skipped.
+    assert all(s == (17 * deadline.PERIOD, 17) for s in schedule), schedule
     tail = sorted(used)[-2 * deadline.PERIOD:]
     everyone = comm.allgather([used[seq] for seq in tail])
     assert all(u == everyone[0] for u in everyone), everyone
-
