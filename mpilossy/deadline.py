@@ -23,7 +23,10 @@ rank whose peer is far behind (asleep, not yet in the agreement) gives up
 after that share, keeps its previous deadlines and looks again at its next
 call, so a straggler cannot stretch the other ranks' calls.  The ranks then
 use different deadlines for those few calls, which the straggler makes lossy
-anyway.
+anyway.  Agreement k starts at call k * PERIOD on every rank even while
+earlier ones are still pending (they queue, each with its own buffers): the
+collectives match by order, so skipping one on a rank that waits would put
+the ranks' schedules a period apart for good.
 
 Why these numbers: a call spends 40% of its deadline in its stages after the
 anchor (docs/deadlines.md), so FACTOR = 4 gives a lossless call 1.6 times its
