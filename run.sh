@@ -10,7 +10,6 @@ cd "$(dirname "$0")"
 bash scripts/setup.sh
 # shellcheck source=/dev/null  # made by scripts/setup.sh
 . .venv/bin/activate
-cd "$(mktemp -d)"        # not the checkout: its mpilossy/ is the source, not the build
 NP=${NP:-4}
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 if [ "${1:-lm}" = bench ]; then

@@ -27,8 +27,8 @@ except ImportError as _exc:  # pragma: no cover - depends on how Python was star
     raise ImportError(
         f"mpilossy's compiled core cannot be imported from {_os.path.dirname(__file__)} "
         f"({_exc}). If this is the source tree (Python puts the current directory first on "
-        "sys.path), run from another directory, or install in place with "
-        "`pip install --no-build-isolation -e .`") from _exc
+        "sys.path), run from another directory, or install it editable, as "
+        "scripts/setup.sh does: `pip install --no-build-isolation -e .`") from _exc
 from . import loss
 from .communicator import (AllreduceStats, CollectiveStats, Communicator, allgather, allreduce,
                            default_communicator, reduce_scatter)

@@ -77,6 +77,7 @@ def report(comm: MPI.Comm) -> Optional[List[str]]:
     env = settings.from_environment()
     lines = [
         f"mpilossy {mpilossy.__version__} ({os.path.dirname(mpilossy.__file__)})",
+        f"compiled core: {_core.__file__}",
         f"Python {platform.python_version()} ({sys.executable}), {platform.platform()}",
         f"mpi4py {__import__('mpi4py').__version__}",
         "MPI: " + " ".join(MPI.Get_library_version().replace("\0", "").split("\n", 1)[0].split()),

@@ -3,6 +3,7 @@
 """mpilossy's compiled core: kernels, channels, ring, tree and direct.
 
 One module, one concern per included file (the layout of mpi4py's MPI.pyx):
+  prelude.pxi    the cimports every compiled module shares
   kernels.pxi    accumulate and unbiased scaling, per dtype, outside the GIL
   channel.pxi    the interface between algorithms and channels
   rma.pxi        the one-sided (MPI window) channel
@@ -16,33 +17,10 @@ One module, one concern per included file (the layout of mpi4py's MPI.pyx):
   core.pxi       per-communicator state and the entry points
 """
 
-from libc.stdint cimport int32_t, int64_t, intptr_t, uint16_t, uint32_t, uint64_t
-from libc.stdlib cimport malloc, calloc, realloc, free
-from libc.string cimport memcpy, memset, strncmp
-from libc.stdio cimport snprintf
-from libc.math cimport llround
-from posix.stdlib cimport posix_memalign
-from posix.unistd cimport getpid
-from cpython.exc cimport PyErr_Occurred
-from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE,
-                             PyBUF_ANY_CONTIGUOUS)
-
-import os
-from collections import namedtuple
-
-cimport cython
-from mpi4py cimport MPI
-from mpi4py.libmpi cimport *
-from mpi4py.MPI import Exception as MPIException
-from mpilossy.errors import MPILossyError as MPILossyChannelError
-
-from native cimport *
+include "prelude.pxi"
 
 cdef extern from *:
     const char* MPILOSSY_VERSION      # -D by meson.build, from the file VERSION
-
-cdef extern from "Python.h":
-    int PyErr_CheckSignals()      # (no `except`: the loop that calls it decides)
 
 include "kernels.pxi"
 include "channel.pxi"

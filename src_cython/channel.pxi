@@ -252,25 +252,3 @@ cdef class Channel:
 
     cdef void close(self):
         pass
-
-
-cdef class BareChannel(Channel):
-    """A channel that overrides nothing, for tests: each of the methods a
-    channel must provide aborts the process (mpl_unimplemented)."""
-
-    def call(self, str name):
-        cdef Stream s
-        cdef Incoming inc
-        memset(&s, 0, sizeof(Stream))
-        if name == "claim":
-            self.claim(0, 0)
-        elif name == "mine":
-            self.mine(0, 0)
-        elif name == "publish":
-            self.publish(0, 0, 0, 0, NULL, 0)
-        elif name == "poll":
-            self.poll(&s, 0, &inc)
-        elif name == "confirm":
-            self.confirm(&s, 0)
-        else:
-            raise ValueError(f"not a method a channel must provide: {name!r}")

@@ -1,13 +1,6 @@
 # The compiled state of one lossy communicator and the entry points that the
 # Python layer calls: one call = layout, begin, plan, run, end.
 
-cdef int chk(int ierr) except -1:
-    """Raise mpi4py's exception (it carries MPI's error string)."""
-    if ierr != MPI_SUCCESS:
-        raise MPIException(ierr)
-    return 0
-
-
 def library_version() -> str:
     """MPI_Get_library_version of the libmpi this extension is linked to."""
     cdef char text[8192]

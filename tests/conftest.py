@@ -18,6 +18,13 @@ def pytest_report_header(config):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    # A child run against a build_package copy must really import that copy
+    # (helpers.importing_from), or it would test the installed build instead.
+    pkg = os.environ.get("MPILOSSY_TEST_PACKAGE")
+    if pkg:
+        from helpers import imported_from
+        if not imported_from(pkg):
+            raise pytest.UsageError(f"mpilossy was imported from {mpilossy.__file__}, not {pkg}")
     # One JUnit file per rank: --junitxml=DIR/rank-{rank}.xml
     xmlpath = getattr(config.option, "xmlpath", None)
     if xmlpath and "{rank}" in xmlpath:

@@ -112,6 +112,28 @@ def build_package(tmp_path: Path, *meson_options: str, timeout: float = 300) -> 
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     pkg = tmp_path / "pkg"
     shutil.copytree(root / "mpilossy", pkg / "mpilossy")
-    for so in build.glob("_core*.so"):
+    for so in build.glob("*.so"):     # _core and _testing
         shutil.copy(so, pkg / "mpilossy")
     return pkg
+
+
+def importing_from(pkg: Path, *more_paths: Path, **extra: str) -> dict:
+    """Environment for a child Python that must import mpilossy from `pkg`
+    (a build_package copy) rather than the installed one.  PYTHONPATH is not
+    enough under an editable install: meson-python's import hook comes before
+    it, so the child is told to skip the hook's build (MESONPY_EDITABLE_SKIP,
+    the switch the hook itself uses while it rebuilds), and conftest.py checks
+    that mpilossy really came from `pkg` (MPILOSSY_TEST_PACKAGE)."""
+    hooks = [f._build_path for f in sys.meta_path if hasattr(f, "_build_path")]
+    skip = os.pathsep.join([os.environ.get("MESONPY_EDITABLE_SKIP", ""), *hooks])
+    return clean_subprocess_env(PYTHONPATH=os.pathsep.join(map(str, (pkg, *more_paths))),
+                                MESONPY_EDITABLE_SKIP=skip, MPILOSSY_TEST_PACKAGE=str(pkg),
+                                **extra)
+
+
+def imported_from(pkg: Path) -> bool:
+    """Is the imported mpilossy (package and compiled core) the copy in `pkg`?"""
+    import mpilossy
+    import mpilossy._core
+    return all(Path(m.__file__).resolve().is_relative_to(Path(pkg).resolve())
+               for m in (mpilossy, mpilossy._core))

@@ -10,7 +10,7 @@ import time
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from mpilossy import _core
+from mpilossy import _core, _testing
 
 pytestmark = pytest.mark.skipif(not _core.HAVE_DATAGRAM_AUTH,
                                 reason="built without OpenSSL libcrypto: no datagram MAC")
@@ -23,12 +23,12 @@ HELLO_BYTES, ERROR_BYTES = 32, 208          # sizeof(mpl_hello_t), sizeof(mpl_er
 
 
 def judge():
-    return _core.DatagramJudge(KEY, TOKEN, 4, 0, SEQ, NSLOTS, NBLOCKS, BLOCK, SIG, STREAMS)
+    return _testing.DatagramJudge(KEY, TOKEN, 4, 0, SEQ, NSLOTS, NBLOCKS, BLOCK, SIG, STREAMS)
 
 
 def datagram(src=1, slot=0, block=0, count=1, payload=b"\x01" * 64, seq=SEQ, token=TOKEN,
              sig=SIG, kind=_core.PKT_DATA, key=KEY):
-    return _core.encode_datagram(key, kind, token, seq, src, slot, block, count, sig, payload)
+    return _testing.encode_datagram(key, kind, token, seq, src, slot, block, count, sig, payload)
 
 
 def error_record(kind=5, rank=1, msg=b"boom"):
@@ -181,7 +181,7 @@ def test_fuzz_mutated_datagrams(src, slot, block, count, size, flips):
 def test_mac_key_and_tag_sizes():
     assert _core.MAC_KEY_BYTES == len(KEY)
     with pytest.raises(ValueError):
-        _core.encode_datagram(b"short", _core.PKT_DATA, TOKEN, SEQ, 1, 0, 0, 1, SIG, b"")
+        _testing.encode_datagram(b"short", _core.PKT_DATA, TOKEN, SEQ, 1, 0, 0, 1, SIG, b"")
 
 
 # -- the same tests under AddressSanitizer ---------------------------------------------
@@ -192,7 +192,7 @@ def test_decoder_under_address_sanitizer(tmp_path):
     import subprocess
     import sys
 
-    from helpers import HERE, build_package, clean_subprocess_env, is_singleton, run_bounded
+    from helpers import HERE, build_package, importing_from, is_singleton, run_bounded
 
     if not is_singleton():
         pytest.skip("builds its own copy: runs at size 1")
@@ -204,9 +204,8 @@ def test_decoder_under_address_sanitizer(tmp_path):
         pytest.skip("the C compiler has no AddressSanitizer runtime (libasan)")
     pkg = build_package(tmp_path, "-Db_sanitize=address", "-Db_lundef=false",
                         "-Dbuildtype=debugoptimized")
-    env = clean_subprocess_env(PYTHONPATH=f"{pkg}:{HERE}", LD_PRELOAD=libasan,
-                               ASAN_OPTIONS="detect_leaks=0:abort_on_error=1",
-                               MPILOSSY_UNDER_ASAN="1")
+    env = importing_from(pkg, HERE, LD_PRELOAD=libasan,
+                         ASAN_OPTIONS="detect_leaks=0:abort_on_error=1", MPILOSSY_UNDER_ASAN="1")
     proc = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         "-k", "not address_sanitizer", str(HERE / "test_datagram_decoder.py")],
                        600, env, cwd=tmp_path)

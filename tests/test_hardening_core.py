@@ -3,7 +3,7 @@ rescaling that saturates, a bounded tree radix, channels that must override
 the interface, and failed calls whose wait at the end is bounded.
 
 The record tests drive the one-sided channel's shared-memory read path
-through _core.RecordJudge (a peer window in plain memory, no MPI); the
+through _testing.RecordJudge (a peer window in plain memory, no MPI); the
 others run at any number of ranks, with expected values computed from rank
 and size."""
 
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mpilossy
-from mpilossy import _core
+from mpilossy import _core, _testing
 from helpers import all_ranks_raise, clean_subprocess_env, run_bounded
 
 WAIT, READY, GONE, FAIL = 0, 1, 2, 3
@@ -25,7 +25,7 @@ SIZE, BLOCK = 4, 256
 # -- one-sided channel: a record's header is read once and bounded -------------
 @pytest.fixture
 def judge():
-    return _core.RecordJudge(size=SIZE, nslots=2, nblocks=2, block_bytes=BLOCK, seq=5)
+    return _testing.RecordJudge(size=SIZE, nslots=2, nblocks=2, block_bytes=BLOCK, seq=5)
 
 
 @pytest.mark.timeout(60)
@@ -192,7 +192,7 @@ def test_widest_tree_is_exact(comm, clean_env):
 def test_channel_without_override_aborts(method):
     """A channel that does not provide a method the algorithms need stops
     the process with a message, instead of losing data or waiting forever."""
-    code = f"from mpilossy import _core; _core.BareChannel().call({method!r})"
+    code = f"from mpilossy import _testing; _testing.BareChannel().call({method!r})"
     proc = run_bounded([sys.executable, "-c", code], 60, clean_subprocess_env())
     assert proc.returncode != 0, proc.stdout + proc.stderr
     assert f"Channel.{method} is not implemented" in proc.stderr, proc.stderr[-2000:]

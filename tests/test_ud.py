@@ -13,8 +13,8 @@ import pytest
 
 import mpilossy
 from mpilossy import _core
-from helpers import (HERE, all_ranks_raise, build_package, clean_subprocess_env, is_singleton,
-                     mpi_sum, run_bounded, run_mpi_script, small_ints)
+from helpers import (HERE, all_ranks_raise, build_package, clean_subprocess_env, importing_from,
+                     is_singleton, mpi_sum, run_bounded, run_mpi_script, small_ints)
 
 pytestmark = pytest.mark.skipif(not _core.HAVE_LIBFABRIC,
                                 reason="built without libfabric headers: channel='ud' absent")
@@ -231,13 +231,14 @@ def test_build_without_libfabric_explains(tmp_path):
     if not is_singleton():
         pytest.skip("builds and runs its own copy: runs at size 1")
     pkg = build_package(tmp_path, "-Dlibfabric=disabled")
-    code = ("import mpilossy\nfrom mpi4py import MPI\n"
+    code = ("import mpilossy\nfrom mpi4py import MPI\nfrom helpers import imported_from\n"
+            f"assert imported_from({str(pkg)!r}), mpilossy.__file__\n"
             "assert not mpilossy._core.HAVE_LIBFABRIC\n"
             "try:\n mpilossy.Communicator(MPI.COMM_SELF, channel='ud')\n"
             "except mpilossy.MPILossyError as e:\n print('refused:', e)\n"
             "c = mpilossy.Communicator(MPI.COMM_SELF, channel='auto')\n"
             "print(c.channel)\nc.free()\n")
-    proc = run_bounded([sys.executable, "-c", code], 60, clean_subprocess_env(PYTHONPATH=str(pkg)),
+    proc = run_bounded([sys.executable, "-c", code], 60, importing_from(pkg, HERE),
                        cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
@@ -245,5 +246,5 @@ def test_build_without_libfabric_explains(tmp_path):
     # The datagram decoder needs no libfabric: its tests run in this build too.
     proc = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         "-k", "not address_sanitizer", str(HERE / "test_datagram_decoder.py")],
-                       300, clean_subprocess_env(PYTHONPATH=f"{pkg}:{HERE}"), cwd=tmp_path)
+                       300, importing_from(pkg, HERE), cwd=tmp_path)
     assert proc.returncode == 0 and "skipped" not in proc.stdout, proc.stdout[-2000:]

@@ -22,7 +22,7 @@ import socket
 import sys
 import time
 
-from mpilossy import _core
+from mpilossy import _core, _testing
 
 key, token, seq = bytes.fromhex(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 wrong_key = bytes(b ^ 0x5A for b in key)
@@ -42,20 +42,20 @@ hello_record = bytes(32)
 while time.monotonic() < end:
     payload = bytes(rng.getrandbits(8) for _ in range(rng.choice([8, 64, 512])))
     now_seq = seq + int((time.monotonic() - end + seconds) * 200)   # roughly where the ranks are
-    authentic = _core.encode_datagram(key, D, token, max(seq - 1, 1), 0, 0, 0, 1, 0, payload)
+    authentic = _testing.encode_datagram(key, D, token, max(seq - 1, 1), 0, 0, 0, 1, 0, payload)
     choices = [
         bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 1500))),
-        _core.encode_datagram(key, D, token ^ 0xDEADBEEF, seq, 0, 0, 0, 1, 0, payload),
-        _core.encode_datagram(wrong_key, D, token, now_seq, 0, 0, 0, 1, 0, payload),
-        _core.encode_datagram(wrong_key, D, token, now_seq + 10**6, 1, 0, 0, 1, 0, payload),
-        _core.encode_datagram(wrong_key, E, token, now_seq, 0, 0, 0, 0, 0, error_record),
-        _core.encode_datagram(wrong_key, H, token, now_seq, 1, 0, 0, 0, 0, hello_record),
+        _testing.encode_datagram(key, D, token ^ 0xDEADBEEF, seq, 0, 0, 0, 1, 0, payload),
+        _testing.encode_datagram(wrong_key, D, token, now_seq, 0, 0, 0, 1, 0, payload),
+        _testing.encode_datagram(wrong_key, D, token, now_seq + 10**6, 1, 0, 0, 1, 0, payload),
+        _testing.encode_datagram(wrong_key, E, token, now_seq, 0, 0, 0, 0, 0, error_record),
+        _testing.encode_datagram(wrong_key, H, token, now_seq, 1, 0, 0, 0, 0, hello_record),
         authentic,                                                      # replayed, stale call
-        _core.encode_datagram(key, E, token, now_seq, 0, 0, 0, 0, 0, error_record[:20]),
-        _core.encode_datagram(key, H, token, now_seq, 1, 0, 0, 0, 0, hello_record[:8]),
+        _testing.encode_datagram(key, E, token, now_seq, 0, 0, 0, 0, 0, error_record[:20]),
+        _testing.encode_datagram(key, H, token, now_seq, 1, 0, 0, 0, 0, hello_record[:8]),
         authentic[: rng.randint(0, len(authentic) - 1)],                # truncated
         authentic[:70] + bytes([authentic[70] ^ 0xFF]) + authentic[71:],  # bit-flipped
-        _core.encode_datagram(key, D, token, seq, 999, 0, 0, 1, 0, payload),   # unknown rank
+        _testing.encode_datagram(key, D, token, seq, 999, 0, 0, 1, 0, payload),   # unknown rank
     ]
     pick = rng.choice(choices)
     for target in targets:
