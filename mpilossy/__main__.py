@@ -57,15 +57,16 @@ def _rank_line() -> str:
 
 
 def _datagram_channel() -> str:
-    if not _core.HAVE_LIBFABRIC:
-        return "not built (no libfabric headers at build time: install libfabric-dev)"
     if not _core.HAVE_DATAGRAM_AUTH:
         return "not built (no OpenSSL libcrypto >= 3.0 at build time: install libssl-dev)"
+    native = "native (mpilossy's UDP sockets)"
+    if not _core.HAVE_LIBFABRIC:
+        return f"built; providers: {native}; libfabric: not built (install libfabric-dev)"
     try:
         providers = _core.datagram_providers()
     except mpilossy.MPILossyError as exc:
-        return f"built, unusable here: {exc}"
-    return "built; providers: " + (", ".join(sorted(set(providers))) or "none")
+        return f"built; providers: {native}; libfabric unusable here: {exc}"
+    return f"built; providers: {native}, " + ", ".join(sorted(set(providers)))
 
 
 def report(comm: MPI.Comm) -> Optional[List[str]]:

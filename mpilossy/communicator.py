@@ -226,7 +226,8 @@ class Communicator:
             if not isinstance(rotate, bool):
                 raise TypeError(f"rotate must be a bool, not {type(rotate).__name__}")
             use_shared = env.rma_shm
-            provider = os.environ.get("FI_PROVIDER", "")       # libfabric's own variable
+            # (FI_PROVIDER: libfabric's own variable)
+            provider = env.ud_provider or os.environ.get("FI_PROVIDER", "")
             # What every rank must share, agreed before any channel work (a
             # rank on another channel or window size would wait forever in a
             # collective the others never enter).  Per-node settings (the
@@ -234,7 +235,7 @@ class Communicator:
             settings = (("channel", channel), ("block_bytes", block), ("tree_radix", radix),
                         ("capacity", capacity), ("scaling", scaling), ("rotate", rotate),
                         ("MPILOSSY_RMA_SHM", use_shared),
-                        ("FI_PROVIDER", provider), ("MPILOSSY_UD_MTU", env.ud_mtu))
+                        ("datagram provider", provider), ("MPILOSSY_UD_MTU", env.ud_mtu))
         except (TypeError, ValueError) as exc:
             error = exc
         # Construction is collective: every rank learns of any rank's bad
@@ -261,7 +262,7 @@ class Communicator:
             env, MPI.COMM_WORLD.Get_rank(),
             tuple(name for name, given in (("loss", loss), ("timeout", timeout)) if given is _UNSET))
         if channel == "auto":
-            channel = self._auto_channel()
+            channel = self._auto_channel(provider)
         try:
             self._core = _core.Core(
                 self._comm, capacity, block, radix, use_shared, scaling == "zero-fill", rotate,
@@ -305,18 +306,20 @@ class Communicator:
                            "block_bytes=%d", self._size, channel, self.timeout,
                            self._loss_models or None, block)
 
-    def _auto_channel(self) -> str:
-        """ud where the fabric does datagrams in hardware (or FI_PROVIDER asks
-        for a provider), rma otherwise.  Agreed by every rank."""
+    def _auto_channel(self, provider: str) -> str:
+        """ud where the fabric does datagrams in hardware, or where a datagram
+        provider is asked for (MPILOSSY_UD_PROVIDER, FI_PROVIDER); rma
+        otherwise.  Agreed by every rank."""
         choice = "rma"
-        if _core.HAVE_LIBFABRIC:
+        if _core.HAVE_DATAGRAM_AUTH and provider == "native":
+            choice = "ud"
+        elif _core.HAVE_LIBFABRIC:
             try:
                 providers = _core.datagram_providers()
             except MPILossyError:
                 providers = []
             names = {p.split("/")[0] for p in providers}
-            wanted = os.environ.get("FI_PROVIDER")
-            if (wanted and wanted in names) or names & set(HARDWARE_DATAGRAMS):
+            if (provider and provider in names) or names & set(HARDWARE_DATAGRAMS):
                 choice = "ud"
         return "ud" if all(c == "ud" for c in self._comm.allgather(choice)) else "rma"
 

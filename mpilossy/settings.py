@@ -113,6 +113,10 @@ VARIABLES: Tuple[Variable, ...] = (
              "an integer >= 0", "largest message for which algorithm='auto' picks the tree"),
     Variable("MPILOSSY_RMA_SHM", "rma_shm", True, _switch, "0 or 1",
              "read peers on the same node through shared memory"),
+    Variable("MPILOSSY_UD_PROVIDER", "ud_provider", "", _text,
+             "'native' or a libfabric provider name",
+             "transport of channel='ud': mpilossy's own UDP sockets (native) or a libfabric "
+             "provider (default: $FI_PROVIDER, else libfabric's first match)"),
     Variable("MPILOSSY_UD_DOMAIN", "ud_domain", "", _text, "a libfabric domain name",
              "domain (interface) of channel='ud'"),
     Variable("MPILOSSY_UD_MTU", "ud_mtu", 8192, _int_at_least(64), "an integer >= 64",

@@ -8,11 +8,13 @@
 #   libssl-dev        OpenSSL libcrypto headers: the datagrams' keyed MAC
 #                     (without them channel="ud" and its decoder tests skip)
 #   nftables, iproute2  real kernel drops in tests/test_ud.py (network namespace)
+#   ethtool           scripts/lossy_link.py: segmentation offloads off, so that
+#                     drops hit wire-sized packets (tests/test_lossy_link.py)
 #   ShellCheck        lints the shell scripts and jobs/ templates (tests/test_scripts.py)
 # Never fails: where the packages cannot be installed, those tests skip and
 # say why.
 set -uo pipefail
-PACKAGES=(slurm-wlm munge libpmix-dev libfabric-dev libssl-dev nftables iproute2 shellcheck)
+PACKAGES=(slurm-wlm munge libpmix-dev libfabric-dev libssl-dev nftables iproute2 ethtool shellcheck)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

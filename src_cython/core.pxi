@@ -99,8 +99,8 @@ cdef class Core:
                     "shared_memory_peers": self.shared_peers}
         ud = <DgramChannel>self.chan
         info = {"channel": "ud",
-                "provider": mpl_fab_provider(ud.fab).decode() if ud.fab != NULL else "",
-                "domain": mpl_fab_domain_name(ud.fab).decode() if ud.fab != NULL else "",
+                "provider": mpl_dg_provider(ud.fab).decode() if ud.fab != NULL else "",
+                "domain": mpl_dg_domain_name(ud.fab).decode() if ud.fab != NULL else "",
                 "datagram_payload": ud.payload_max, "token": ud.token,
                 "address": ud.address(), "seq": self.seq}
         info.update(ud.counters())

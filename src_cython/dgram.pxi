@@ -47,7 +47,7 @@ cdef double STALL_LIMIT = 5.0
 
 
 cdef class DgramChannel(Channel):
-    cdef mpl_fab_t* fab
+    cdef mpl_dg_t* fab
     cdef MPI_Comm comm
     cdef uint64_t token
     cdef mpl_mac_t mac                # keyed with the communicator's secret
@@ -158,7 +158,7 @@ cdef class DgramChannel(Channel):
         agree_or_raise(comm, failure)
         # On one host the loopback interface will do (and must: only loopback
         # traffic is allowed in tests); across hosts the provider's first match.
-        if not domain and provider in ("", "udp") and one_host(comm, size):
+        if not domain and provider in ("", "udp", "native") and one_host(comm, size):
             domain = "lo"
         self.provider_name = provider.encode()
         self.domain_name = domain.encode()
@@ -169,7 +169,7 @@ cdef class DgramChannel(Channel):
             prov = self.provider_name
         if domain:
             dom = self.domain_name
-        bad = mpl_fab_open(&self.fab, prov, dom, nrecv + SEND_SLOTS, 2 * (nrecv + SEND_SLOTS),
+        bad = mpl_dg_open(&self.fab, prov, dom, nrecv + SEND_SLOTS, 2 * (nrecv + SEND_SLOTS),
                            self.errbuf, 256)
         cdef int any_bad = 0
         chk(MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MIN, comm))
@@ -177,8 +177,8 @@ cdef class DgramChannel(Channel):
             reason = self.errbuf.decode(errors="replace") if bad else "failed on another rank"
             raise MPILossyChannelError(f"channel='ud' is unavailable: {reason}")
         # Every rank uses the same datagram size: the smallest.
-        self.prefix = mpl_fab_prefix(self.fab)
-        cdef long mine = <long>min(<size_t>payload, mpl_fab_max_msg(self.fab) - self.prefix - HEADER_BYTES)
+        self.prefix = mpl_dg_prefix(self.fab)
+        cdef long mine = <long>min(<size_t>payload, mpl_dg_max_msg(self.fab) - self.prefix - HEADER_BYTES)
         cdef long agreed
         mine = (mine // 64) * 64
         chk(MPI_Allreduce(&mine, &agreed, 1, MPI_LONG, MPI_MIN, comm))
@@ -195,14 +195,14 @@ cdef class DgramChannel(Channel):
         failure = None
         try:
             self.allocate_fixed()
-            if mpl_fab_getname(self.fab, local, &addrlen, self.errbuf, 256):
+            if mpl_dg_getname(self.fab, local, &addrlen, self.errbuf, 256):
                 raise MPILossyChannelError(self.errbuf.decode(errors="replace"))
         except Exception as exc:
             failure = exc
         agree_or_raise(comm, failure)
         memcpy(self.local_addr, local, addrlen)
         self.local_len = addrlen
-        if mpl_fab_provider(self.fab) == b"udp":
+        if mpl_dg_provider(self.fab) in (b"udp", b"native"):
             self.socket_bytes = mpl_udp_tune(local, addrlen, socket_bytes)
         # fi_av_insert wants the addresses packed, each of the provider's length.
         cdef int mylen = <int>addrlen, minlen = 0, maxlen_i = 0
@@ -213,7 +213,7 @@ cdef class DgramChannel(Channel):
                                        f"(address lengths {minlen}..{maxlen_i})")
         addrs = <char*>calloc(size, addrlen)
         chk(MPI_Allgather(local, mylen, MPI_BYTE, addrs, mylen, MPI_BYTE, comm))
-        bad = mpl_fab_insert(self.fab, addrs, size, self.errbuf, 256)
+        bad = mpl_dg_insert(self.fab, addrs, size, self.errbuf, 256)
         free(addrs)
         chk(MPI_Allreduce(&bad, &any_bad, 1, MPI_INT, MPI_MIN, comm))
         if any_bad:
@@ -245,9 +245,9 @@ cdef class DgramChannel(Channel):
         for i in range(SEND_SLOTS):
             self.free_slots[i] = SEND_SLOTS - 1 - i
         self.nfree = SEND_SLOTS
-        if (mpl_fab_register(self.fab, self.rbuf, self.nrecv * self.pkt, &self.rbuf_mr,
+        if (mpl_dg_register(self.fab, self.rbuf, self.nrecv * self.pkt, &self.rbuf_mr,
                              &self.rbuf_desc, self.errbuf, 256)
-                or mpl_fab_register(self.fab, self.cbuf, CONTROL_BUFFERS * self.pkt, &self.cbuf_mr,
+                or mpl_dg_register(self.fab, self.cbuf, CONTROL_BUFFERS * self.pkt, &self.cbuf_mr,
                                     &self.cbuf_desc, self.errbuf, 256)):
             raise MPILossyChannelError(self.errbuf.decode(errors="replace"))
         return 0
@@ -255,10 +255,10 @@ cdef class DgramChannel(Channel):
     cdef int post_receives(self) except -1:
         cdef int k, rc
         for k in range(self.nrecv):
-            rc = mpl_fab_recv(self.fab, self.rbuf + k * self.pkt, self.pkt, self.rbuf_desc,
+            rc = mpl_dg_recv(self.fab, self.rbuf + k * self.pkt, self.pkt, self.rbuf_desc,
                               k, <void*><intptr_t>k)
             if rc:
-                raise MPILossyChannelError(f"fi_recv: {mpl_fab_strerror(rc).decode()}")
+                raise MPILossyChannelError(f"fi_recv: {mpl_dg_strerror(self.fab, rc).decode()}")
         return 0
 
     cdef void close(self):
@@ -267,11 +267,12 @@ cdef class DgramChannel(Channel):
             return
         while (self.pending[0] or self.pending[1] or self.nfree < SEND_SLOTS) and mpl_now() < limit:
             self.drain()
-        mpl_fab_deregister(self.out_mr[0])
-        mpl_fab_deregister(self.out_mr[1])
-        mpl_fab_deregister(self.rbuf_mr)
-        mpl_fab_deregister(self.cbuf_mr)
-        mpl_fab_close(self.fab)
+        mpl_dg_flush(self.fab)
+        mpl_dg_deregister(self.out_mr[0])
+        mpl_dg_deregister(self.out_mr[1])
+        mpl_dg_deregister(self.rbuf_mr)
+        mpl_dg_deregister(self.cbuf_mr)
+        mpl_dg_close(self.fab)
         self.fab = NULL
 
     cdef void close_mac(self) noexcept nogil:
@@ -324,7 +325,18 @@ cdef class DgramChannel(Channel):
                 "malformed": self.n_malformed, "stale": self.n_stale,
                 "future": self.n_future, "unexpected": self.n_unexpected,
                 "duplicate": self.n_duplicate, "mismatch": self.n_mismatch,
-                "nacks": self.n_nacks, "resent": self.n_resent, "unsent": self.n_unsent}
+                "nacks": self.n_nacks, "resent": self.n_resent, "unsent": self.n_unsent,
+                **self.transport_costs()}
+
+    def transport_costs(self) -> dict:
+        """The native transport's system calls and datagrams (empty for
+        libfabric, which does not count them)."""
+        cdef uint64_t c[5]
+        if self.fab == NULL or not mpl_dg_is_native(mpl_dg_provider(self.fab)):
+            return {}
+        mpl_dg_costs(self.fab, c)
+        return {"send_calls": c[0], "recv_calls": c[1], "transport_sent": c[2],
+                "transport_received": c[3], "send_refused": c[4]}
 
     # -- per call ------------------------------------------------------------
     cdef int begin(self, CallInfo* call) except -1:
@@ -341,7 +353,7 @@ cdef class DgramChannel(Channel):
             if mpl_now() > limit:
                 raise MPILossyChannelError("channel='ud': sends of an earlier call never completed")
         if records > self.outbox_cap[parity]:
-            mpl_fab_deregister(self.out_mr[parity])
+            mpl_dg_deregister(self.out_mr[parity])
             free(self.outbox[parity])
             free(self.published[parity])
             self.outbox[parity] = <char*>aligned(records * self.pkt)
@@ -349,7 +361,7 @@ cdef class DgramChannel(Channel):
             if self.outbox[parity] == NULL or self.published[parity] == NULL:
                 raise MemoryError()
             self.outbox_cap[parity] = records
-            if mpl_fab_register(self.fab, self.outbox[parity], records * self.pkt,
+            if mpl_dg_register(self.fab, self.outbox[parity], records * self.pkt,
                                 &self.out_mr[parity], &self.out_desc[parity], self.errbuf, 256):
                 raise MPILossyChannelError(self.errbuf.decode(errors="replace"))
         memset(self.published[parity], 0, records)
@@ -491,7 +503,7 @@ cdef class DgramChannel(Channel):
                 return
         slot = self.free_slots[self.nfree - 1]
         while True:
-            rc = mpl_fab_send(self.fab, peer, buf, length,
+            rc = mpl_dg_send(self.fab, peer, buf, length,
                               self.out_desc[owner] if owner < 2 else self.cbuf_desc,
                               self.nrecv + slot, <void*><intptr_t>slot)
             if rc != MPL_FAB_EAGAIN:
@@ -571,7 +583,7 @@ cdef class DgramChannel(Channel):
         cdef int n, i, k, slot, owner
         if self.fab == NULL:            # offline (DatagramJudge): nothing to reap
             return
-        n = mpl_fab_poll(self.fab, events, MAX_EVENTS)
+        n = mpl_dg_poll(self.fab, events, MAX_EVENTS)
         for i in range(n):
             k = <int><intptr_t>events[i].context
             if events[i].is_recv:
@@ -580,7 +592,7 @@ cdef class DgramChannel(Channel):
                                 <Py_ssize_t>events[i].len - self.prefix, True)
                 else:
                     self.n_truncated += 1
-                mpl_fab_recv(self.fab, self.rbuf + k * self.pkt, self.pkt, self.rbuf_desc,
+                mpl_dg_recv(self.fab, self.rbuf + k * self.pkt, self.pkt, self.rbuf_desc,
                              k, <void*><intptr_t>k)
             else:
                 slot = k
@@ -820,6 +832,8 @@ cdef class DgramChannel(Channel):
 
     cdef void end(self, CallInfo* call, bint failed) noexcept nogil:
         self.drain()
+        if self.fab != NULL:
+            mpl_dg_flush(self.fab)      # nothing of this call may wait for the next
 
     cdef void fail(self, CallInfo* call, ErrorInfo* err) noexcept nogil:
         cdef mpl_error_t e
@@ -831,6 +845,8 @@ cdef class DgramChannel(Channel):
         memcpy(e.msg, err.msg, MPL_MSG_LEN)
         for repeat in range(2):         # datagrams get lost: say it twice
             self.send_control(MPL_PKT_ERROR, call.seq, 0, 0, &e, sizeof(mpl_error_t), -1)
+        if self.fab != NULL:
+            mpl_dg_flush(self.fab)
 
 
 cdef enum:

@@ -18,14 +18,9 @@
 #include <stdlib.h>
 #include <errno.h>
 
-typedef struct mpl_fab mpl_fab_t;
+#include "mpilossy_sockets.h"     /* mpl_fab_event_t; the udp provider's socket */
 
-/* One completed operation. */
-typedef struct {
-    void *context;        /* what the caller passed when posting */
-    size_t len;           /* received bytes (receives) */
-    int is_recv;
-} mpl_fab_event_t;
+typedef struct mpl_fab mpl_fab_t;
 
 #ifdef MPILOSSY_HAVE_LIBFABRIC
 
@@ -336,89 +331,6 @@ static void mpl_fab_close(mpl_fab_t *f)
 #define MPL_FAB_EAGAIN (-FI_EAGAIN)
 #define MPL_HAVE_LIBFABRIC 1
 
-#ifdef __linux__
-#include <dirent.h>
-#include <unistd.h>
-#include <sys/socket.h>
-#include <sys/stat.h>
-#include <netinet/in.h>
-
-/* The udp provider's socket, found among this process's descriptors by the
- * address the endpoint is bound to (libfabric does not hand it out).
- * Returns the descriptor or -1. */
-static int mpl_udp_socket(const void *addr, size_t addrlen)
-{
-    DIR *d = opendir("/proc/self/fd");
-    struct dirent *e;
-    int found = -1;
-    if (!d)
-        return -1;
-    while ((e = readdir(d)) != NULL && found < 0) {
-        struct sockaddr_storage ss;
-        socklen_t len = sizeof(ss);
-        struct stat st;
-        int fd = atoi(e->d_name);
-        if (fd <= 2 || fstat(fd, &st) || !S_ISSOCK(st.st_mode))
-            continue;
-        if (getsockname(fd, (struct sockaddr *)&ss, &len) == 0 && len == addrlen &&
-            memcmp(&ss, addr, addrlen) == 0)
-            found = fd;
-    }
-    closedir(d);
-    return found;
-}
-
-/* Make the socket's kernel buffers `bytes` large: a burst of datagrams must
- * not overflow the receive queue while this rank is busy.  Above the system
- * limit (net.core.rmem_max) this needs CAP_NET_ADMIN.  Returns the receive
- * buffer size in effect, or -1 when the socket was not found. */
-static int mpl_udp_tune(const void *addr, size_t addrlen, int bytes)
-{
-    int fd = mpl_udp_socket(addr, addrlen), got = 0;
-    socklen_t len = sizeof(got);
-    if (fd < 0)
-        return -1;
-    if (setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &bytes, sizeof(bytes)))
-        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
-    if (setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &bytes, sizeof(bytes)))
-        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
-    getsockopt(fd, SOL_SOCKET, SO_RCVBUF, &got, &len);
-    return got;
-}
-
-/* Datagrams the kernel dropped because this socket's queue was full: the
- * `drops` column of /proc/net/udp(6) for the socket's inode.  -1 if unknown. */
-static long mpl_udp_drops(const void *addr, size_t addrlen)
-{
-    int fd = mpl_udp_socket(addr, addrlen);
-    struct stat st;
-    char line[512];
-    long drops = -1;
-    const char *tables[2] = {"/proc/net/udp", "/proc/net/udp6"};
-    if (fd < 0 || fstat(fd, &st))
-        return -1;
-    for (int t = 0; t < 2 && drops < 0; t++) {
-        FILE *f = fopen(tables[t], "r");
-        if (!f)
-            continue;
-        while (fgets(line, sizeof(line), f)) {
-            unsigned long inode = 0;
-            long d = 0;
-            /* sl local rem st tx:rx tr:tm retrnsmt uid timeout inode ref pointer drops */
-            if (sscanf(line, "%*s %*s %*s %*s %*s %*s %*s %*s %*s %lu %*s %*s %ld", &inode, &d) == 2
-                && inode == (unsigned long)st.st_ino) {
-                drops = d;
-                break;
-            }
-        }
-        fclose(f);
-    }
-    return drops;
-}
-#else
-static int mpl_udp_tune(const void *addr, size_t addrlen, int bytes) { (void)addr; (void)addrlen; (void)bytes; return -1; }
-static long mpl_udp_drops(const void *addr, size_t addrlen) { (void)addr; (void)addrlen; return -1; }
-#endif
 
 #else  /* built without libfabric headers */
 
@@ -441,9 +353,7 @@ static const char *mpl_fab_domain_name(const mpl_fab_t *f) { (void)f; return "";
 static size_t mpl_fab_prefix(const mpl_fab_t *f) { (void)f; return 0; }
 static size_t mpl_fab_max_msg(const mpl_fab_t *f) { (void)f; return 0; }
 static void mpl_fab_close(mpl_fab_t *f) { (void)f; }
-static int mpl_udp_tune(const void *addr, size_t addrlen, int bytes) { (void)addr; (void)addrlen; (void)bytes; return -1; }
-static long mpl_udp_drops(const void *addr, size_t addrlen) { (void)addr; (void)addrlen; return -1; }
-#define MPL_FAB_EAGAIN (-11)
+#define MPL_FAB_EAGAIN (-EAGAIN)
 #define MPL_HAVE_LIBFABRIC 0
 
 #endif

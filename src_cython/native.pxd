@@ -91,8 +91,8 @@ cdef extern from "mpilossy_mac.h" nogil:
     int mpl_mac_equal(const unsigned char *a, const unsigned char *b)
 
 
-cdef extern from "mpilossy_fabric.h" nogil:
-    ctypedef struct mpl_fab_t:
+cdef extern from "mpilossy_transport.h" nogil:
+    ctypedef struct mpl_dg_t:
         pass
     ctypedef struct mpl_fab_event_t:
         void *context
@@ -100,24 +100,29 @@ cdef extern from "mpilossy_fabric.h" nogil:
         int is_recv
     enum: MPL_FAB_EAGAIN
     enum: MPL_HAVE_LIBFABRIC
+    enum: MPL_SOCK_HAVE
+    const char* MPL_DG_NATIVE
     int mpl_fab_list(char *out, size_t outlen, char *err, size_t errlen)
-    int mpl_fab_open(mpl_fab_t **out, const char *provider, const char *domain,
-                     size_t nctx, size_t cq_size, char *err, size_t errlen)
-    int mpl_fab_register(mpl_fab_t *f, void *buf, size_t len, void **mr, void **desc,
-                         char *err, size_t errlen)
-    void mpl_fab_deregister(void *mr)
-    int mpl_fab_getname(mpl_fab_t *f, void *addr, size_t *len, char *err, size_t errlen)
-    int mpl_fab_insert(mpl_fab_t *f, const void *addrs, int n, char *err, size_t errlen)
-    int mpl_fab_recv(mpl_fab_t *f, void *buf, size_t len, void *desc, size_t slot, void *user)
-    int mpl_fab_send(mpl_fab_t *f, int peer, const void *buf, size_t len, void *desc,
-                     size_t slot, void *user)
-    int mpl_fab_poll(mpl_fab_t *f, mpl_fab_event_t *events, int maxn)
-    const char *mpl_fab_strerror(int rc)
-    const char *mpl_fab_provider(const mpl_fab_t *f)
-    const char *mpl_fab_domain_name(const mpl_fab_t *f)
-    size_t mpl_fab_prefix(const mpl_fab_t *f)
-    size_t mpl_fab_max_msg(const mpl_fab_t *f)
-    void mpl_fab_close(mpl_fab_t *f)
+    int mpl_dg_is_native(const char *provider)
+    int mpl_dg_open(mpl_dg_t **out, const char *provider, const char *domain,
+                    size_t nops, size_t cq_size, char *err, size_t errlen)
+    int mpl_dg_register(mpl_dg_t *d, void *buf, size_t len, void **mr, void **desc,
+                        char *err, size_t errlen)
+    void mpl_dg_deregister(void *mr)
+    int mpl_dg_getname(mpl_dg_t *d, void *addr, size_t *len, char *err, size_t errlen)
+    int mpl_dg_insert(mpl_dg_t *d, const void *addrs, int n, char *err, size_t errlen)
+    int mpl_dg_recv(mpl_dg_t *d, void *buf, size_t len, void *desc, size_t slot, void *user)
+    int mpl_dg_send(mpl_dg_t *d, int peer, const void *buf, size_t len, void *desc,
+                    size_t slot, void *user)
+    int mpl_dg_poll(mpl_dg_t *d, mpl_fab_event_t *events, int maxn)
+    void mpl_dg_flush(mpl_dg_t *d)
+    const char *mpl_dg_strerror(const mpl_dg_t *d, int rc)
+    const char *mpl_dg_provider(const mpl_dg_t *d)
+    const char *mpl_dg_domain_name(const mpl_dg_t *d)
+    size_t mpl_dg_prefix(const mpl_dg_t *d)
+    size_t mpl_dg_max_msg(const mpl_dg_t *d)
+    void mpl_dg_costs(const mpl_dg_t *d, uint64_t out[5])
+    void mpl_dg_close(mpl_dg_t *d)
     int mpl_udp_tune(const void *addr, size_t addrlen, int nbytes)
     long mpl_udp_drops(const void *addr, size_t addrlen)
 

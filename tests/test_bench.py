@@ -77,6 +77,16 @@ def test_tail_scenario(tmp_path):
     assert tail["delivered"] < 1.0
 
 
+def test_link_scenario_touches_nothing(tmp_path):
+    """--scenario link neither injects nor emulates: on this lossless link
+    every contribution arrives and MPI is charged no timeout."""
+    _, doc = bench(tmp_path, "allreduce", "--sizes", "64K", "-n", "10", "-w", "2",
+                   "-t", "1.0", "--scenario", "link")
+    (tail,) = doc["tail"]
+    assert tail["scenario"] == "link" and tail["delivered"] == 1.0
+    assert tail["mpi_max_us"] < 0.5e6 and len(tail["times_us"]) == 2 * 10
+
+
 def test_kernels(tmp_path):
     text = command(tmp_path, "kernels", "--sizes", "64K", "-r", "3", nprocs=0, timeout=60)
     assert "eff" in text

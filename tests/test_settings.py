@@ -22,7 +22,7 @@ BAD = {"MPILOSSY_TIMEOUT": "-1", "MPILOSSY_LOSS": "bernouli:0.1", "MPILOSSY_BLOC
 
 
 def test_every_variable_is_known_and_checked():
-    free_text = {"MPILOSSY_UD_DOMAIN", "MPILOSSY_TRACE"}       # any text is a name
+    free_text = {"MPILOSSY_UD_DOMAIN", "MPILOSSY_UD_PROVIDER", "MPILOSSY_TRACE"}   # any text
     assert {v.env for v in settings.VARIABLES} == set(BAD) | free_text
 
 

@@ -21,6 +21,13 @@ pytestmark = pytest.mark.skipif(not _core.HAVE_LIBFABRIC,
 
 
 @pytest.fixture(scope="module")
+def provider():
+    """The transport under test: libfabric's udp provider (test_ud_native.py
+    runs these tests again on mpilossy's own sockets)."""
+    return "udp"
+
+
+@pytest.fixture(scope="module")
 def udc():
     from mpi4py import MPI
     with mpilossy.Communicator(MPI.COMM_WORLD, channel="ud", timeout=None, loss=None) as c:
@@ -59,9 +66,9 @@ def test_reduce_scatter_and_allgather(comm, udc):
 
 
 @pytest.mark.mpi
-def test_channel_info(comm, udc):
+def test_channel_info(comm, udc, provider):
     info = udc.channel_info()
-    assert info["channel"] == "ud" and info["provider"] == "udp" and info["domain"] == "lo"
+    assert info["channel"] == "ud" and info["provider"] == provider and info["domain"] == "lo"
     assert info["address"].startswith("127.")
     assert 64 <= info["datagram_payload"] <= 65536
     assert info["foreign"] == info["forged"] == info["truncated"] == info["malformed"] == 0

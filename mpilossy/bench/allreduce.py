@@ -251,8 +251,10 @@ class TailRow:
 
 
 def parse_scenario(text: str) -> Dict[str, Any]:
-    """'straggler:rank=3,delay=0.02,prob=0.05' or
-    'microburst:p_good_to_bad=0.01,p_bad_to_good=0.2,rto=0.005'."""
+    """'straggler:rank=3,delay=0.02,prob=0.05',
+    'microburst:p_good_to_bad=0.01,p_bad_to_good=0.2,rto=0.005', or 'link'
+    (nothing injected or emulated: the network itself drops, as in
+    scripts/lossy_link.py)."""
     kind, _, args = text.partition(":")
     params: Dict[str, float] = {}
     for item in filter(None, args.split(",")):
@@ -266,8 +268,8 @@ def parse_scenario(text: str) -> Dict[str, Any]:
         params.setdefault("p_good_to_bad", 0.01)
         params.setdefault("p_bad_to_good", 0.2)
         params.setdefault("rto", 0.005)
-    else:
-        raise ValueError(f"unknown scenario {kind!r}: straggler or microburst")
+    elif kind != "link":
+        raise ValueError(f"unknown scenario {kind!r}: straggler, microburst or link")
     params.setdefault("seed", 1)
     return {"kind": kind, **params}
 
@@ -282,7 +284,8 @@ def run_tail_bench(comm: MPI.Comm, cfg: BenchConfig, scenario: str) -> List[Tail
     Gilbert-Elliott loss model; MPI_Allreduce, which loses nothing, is
     charged one retransmission timeout `rto` on every rank in each call where
     the burst hit any link (a reliable transport resends after a timeout and
-    every rank waits for the slowest) — an emulation, stated as such."""
+    every rank waits for the slowest) — an emulation, stated as such.  link:
+    neither is touched; the drops, if any, are the network's own."""
     s = parse_scenario(scenario)
     rows: List[TailRow] = []
     straggler = int(s["rank"]) if s["kind"] == "straggler" and s["rank"] >= 0 else comm.size - 1
@@ -338,7 +341,8 @@ def _tail(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, s: Dict[s
     p99, mpi_p99 = float(np.percentile(times, 99)), float(np.percentile(mpi_times, 99))
     name = (f"straggler(rank={straggler},delay={s['delay']},prob={s['prob']})"
             if s["kind"] == "straggler" else
-            f"microburst(gb={s['p_good_to_bad']},bg={s['p_bad_to_good']},rto={s['rto']})")
+            f"microburst(gb={s['p_good_to_bad']},bg={s['p_bad_to_good']},rto={s['rto']})"
+            if s["kind"] == "microburst" else "link")
     return TailRow(
         scenario=name, size=send.nbytes, algorithm=algorithm, channel=channel,
         timeout=cfg.timeout if not isinstance(cfg.timeout, str) else None,
@@ -443,7 +447,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scenario", default=None,
                    help="tail latency: 'straggler:rank=R,delay=S,prob=P' or "
                         "'microburst:p_good_to_bad=A,p_bad_to_good=B,rto=S', applied to "
-                        "MPI_Allreduce and mpilossy alike")
+                        "MPI_Allreduce and mpilossy alike, or 'link': the network's own drops "
+                        "(scripts/lossy_link.py)")
     p.add_argument("-n", "--iters", type=int, default=20)
     p.add_argument("-w", "--warmup", type=int, default=5)
     p.add_argument("--block-bytes", type=parse_size, default=None)

@@ -37,6 +37,8 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--block-bytes", type=int, default=d.block_bytes, help="loss unit (bytes)")
     ap.add_argument("--algorithm", choices=("auto", "ring", "tree", "direct"), default=d.algorithm,
                     help="of the lossy all-reduce (auto: ring for this model)")
+    ap.add_argument("--channel", choices=("auto", "rma", "ud"), default=d.channel,
+                    help="of the lossy all-reduce: MPI one-sided windows or datagrams (ud)")
     ap.add_argument("--mode", choices=("replicated", "sharded"), default=d.mode,
                     help="replicated: every rank applies the lossy all-reduce's average; "
                     "sharded: owners update their shard, parameters travel by lossy all-gather")
@@ -76,7 +78,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     cfg = Config(reduce=args.reduce, loss=loss_spec(args.loss), timeout=args.timeout,
-                 block_bytes=args.block_bytes, algorithm=args.algorithm,
+                 block_bytes=args.block_bytes, algorithm=args.algorithm, channel=args.channel,
                  mode=args.mode, error_feedback=args.error_feedback, missed=args.missed,
                  zero_fill=args.zero_fill, rotate=args.rotate,
                  resync=args.resync,

@@ -33,6 +33,7 @@ class Config:
     timeout: float = 0.05             # deadline of every lossy call (s)
     block_bytes: int = 4096           # loss unit: about one packet
     algorithm: str = "auto"           # of the lossy all-reduce
+    channel: str = "auto"             # of the lossy all-reduce: rma, ud or auto
     mode: str = "sharded"             # "sharded" (ShardedOptimizer) or "replicated"
     error_feedback: bool = False      # re-send what was lost (plain average)
     missed: str = "extrapolate"       # sharded: a missed parameter block is extrapolated or kept
@@ -160,6 +161,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
         plain = cfg.zero_fill or cfg.error_feedback
         lc = mpilossy.Communicator(comm, timeout=cfg.timeout, loss=models,
                                    block_bytes=cfg.block_bytes, algorithm=cfg.algorithm,
+                                   channel=cfg.channel,
                                    scaling="zero-fill" if plain else "unbiased",
                                    rotate=not pinned_reducers(cfg))
         if cfg.phase_aware:

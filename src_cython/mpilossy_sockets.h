@@ -1,0 +1,504 @@
+/* mpilossy's own datagram transport: one UDP socket, batched system calls.
+ *
+ * The operations of mpilossy_fabric.h (post receives, send, reap
+ * completions), for plain Ethernet/IP, where libfabric's udp provider makes
+ * one system call per datagram.  Sends are queued and leave together: one
+ * sendmmsg per flush, a run of equal-sized datagrams to one peer as one
+ * message with UDP segmentation offload (UDP_SEGMENT, Linux >= 4.18; the
+ * kernel or the NIC cuts it into datagrams after the stack was crossed
+ * once).  Receives are taken by recvmmsg straight into the posted buffers.
+ * A send completes when the kernel has taken its bytes, a receive when a
+ * datagram is in its buffer; a datagram that did not fit completes with
+ * length 0 (counted as truncated by the channel).
+ *
+ * Also here: finding a process's UDP socket by its address, sizing its
+ * kernel buffers and reading its drop counter, for this transport and for
+ * libfabric's udp provider alike. */
+#ifndef MPILOSSY_SOCKETS_H
+#define MPILOSSY_SOCKETS_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <errno.h>
+
+/* One completed operation (shared with mpilossy_fabric.h). */
+#ifndef MPL_EVENT_DEFINED
+#define MPL_EVENT_DEFINED
+typedef struct {
+    void *context;        /* what the caller passed when posting */
+    size_t len;           /* received bytes (receives) */
+    int is_recv;
+} mpl_fab_event_t;
+#endif
+
+typedef struct mpl_sock mpl_sock_t;
+
+#ifdef __linux__
+/* sendmmsg/recvmmsg need _GNU_SOURCE, which Python.h (pyconfig.h) defines first. */
+#include <dirent.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <netinet/udp.h>
+#include <sys/socket.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#ifndef UDP_SEGMENT
+#define UDP_SEGMENT 103
+#endif
+
+#define MPL_SOCK_HAVE 1
+#define MPL_SOCK_BATCH 64          /* messages per sendmmsg/recvmmsg */
+#define MPL_SOCK_MAX_SEGS 64       /* datagrams per segmented message (kernel limit) */
+#define MPL_SOCK_MAX_GSO 65000     /* bytes per segmented message (< 64 KiB IP) */
+#define MPL_SOCK_HOLD 8            /* polls that may pass before queued sends leave */
+
+typedef struct {
+    void *buf;
+    size_t len;
+    void *user;
+} mpl_sock_post_t;
+
+typedef struct {
+    int peer;
+    const void *buf;
+    size_t len;
+    void *user;
+} mpl_sock_send_t;
+
+struct mpl_sock {
+    int fd;
+    struct sockaddr_in self;
+    struct sockaddr_in *peers;
+    int npeers;
+    mpl_sock_post_t *rq;           /* posted receive buffers, a FIFO ring */
+    size_t rq_cap, rq_head, rq_count;
+    mpl_sock_send_t *sq;           /* queued sends, in order */
+    size_t sq_cap, sq_count;
+    void **done;                   /* completed sends not yet reaped, a FIFO ring */
+    size_t done_cap, done_head, done_count;
+    int gso;                       /* UDP_SEGMENT accepted so far */
+    int held;                      /* polls since queued sends last left */
+    size_t max_msg;                /* largest datagram that needs no IP fragments */
+    char domain[IF_NAMESIZE];
+    /* what it cost: system calls and datagrams */
+    uint64_t send_calls, recv_calls, sent, received, send_errors;
+};
+
+static int mpl_sock_fail(char *err, size_t errlen, const char *what)
+{
+    snprintf(err, errlen, "%s: %s", what, strerror(errno));
+    return -1;
+}
+
+/* The IPv4 address of interface `name`; with no name, of the first interface
+ * that is up and not loopback (loopback if there is no other). */
+static int mpl_sock_interface(const char *name, struct in_addr *addr, char *chosen,
+                              char *err, size_t errlen)
+{
+    struct ifaddrs *all, *i, *pick = NULL, *lo = NULL;
+    if (getifaddrs(&all))
+        return mpl_sock_fail(err, errlen, "getifaddrs");
+    for (i = all; i; i = i->ifa_next) {
+        if (!i->ifa_addr || i->ifa_addr->sa_family != AF_INET || !(i->ifa_flags & IFF_UP))
+            continue;
+        if (name && *name) {
+            if (!strcmp(i->ifa_name, name)) { pick = i; break; }
+        } else if (i->ifa_flags & IFF_LOOPBACK) {
+            if (!lo) lo = i;
+        } else if (!pick) {
+            pick = i;
+        }
+    }
+    if (!pick)
+        pick = (name && *name) ? NULL : lo;
+    if (!pick) {
+        snprintf(err, errlen, "no IPv4 interface %s%s that is up", name && *name ? "named " : "",
+                 name && *name ? name : "");
+        freeifaddrs(all);
+        return -1;
+    }
+    *addr = ((struct sockaddr_in *)pick->ifa_addr)->sin_addr;
+    snprintf(chosen, IF_NAMESIZE, "%s", pick->ifa_name);
+    freeifaddrs(all);
+    return 0;
+}
+
+/* Open a socket on interface `domain` (NULL: see mpl_sock_interface), for
+ * up to `nops` operations in flight. */
+static int mpl_sock_open(mpl_sock_t **out, const char *domain, size_t nops,
+                         char *err, size_t errlen)
+{
+    mpl_sock_t *s;
+    struct ifreq ifr;
+    socklen_t len = sizeof(struct sockaddr_in);
+    *out = NULL;
+    s = calloc(1, sizeof(*s));
+    if (!s) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    s->fd = -1;
+    s->rq_cap = s->sq_cap = s->done_cap = nops;
+    s->rq = calloc(nops, sizeof(*s->rq));
+    s->sq = calloc(nops, sizeof(*s->sq));
+    s->done = calloc(nops, sizeof(*s->done));
+    s->gso = 1;
+    if (!s->rq || !s->sq || !s->done) {
+        snprintf(err, errlen, "out of memory");
+        goto fail;
+    }
+    s->self.sin_family = AF_INET;
+    if (mpl_sock_interface(domain, &s->self.sin_addr, s->domain, err, errlen))
+        goto fail;
+    s->fd = socket(AF_INET, SOCK_DGRAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (s->fd < 0) {
+        mpl_sock_fail(err, errlen, "socket");
+        goto fail;
+    }
+    if (bind(s->fd, (struct sockaddr *)&s->self, sizeof(s->self))
+            || getsockname(s->fd, (struct sockaddr *)&s->self, &len)) {
+        mpl_sock_fail(err, errlen, "bind");
+        goto fail;
+    }
+    /* One datagram, one packet: a lost IP fragment would lose the whole
+     * datagram, so the largest is the interface's MTU less the IPv4 and
+     * UDP headers. */
+    memset(&ifr, 0, sizeof(ifr));
+    snprintf(ifr.ifr_name, IF_NAMESIZE, "%s", s->domain);
+    s->max_msg = 65507;
+    if (ioctl(s->fd, SIOCGIFMTU, &ifr) == 0 && ifr.ifr_mtu > 28 && ifr.ifr_mtu - 28 < 65507)
+        s->max_msg = (size_t)ifr.ifr_mtu - 28;
+    *out = s;
+    return 0;
+fail:
+    if (s->fd >= 0)
+        close(s->fd);
+    free(s->rq);
+    free(s->sq);
+    free(s->done);
+    free(s);
+    return -1;
+}
+
+static void mpl_sock_close(mpl_sock_t *s)
+{
+    if (!s)
+        return;
+    if (s->fd >= 0)
+        close(s->fd);
+    free(s->peers);
+    free(s->rq);
+    free(s->sq);
+    free(s->done);
+    free(s);
+}
+
+static int mpl_sock_getname(mpl_sock_t *s, void *addr, size_t *len, char *err, size_t errlen)
+{
+    if (*len < sizeof(s->self)) {
+        snprintf(err, errlen, "address buffer too small");
+        return -1;
+    }
+    memcpy(addr, &s->self, sizeof(s->self));
+    *len = sizeof(s->self);
+    return 0;
+}
+
+static int mpl_sock_insert(mpl_sock_t *s, const void *addrs, int n, char *err, size_t errlen)
+{
+    s->peers = calloc((size_t)n, sizeof(struct sockaddr_in));
+    if (!s->peers) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    memcpy(s->peers, addrs, (size_t)n * sizeof(struct sockaddr_in));
+    s->npeers = n;
+    return 0;
+}
+
+/* Post a receive buffer.  0, or -EAGAIN when every slot is taken. */
+static int mpl_sock_recv(mpl_sock_t *s, void *buf, size_t len, void *user)
+{
+    if (s->rq_count == s->rq_cap)
+        return -EAGAIN;
+    mpl_sock_post_t *p = &s->rq[(s->rq_head + s->rq_count) % s->rq_cap];
+    p->buf = buf;
+    p->len = len;
+    p->user = user;
+    s->rq_count++;
+    return 0;
+}
+
+/* Hand the queued sends to the kernel: as many as it takes now.  Returns
+ * how many datagrams left, or -1 (errno set) when none could. */
+static int mpl_sock_flush(mpl_sock_t *s)
+{
+    struct mmsghdr msgs[MPL_SOCK_BATCH];
+    struct iovec iov[MPL_SOCK_BATCH * MPL_SOCK_MAX_SEGS];
+    union {
+        char buf[CMSG_SPACE(sizeof(uint16_t))];
+        struct cmsghdr align;
+    } ctl[MPL_SOCK_BATCH];
+    size_t first[MPL_SOCK_BATCH + 1], i = 0, nv = 0, left = 0, k;
+    int m = 0, sent, d;
+    if (!s->sq_count)
+        return 0;
+    /* Group: a run of datagrams to one peer, all of the run's first length
+     * but the last (which may be shorter), is one segmented message. */
+    while (i < s->sq_count && m < MPL_SOCK_BATCH) {
+        const mpl_sock_send_t *q = &s->sq[i];
+        size_t n = 1, bytes = q->len;
+        if (s->gso)
+            while (i + n < s->sq_count && n < MPL_SOCK_MAX_SEGS
+                   && s->sq[i + n].peer == q->peer && s->sq[i + n].len <= q->len
+                   && s->sq[i + n - 1].len == q->len && bytes + s->sq[i + n].len <= MPL_SOCK_MAX_GSO) {
+                bytes += s->sq[i + n].len;
+                n++;
+            }
+        memset(&msgs[m], 0, sizeof(msgs[m]));
+        first[m] = i;
+        for (k = 0; k < n; k++) {
+            iov[nv + k].iov_base = (void *)s->sq[i + k].buf;
+            iov[nv + k].iov_len = s->sq[i + k].len;
+        }
+        msgs[m].msg_hdr.msg_name = &s->peers[q->peer];
+        msgs[m].msg_hdr.msg_namelen = sizeof(struct sockaddr_in);
+        msgs[m].msg_hdr.msg_iov = &iov[nv];
+        msgs[m].msg_hdr.msg_iovlen = n;
+        if (n > 1) {
+            struct cmsghdr *c;
+            memset(ctl[m].buf, 0, sizeof(ctl[m].buf));
+            msgs[m].msg_hdr.msg_control = ctl[m].buf;
+            msgs[m].msg_hdr.msg_controllen = sizeof(ctl[m].buf);
+            c = CMSG_FIRSTHDR(&msgs[m].msg_hdr);
+            c->cmsg_level = SOL_UDP;
+            c->cmsg_type = UDP_SEGMENT;
+            c->cmsg_len = CMSG_LEN(sizeof(uint16_t));
+            *(uint16_t *)(void *)CMSG_DATA(c) = (uint16_t)q->len;
+        }
+        nv += n;
+        i += n;
+        m++;
+    }
+    first[m] = i;
+    sent = sendmmsg(s->fd, msgs, (unsigned)m, MSG_DONTWAIT);
+    s->send_calls++;
+    if (sent < 0) {
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS || errno == EINTR)
+            return -1;
+        if (s->gso && (errno == EIO || errno == EINVAL || errno == ENOPROTOOPT
+                       || errno == EOPNOTSUPP) && first[1] - first[0] > 1) {
+            s->gso = 0;            /* no segmentation offload here: one datagram per message */
+            return mpl_sock_flush(s);
+        }
+        /* Refused for good (an ICMP error reported late, a peer gone): the
+         * first message is lost, as a datagram can be. */
+        s->send_errors++;
+        sent = 1;
+    }
+    for (d = 0; d < sent; d++)
+        for (k = first[d]; k < first[d + 1]; k++) {
+            s->done[(s->done_head + s->done_count) % s->done_cap] = s->sq[k].user;
+            s->done_count++;
+        }
+    left = first[sent];
+    s->sent += left;
+    memmove(s->sq, s->sq + left, (s->sq_count - left) * sizeof(*s->sq));
+    s->sq_count -= left;
+    return (int)left;
+}
+
+/* Flush until the queue is empty or the kernel takes nothing more. */
+static void mpl_sock_flush_all(mpl_sock_t *s)
+{
+    s->held = 0;
+    while (s->sq_count && mpl_sock_flush(s) > 0)
+        ;
+}
+
+/* Queue a send of `len` bytes from `buf` to `peer`; it leaves at the next
+ * flush (a full batch, or mpl_sock_poll).  0, or -EAGAIN when the queue is
+ * full and the kernel takes nothing now. */
+static int mpl_sock_send(mpl_sock_t *s, int peer, const void *buf, size_t len, void *user)
+{
+    if (s->sq_count == s->sq_cap && mpl_sock_flush(s) <= 0)
+        return -EAGAIN;
+    mpl_sock_send_t *q = &s->sq[s->sq_count++];
+    q->peer = peer;
+    q->buf = buf;
+    q->len = len;
+    q->user = user;
+    if (s->sq_count >= MPL_SOCK_BATCH * 8)
+        mpl_sock_flush(s);
+    return 0;
+}
+
+/* Reap up to `max` completions: datagrams received, then sends the kernel
+ * took.  The queued sends are flushed when nothing more arrived (the rank
+ * waits), a batch is full, or they were held over MPL_SOCK_HOLD polls:
+ * while datagrams pour in, sends gather into larger batches.  Returns how
+ * many completions. */
+static int mpl_sock_poll(mpl_sock_t *s, mpl_fab_event_t *events, int max)
+{
+    struct mmsghdr msgs[MPL_SOCK_BATCH];
+    struct iovec iov[MPL_SOCK_BATCH];
+    int total = 0, n, got, i, arrived = 0;
+    while (total < max && s->rq_count) {
+        n = max - total;
+        if ((size_t)n > s->rq_count) n = (int)s->rq_count;
+        if (n > MPL_SOCK_BATCH) n = MPL_SOCK_BATCH;
+        for (i = 0; i < n; i++) {
+            mpl_sock_post_t *p = &s->rq[(s->rq_head + (size_t)i) % s->rq_cap];
+            iov[i].iov_base = p->buf;
+            iov[i].iov_len = p->len;
+            memset(&msgs[i], 0, sizeof(msgs[i]));
+            msgs[i].msg_hdr.msg_iov = &iov[i];
+            msgs[i].msg_hdr.msg_iovlen = 1;
+        }
+        got = recvmmsg(s->fd, msgs, (unsigned)n, MSG_DONTWAIT, NULL);
+        s->recv_calls++;
+        if (got <= 0)
+            break;
+        for (i = 0; i < got; i++) {
+            mpl_sock_post_t *p = &s->rq[s->rq_head];
+            events[total].context = p->user;
+            events[total].is_recv = 1;
+            events[total].len = (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) ? 0 : msgs[i].msg_len;
+            s->rq_head = (s->rq_head + 1) % s->rq_cap;
+            s->rq_count--;
+            total++;
+        }
+        s->received += (uint64_t)got;
+        arrived += got;
+        if (got < n)
+            break;
+    }
+    /* (held: a steady stream of arrivals, a flood of garbage included,
+     * must not keep this rank's own datagrams from leaving) */
+    if (s->sq_count && (!arrived || s->sq_count >= MPL_SOCK_BATCH || ++s->held >= MPL_SOCK_HOLD))
+        mpl_sock_flush_all(s);
+    while (total < max && s->done_count) {
+        events[total].context = s->done[s->done_head];
+        events[total].is_recv = 0;
+        events[total].len = 0;
+        s->done_head = (s->done_head + 1) % s->done_cap;
+        s->done_count--;
+        total++;
+    }
+    return total;
+}
+
+static size_t mpl_sock_max_msg(const mpl_sock_t *s) { return s->max_msg; }
+static const char *mpl_sock_domain_name(const mpl_sock_t *s) { return s->domain; }
+
+/* Send and receive system calls, datagrams sent and received, sends refused. */
+static void mpl_sock_costs(const mpl_sock_t *s, uint64_t out[5])
+{
+    out[0] = s->send_calls;
+    out[1] = s->recv_calls;
+    out[2] = s->sent;
+    out[3] = s->received;
+    out[4] = s->send_errors;
+}
+
+/* The UDP socket of this process bound to `addr` (libfabric's udp provider
+ * does not hand its socket out).  Returns the descriptor or -1. */
+static int mpl_udp_socket(const void *addr, size_t addrlen)
+{
+    DIR *d = opendir("/proc/self/fd");
+    struct dirent *e;
+    int found = -1;
+    if (!d)
+        return -1;
+    while ((e = readdir(d)) != NULL && found < 0) {
+        struct sockaddr_storage ss;
+        socklen_t len = sizeof(ss);
+        struct stat st;
+        int fd = atoi(e->d_name);
+        if (fd <= 2 || fstat(fd, &st) || !S_ISSOCK(st.st_mode))
+            continue;
+        if (getsockname(fd, (struct sockaddr *)&ss, &len) == 0 && len == addrlen &&
+            memcmp(&ss, addr, addrlen) == 0)
+            found = fd;
+    }
+    closedir(d);
+    return found;
+}
+
+/* Make the socket's kernel buffers `bytes` large: a burst of datagrams must
+ * not overflow the receive queue while this rank is busy.  Above the system
+ * limit (net.core.rmem_max) this needs CAP_NET_ADMIN.  Returns the receive
+ * buffer size in effect, or -1 when the socket was not found. */
+static int mpl_udp_tune(const void *addr, size_t addrlen, int bytes)
+{
+    int fd = mpl_udp_socket(addr, addrlen), got = 0;
+    socklen_t len = sizeof(got);
+    if (fd < 0)
+        return -1;
+    if (setsockopt(fd, SOL_SOCKET, SO_RCVBUFFORCE, &bytes, sizeof(bytes)))
+        setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &bytes, sizeof(bytes));
+    if (setsockopt(fd, SOL_SOCKET, SO_SNDBUFFORCE, &bytes, sizeof(bytes)))
+        setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &bytes, sizeof(bytes));
+    getsockopt(fd, SOL_SOCKET, SO_RCVBUF, &got, &len);
+    return got;
+}
+
+/* Datagrams the kernel dropped because this socket's queue was full: the
+ * `drops` column of /proc/net/udp(6) for the socket's inode.  -1 if unknown. */
+static long mpl_udp_drops(const void *addr, size_t addrlen)
+{
+    int fd = mpl_udp_socket(addr, addrlen);
+    struct stat st;
+    char line[512];
+    long drops = -1;
+    const char *tables[2] = {"/proc/net/udp", "/proc/net/udp6"};
+    if (fd < 0 || fstat(fd, &st))
+        return -1;
+    for (int t = 0; t < 2 && drops < 0; t++) {
+        FILE *f = fopen(tables[t], "r");
+        if (!f)
+            continue;
+        while (fgets(line, sizeof(line), f)) {
+            unsigned long inode = 0;
+            long d = 0;
+            /* sl local rem st tx:rx tr:tm retrnsmt uid timeout inode ref pointer drops */
+            if (sscanf(line, "%*s %*s %*s %*s %*s %*s %*s %*s %*s %lu %*s %*s %ld", &inode, &d) == 2
+                && inode == (unsigned long)st.st_ino) {
+                drops = d;
+                break;
+            }
+        }
+        fclose(f);
+    }
+    return drops;
+}
+
+#else  /* not Linux: no sendmmsg/recvmmsg */
+
+#define MPL_SOCK_HAVE 0
+struct mpl_sock { int unused; };
+static int mpl_sock_open(mpl_sock_t **out, const char *d, size_t n, char *err, size_t errlen)
+{ (void)d; (void)n; *out = NULL; snprintf(err, errlen, "the native datagram transport needs Linux"); return -1; }
+static void mpl_sock_close(mpl_sock_t *s) { (void)s; }
+static int mpl_sock_getname(mpl_sock_t *s, void *a, size_t *l, char *e, size_t el) { (void)s; (void)a; (void)l; (void)e; (void)el; return -1; }
+static int mpl_sock_insert(mpl_sock_t *s, const void *a, int n, char *e, size_t el) { (void)s; (void)a; (void)n; (void)e; (void)el; return -1; }
+static int mpl_sock_recv(mpl_sock_t *s, void *b, size_t l, void *u) { (void)s; (void)b; (void)l; (void)u; return -1; }
+static int mpl_sock_send(mpl_sock_t *s, int p, const void *b, size_t l, void *u) { (void)s; (void)p; (void)b; (void)l; (void)u; return -1; }
+static int mpl_sock_poll(mpl_sock_t *s, mpl_fab_event_t *e, int m) { (void)s; (void)e; (void)m; return -1; }
+static size_t mpl_sock_max_msg(const mpl_sock_t *s) { (void)s; return 0; }
+static const char *mpl_sock_domain_name(const mpl_sock_t *s) { (void)s; return ""; }
+static void mpl_sock_costs(const mpl_sock_t *s, uint64_t out[5]) { (void)s; memset(out, 0, 5 * sizeof(uint64_t)); }
+static void mpl_sock_flush_all(mpl_sock_t *s) { (void)s; }
+static int mpl_udp_tune(const void *addr, size_t addrlen, int bytes) { (void)addr; (void)addrlen; (void)bytes; return -1; }
+static long mpl_udp_drops(const void *addr, size_t addrlen) { (void)addr; (void)addrlen; return -1; }
+
+#endif
+#endif /* MPILOSSY_SOCKETS_H */

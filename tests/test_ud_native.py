@@ -1,0 +1,63 @@
+"""The datagram channel on mpilossy's own UDP sockets (provider "native":
+sendmmsg/recvmmsg batches, UDP segmentation offload): the tests of
+test_ud.py again, with this transport, plus what is its own."""
+
+import os
+
+import numpy as np
+import pytest
+
+import mpilossy
+from mpilossy import _core
+from helpers import mpi_sum, small_ints
+from test_ud import (dropping_namespace, test_channel_info,  # noqa: F401 (collected here again)
+                     test_garbage_and_forged_datagrams_are_dropped_and_counted,
+                     test_injected_loss_is_unbiased, test_lossless_equals_mpi,
+                     test_mismatch_and_local_errors_reach_every_rank, test_real_kernel_drops,
+                     test_reduce_scatter_and_allgather, test_sleeping_rank_is_left_out, udc)
+
+pytestmark = pytest.mark.skipif(not _core.HAVE_DATAGRAM_AUTH,
+                                reason="built without OpenSSL headers: channel='ud' absent")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def provider():
+    """Every communicator of this module uses the native transport."""
+    before = os.environ.get("MPILOSSY_UD_PROVIDER")
+    os.environ["MPILOSSY_UD_PROVIDER"] = "native"
+    yield "native"
+    if before is None:
+        del os.environ["MPILOSSY_UD_PROVIDER"]
+    else:
+        os.environ["MPILOSSY_UD_PROVIDER"] = before
+
+
+@pytest.mark.mpi(min_size=2)
+def test_datagrams_leave_in_batches(comm, udc):
+    """Several datagrams per system call (libfabric's udp provider: one)."""
+    before = udc.channel_info()
+    x = small_ints(1 << 20, comm.rank, np.float32)
+    out = np.empty_like(x)
+    udc.allreduce(x, out, algorithm="direct")
+    np.testing.assert_array_equal(out, mpi_sum(comm, x))
+    after = udc.channel_info()
+    sent = after["transport_sent"] - before["transport_sent"]
+    calls = after["send_calls"] - before["send_calls"]
+    assert sent >= 2 * (comm.size - 1) * (4 << 20) // (comm.size * after["datagram_payload"])
+    assert 2 * sent >= 3 * calls, (calls, sent)     # measured 2-2.4 datagrams per call
+
+
+@pytest.mark.mpi
+def test_auto_picks_ud_when_native_is_asked_for(comm):
+    with mpilossy.Communicator(comm, channel="auto", timeout=None) as lc:
+        assert lc.channel_info()["channel"] == "ud"
+        assert lc.channel_info()["provider"] == "native"
+
+
+@pytest.mark.mpi
+def test_an_unknown_interface_is_refused_on_every_rank(comm, monkeypatch):
+    from helpers import all_ranks_raise
+    monkeypatch.setenv("MPILOSSY_UD_DOMAIN", "no-such-interface0")
+    message = all_ranks_raise(comm, lambda: mpilossy.Communicator(comm, channel="ud"),
+                              mpilossy.MPILossyError)
+    assert "no-such-interface0" in message, message
