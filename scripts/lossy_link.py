@@ -269,7 +269,8 @@ def train(link: LossyLink, args: argparse.Namespace) -> List[Dict[str, Any]]:
                         sys.executable, "-m", "mpilossy.examples.lm", "--reduce", reduce,
                         "--channel", "ud", "--algorithm", args.algorithm,
                         "--timeout", str(args.train_timeout), "--steps", str(args.steps),
-                        "--seed", str(seed), "--no-progress", "--json", str(out)]
+                        "--seed", str(seed), "--no-progress", "--json", str(out),
+                        *args.example_args.split()]
                     proc = in_link(link, share, bursts, args, cmd, args.limit)
                     if proc.returncode != 0:
                         raise SystemExit(f"{name} {reduce}: exit {proc.returncode}\n"
@@ -302,18 +303,20 @@ def parser() -> argparse.ArgumentParser:
                     help="shares of TCP/UDP packets dropped, one run each")
     ap.add_argument("--bursts", action="store_true", help="also a run with microbursts")
     ap.add_argument("--burst-ms", type=float, default=5.0, help="length of a burst")
-    ap.add_argument("--burst-every-ms", type=float, default=200.0, help="mean gap between bursts")
+    ap.add_argument("--burst-every-ms", type=float, default=50.0, help="mean gap between bursts")
     ap.add_argument("--algorithm", default="direct", help="of mpilossy's all-reduce")
     ap.add_argument("--provider", default="native",
                     help="mpilossy's datagram transport: native (its own UDP sockets) or a "
                          "libfabric provider (udp)")
-    ap.add_argument("--sizes", default="1M:0.05,16M:0.5",
+    ap.add_argument("--sizes", default="1M:0.1,16M:2",
                     help="bench: SIZE:DEADLINE pairs (mpilossy's deadline in seconds)")
     ap.add_argument("--iters", type=int, default=50, help="bench: calls per size and way")
     ap.add_argument("--steps", type=int, default=300, help="train: steps")
     ap.add_argument("--seeds", default="0", help="train: comma-separated seeds")
     ap.add_argument("--train-timeout", type=float, default=0.05,
                     help="train: mpilossy's deadline per call (s)")
+    ap.add_argument("--example-args", default="",
+                    help="train: more arguments of the example, e.g. '--no-align'")
     ap.add_argument("--limit", type=float, default=1200, help="seconds per job before it is killed")
     ap.add_argument("--json", help="write every row here")
     return ap
