@@ -34,6 +34,7 @@ from .communicator import (AllreduceStats, CollectiveStats, Communicator, allgat
                            default_communicator, reduce_scatter)
 from .contributors import Contributors
 from .errors import LaggingError, MismatchError, MPILossyError
+from .group import GroupAverager
 
 __version__: str = _core.VERSION      # VERSION, through meson.build
 
@@ -42,6 +43,7 @@ __all__ = [
     "CollectiveStats",
     "Communicator",
     "Contributors",
+    "GroupAverager",
     "MPILossyError",
     "LaggingError",
     "MismatchError",

@@ -136,3 +136,12 @@ def test_torch_drift(tmp_path):
     modes = [l.split()[0] for l in text.splitlines() if l.startswith("  ")]
     assert modes == ["allreduce", "sharded"], text
     assert (tmp_path / "d.png").stat().st_size > 1000
+
+
+def test_group(tmp_path):
+    text = command(tmp_path, "group", "--sizes", "16K", "-n", "3", "--loss", "0,0.3", nprocs=2)
+    assert text.startswith("# group averaging, 2 ranks, grid 2")
+    lossless, lossy = (line.split() for line in text.strip().splitlines()[-2:])
+    assert int(lossless[0]) == 16384 and float(lossless[1]) == 0.0
+    assert float(lossless[5]) < 1e-6 and float(lossless[6]) < 1e-6    # exact average
+    assert float(lossy[5]) > 1e-3                                     # loss shows

@@ -8,6 +8,8 @@
   drift meter);
 - the sharded, bounded-drift mode: ``ShardedOptimizer``;
 - error feedback for both (``error_feedback=True``, ``ErrorFeedback``);
+- ``group_average_parameters``: one round of lossy group averaging
+  (``mpilossy.GroupAverager``, Moshpit SGD) for local SGD;
 - ``PhaseAwareTolerance``: tight loss tolerance early in training, loose later;
 - ``StepStats``: what each step's communication delivered;
 - ``WrappedOptimizer``: the type of what the optimizer wrappers return (for
@@ -23,7 +25,7 @@ except ImportError as _exc:
                       "pip install torch (or pip install 'mpilossy[torch]')") from _exc
 
 from .broadcast import (average_optimizer_state, average_parameters, broadcast_optimizer_state,
-                        broadcast_parameters, check_parameters)
+                        broadcast_parameters, check_parameters, group_average_parameters)
 from .drift import DriftController, DriftStep, measure_drift
 from .feedback import ErrorFeedback
 from .hooks import AllreduceHookState, allreduce_hook, destroy_process_group, init_process_group
@@ -38,6 +40,7 @@ __all__ = [
     "DriftController",
     "DriftStep",
     "ErrorFeedback",
+    "group_average_parameters",
     "PhaseAwareTolerance",
     "ShardedOptimizer",
     "StepStats",

@@ -5,7 +5,7 @@ over every rank (MPI_Allreduce)."""
 from __future__ import annotations
 
 import time
-from typing import Any, Iterator, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from mpi4py import MPI
@@ -13,8 +13,11 @@ from mpi4py import MPI
 from ._common import (CommLike, Flat, as_bytes, as_numpy, check_everywhere, check_tensors,
                       host_problem, named_tensors, reliable_comm)
 
+if TYPE_CHECKING:
+    from ..group import GroupAverager
+
 __all__ = ["average_optimizer_state", "average_parameters", "broadcast_optimizer_state",
-           "broadcast_parameters", "check_parameters"]
+           "broadcast_parameters", "check_parameters", "group_average_parameters"]
 
 # Tensors smaller than this (or not contiguous) travel packed in one buffer
 # per dtype: one MPI_Bcast instead of many small ones.  Larger contiguous
@@ -188,6 +191,27 @@ def average_parameters(parameters: Any, *, comm: CommLike = None) -> float:
     with torch.no_grad():
         average_tensors(comm, [t for _, t in named], 0)
     return time.perf_counter() - began
+
+
+def group_average_parameters(parameters: Any, averager: "GroupAverager",
+                             **call_arguments: Any) -> float:
+    """One round of group averaging (mpilossy.GroupAverager, Moshpit SGD)
+    of `parameters`' floating-point tensors, in place and lossy: each becomes
+    the average over this round's group of ranks, for local SGD or a
+    decentralised mode (average every few steps, no global collective).
+    Without loss, `averager.rounds_to_mix` rounds in a row give the global
+    average.  Returns the fraction of elements delivered."""
+    named = [(n, t) for n, t in named_tensors(parameters) if t.is_floating_point()]
+    check_tensors(averager.comm, named, reducible=True)
+    with torch.no_grad():
+        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for _, t in named])
+        stats = averager.average(flat.numpy(), **call_arguments)
+        at = 0
+        for _, tensor in named:
+            n = tensor.numel()
+            tensor.copy_(flat[at:at + n].view_as(tensor))
+            at += n
+    return 1.0 if stats is None else stats.delivered
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> List[Tuple[str, torch.Tensor]]:
