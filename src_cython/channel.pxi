@@ -126,6 +126,7 @@ cdef struct Stream:
     int cursor            # first block not resolved yet
     unsigned char* drop   # injected loss, one flag per block
     unsigned char* done   # blocks resolved ahead of the cursor
+    int scan              # where the next look-ahead pass resumes
     bint drop_end         # injected loss of the producer's end mark
     double end_at         # when the end mark was seen (< 0: not yet)
     # Channel.

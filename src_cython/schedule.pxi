@@ -89,6 +89,7 @@ cdef class Algorithm:
         for i in range(self.nstreams):
             s = &self.streams[i]
             s.cursor = 0
+            s.scan = 0
             if self.drop_cap[i] < s.nblocks:
                 free(s.drop)
                 free(s.done)
@@ -261,30 +262,53 @@ cdef int settle(Algorithm alg, Channel chan, CallInfo* call, Stream* s, int bloc
     return 0
 
 
+# Blocks a look-ahead pass examines at most: with the cursor stuck at a lost
+# block of a long stream, looking at every block behind it on every poll made
+# each poll cost the stream's length (a 16 MiB call under 1% drops took 1.7x
+# its lossless time); a pass now resumes where the last one stopped.
+cdef int LOOK_AHEAD_SPAN = 64
+
+
 cdef bint look_ahead(Algorithm alg, Channel chan, CallInfo* call, Stream* s, bint lossy,
                      ErrorInfo* err, int* failed) noexcept nogil:
-    """The cursor block is not there: take the blocks behind it that are, so
-    that one lost block does not hold up the rest.  True if any was taken."""
-    cdef int block, verdict
+    """The cursor block is not there: take blocks behind it that are, so that
+    one lost block does not hold up the rest.  When the next block is not
+    there either, nothing has overtaken the cursor: stop.  Else examine up to
+    LOOK_AHEAD_SPAN blocks from where the last pass stopped, wrapping around
+    once.  True if any was taken."""
+    cdef int block, verdict, first = s.cursor + 1, looked = 0
+    cdef bint took = False, wrapped = False
     cdef Incoming inc
-    cdef bint took = False
-    if not chan.random_access(s):
+    if not chan.random_access(s) or first >= s.nblocks:
         return False
-    for block in range(s.cursor + 1, s.nblocks):
-        if s.done[block] or s.drop[block] or not alg.ready(s, block):
-            continue
-        verdict = chan.poll(s, block, &inc)
+    if not s.done[first] and not s.drop[first] and alg.ready(s, first):
+        verdict = chan.poll(s, first, &inc)
         if verdict == POLL_WAIT:
-            if block == s.cursor + 1:
-                return False        # the next one is not there either: stop looking
-            continue
-        if verdict != POLL_READY:
-            continue                # the cursor's turn will deal with it
-        s.done[block] = 1
-        took = True
-        if settle(alg, chan, call, s, block, verdict, &inc, lossy, err):
-            failed[0] = 1
-            return True
+            return False
+        if verdict == POLL_READY:
+            s.done[first] = 1
+            if settle(alg, chan, call, s, first, verdict, &inc, lossy, err):
+                failed[0] = 1
+                return True
+            took = True
+    block = max(s.scan, first + 1)
+    while looked < LOOK_AHEAD_SPAN:
+        if block >= s.nblocks:
+            if wrapped or first + 1 >= s.nblocks:
+                break
+            wrapped = True
+            block = first + 1
+        looked += 1
+        if not (s.done[block] or s.drop[block] or not alg.ready(s, block)):
+            verdict = chan.poll(s, block, &inc)
+            if verdict == POLL_READY:   # (other verdicts: the cursor's turn deals with them)
+                s.done[block] = 1
+                took = True
+                if settle(alg, chan, call, s, block, verdict, &inc, lossy, err):
+                    failed[0] = 1
+                    return True
+        block += 1
+    s.scan = block
     return took
 
 
