@@ -234,7 +234,8 @@ def test_real_kernel_drops(dropping_namespace, algorithm):
 
 # -- without libfabric ---------------------------------------------------------------
 def test_build_without_libfabric_explains(tmp_path):
-    """A build without libfabric headers works; channel='ud' then says why not."""
+    """A build without libfabric headers works; channel='ud' on libfabric then
+    says why not, and on the native transport works."""
     if not is_singleton():
         pytest.skip("builds and runs its own copy: runs at size 1")
     pkg = build_package(tmp_path, "-Dlibfabric=disabled")
@@ -244,12 +245,17 @@ def test_build_without_libfabric_explains(tmp_path):
             "try:\n mpilossy.Communicator(MPI.COMM_SELF, channel='ud')\n"
             "except mpilossy.MPILossyError as e:\n print('refused:', e)\n"
             "c = mpilossy.Communicator(MPI.COMM_SELF, channel='auto')\n"
-            "print(c.channel)\nc.free()\n")
+            "print(c.channel)\nc.free()\n"
+            # The native transport needs no libfabric.
+            "import os, numpy as np\nos.environ['MPILOSSY_UD_PROVIDER'] = 'native'\n"
+            "c = mpilossy.Communicator(MPI.COMM_SELF, channel='ud')\n"
+            "x = np.arange(5.0)\nc.allreduce(x)\nassert list(x) == [0, 1, 2, 3, 4]\n"
+            "print(c.channel_info()['provider'])\nc.free()\n")
     proc = run_bounded([sys.executable, "-c", code], 60, importing_from(pkg, HERE),
                        cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert "libfabric-dev" in lines[0] and lines[1] == "rma", proc.stdout
+    assert "libfabric-dev" in lines[0] and lines[1] == "rma" and lines[2] == "native", proc.stdout
     # The datagram decoder needs no libfabric: its tests run in this build too.
     proc = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         "-k", "not address_sanitizer", str(HERE / "test_datagram_decoder.py")],
