@@ -200,7 +200,10 @@ def in_link(link: LossyLink, share: float, bursts: bool, args: argparse.Namespac
     if bursts:
         link.start_bursts(args.burst_every_ms / 1e3, args.burst_ms / 1e3)
     # A session of its own: on any way out the whole job (mpiexec and its
-    # ranks) is killed, not mpiexec alone.
+    # ranks) is killed, not mpiexec alone, and what a killed job left in
+    # /dev/shm (the bench's meeting folders) is removed.
+    shm = Path("/dev/shm")
+    before = set(shm.glob("mpilossy-bench-*"))
     job = subprocess.Popen(["ip", "netns", "exec", link.name, *cmd],
                            env=job_environment(args.provider),
                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -212,6 +215,8 @@ def in_link(link: LossyLink, share: float, bursts: bool, args: argparse.Namespac
         if job.poll() is None:
             os.killpg(job.pid, signal.SIGKILL)
             job.communicate()
+            for left in set(shm.glob("mpilossy-bench-*")) - before:
+                shutil.rmtree(left, ignore_errors=True)
         link.stop_bursts()
         link.set_drop(0)
 

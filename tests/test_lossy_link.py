@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -79,3 +80,4 @@ def test_sigterm_removes_the_namespace(tmp_path):
             proc.wait()
     assert proc.returncode != 0
     assert namespaces() == before
+    assert not list(Path("/dev/shm").glob("mpilossy-bench-*"))     # the job's meeting folder
