@@ -54,7 +54,6 @@ typedef struct mpl_sock mpl_sock_t;
 #define UDP_SEGMENT 103
 #endif
 
-#define MPL_SOCK_HAVE 1
 #define MPL_SOCK_BATCH 64          /* messages per sendmmsg/recvmmsg */
 #define MPL_SOCK_MAX_SEGS 64       /* datagrams per segmented message (kernel limit) */
 #define MPL_SOCK_MAX_GSO 65000     /* bytes per segmented message (< 64 KiB IP) */
@@ -483,7 +482,6 @@ static long mpl_udp_drops(const void *addr, size_t addrlen)
 
 #else  /* not Linux: no sendmmsg/recvmmsg */
 
-#define MPL_SOCK_HAVE 0
 struct mpl_sock { int unused; };
 static int mpl_sock_open(mpl_sock_t **out, const char *d, size_t n, char *err, size_t errlen)
 { (void)d; (void)n; *out = NULL; snprintf(err, errlen, "the native datagram transport needs Linux"); return -1; }

@@ -100,8 +100,6 @@ cdef extern from "mpilossy_transport.h" nogil:
         int is_recv
     enum: MPL_FAB_EAGAIN
     enum: MPL_HAVE_LIBFABRIC
-    enum: MPL_SOCK_HAVE
-    const char* MPL_DG_NATIVE
     int mpl_fab_list(char *out, size_t outlen, char *err, size_t errlen)
     int mpl_dg_is_native(const char *provider)
     int mpl_dg_open(mpl_dg_t **out, const char *provider, const char *domain,

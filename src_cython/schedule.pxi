@@ -269,6 +269,27 @@ cdef int settle(Algorithm alg, Channel chan, CallInfo* call, Stream* s, int bloc
 cdef int LOOK_AHEAD_SPAN = 64
 
 
+cdef enum:
+    TAKE_SKIPPED = -2    # try_take: nothing to do for this block
+    TAKE_FAILED = -1     # try_take: settling it failed the call
+
+
+cdef inline int try_take(Algorithm alg, Channel chan, CallInfo* call, Stream* s, int block,
+                         bint lossy, ErrorInfo* err) noexcept nogil:
+    """Poll a block ahead of the cursor and settle it if it is there.  The
+    channel's verdict, TAKE_SKIPPED or TAKE_FAILED."""
+    cdef Incoming inc
+    cdef int verdict
+    if s.done[block] or s.drop[block] or not alg.ready(s, block):
+        return TAKE_SKIPPED
+    verdict = chan.poll(s, block, &inc)
+    if verdict == POLL_READY:       # (other verdicts: the cursor's turn deals with them)
+        s.done[block] = 1
+        if settle(alg, chan, call, s, block, verdict, &inc, lossy, err):
+            return TAKE_FAILED
+    return verdict
+
+
 cdef bint look_ahead(Algorithm alg, Channel chan, CallInfo* call, Stream* s, bint lossy,
                      ErrorInfo* err, int* failed) noexcept nogil:
     """The cursor block is not there: take blocks behind it that are, so that
@@ -278,36 +299,27 @@ cdef bint look_ahead(Algorithm alg, Channel chan, CallInfo* call, Stream* s, bin
     once.  True if any was taken."""
     cdef int block, verdict, first = s.cursor + 1, looked = 0
     cdef bint took = False, wrapped = False
-    cdef Incoming inc
     if not chan.random_access(s) or first >= s.nblocks:
         return False
-    if not s.done[first] and not s.drop[first] and alg.ready(s, first):
-        verdict = chan.poll(s, first, &inc)
-        if verdict == POLL_WAIT:
-            return False
-        if verdict == POLL_READY:
-            s.done[first] = 1
-            if settle(alg, chan, call, s, first, verdict, &inc, lossy, err):
-                failed[0] = 1
-                return True
-            took = True
+    verdict = try_take(alg, chan, call, s, first, lossy, err)
+    if verdict == POLL_WAIT:
+        return False
     block = max(s.scan, first + 1)
-    while looked < LOOK_AHEAD_SPAN:
+    while verdict != TAKE_FAILED:
+        took = took or verdict == POLL_READY
+        if looked == LOOK_AHEAD_SPAN:
+            break
         if block >= s.nblocks:
             if wrapped or first + 1 >= s.nblocks:
                 break
             wrapped = True
             block = first + 1
         looked += 1
-        if not (s.done[block] or s.drop[block] or not alg.ready(s, block)):
-            verdict = chan.poll(s, block, &inc)
-            if verdict == POLL_READY:   # (other verdicts: the cursor's turn deals with them)
-                s.done[block] = 1
-                took = True
-                if settle(alg, chan, call, s, block, verdict, &inc, lossy, err):
-                    failed[0] = 1
-                    return True
+        verdict = try_take(alg, chan, call, s, block, lossy, err)
         block += 1
+    if verdict == TAKE_FAILED:
+        failed[0] = 1
+        return True
     s.scan = block
     return took
 
