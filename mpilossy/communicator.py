@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import math
+import numbers
 import os
 import weakref
 from typing import Any, NamedTuple, Optional, Type, Union
@@ -419,29 +420,38 @@ class Communicator:
 
     # -- collectives -----------------------------------------------------------
     def allreduce(self, sendbuf: Any, recvbuf: Any = None, *, op: str = "sum",
-                  algorithm: Optional[str] = None, timeout: Any = _UNSET) -> CollectiveStats:
+                  algorithm: Optional[str] = None, timeout: Any = _UNSET,
+                  weight: Optional[float] = None) -> CollectiveStats:
         """Lossy all-reduce of `sendbuf` into `recvbuf` (in place without recvbuf).
 
         With op="avg" the result is sum / count; with op="sum" it is
         sum * size / count, where count is the number of ranks whose data
         reached each block in time.  Returns this rank's statistics.
+
+        weight: this rank's weight w > 0 in a weighted average (op="avg",
+        the direct algorithm, scaling="unbiased"): each block of the result
+        is sum(w_i x_i) / sum(w_i) over the ranks whose data reached it.
+        Every rank passes a weight, or none does.
         """
         def prepare(deadline: bool):
             send, recv = self._buffers(sendbuf, recvbuf, recv_required=False, same_ok=True)
             if recv.size != send.size:
                 raise ValueError(f"recvbuf has {recv.size} elements, sendbuf {send.size}")
-            algo = self._resolve_algorithm(
-                self._algorithm if algorithm is None else self._check_algorithm(algorithm),
-                send.nbytes, deadline)
-            return send, recv, self._op(op, send), algo
+            chosen = self._algorithm if algorithm is None else self._check_algorithm(algorithm)
+            opcode = self._op(op, send)
+            w = self._check_weight(weight, op, chosen)
+            algo = _core.DIRECT if w else self._resolve_algorithm(chosen, send.nbytes, deadline)
+            return send, recv, opcode, algo, w
         return self._run(_core.ALLREDUCE, prepare, timeout)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, *, op: str = "sum",
-                       algorithm: str = "auto", timeout: Any = _UNSET) -> CollectiveStats:
+                       algorithm: str = "auto", timeout: Any = _UNSET,
+                       weight: Optional[float] = None) -> CollectiveStats:
         """Lossy reduce-scatter: `recvbuf` receives this rank's chunk
         (chunk_bounds) of the reduction of every rank's `sendbuf`, scaled as
         in allreduce.  algorithm: "ring", "direct" or "auto" (as allreduce
-        chooses above the tree's sizes); unbiased like allreduce."""
+        chooses above the tree's sizes); unbiased like allreduce.  weight:
+        a weighted average, as in allreduce."""
         def prepare(deadline: bool):
             send, recv = self._buffers(sendbuf, recvbuf, recv_required=True, same_ok=False)
             lo, hi = self.chunk_bounds(send.size)
@@ -451,8 +461,11 @@ class Communicator:
             if algorithm not in ("ring", "direct", "auto"):
                 raise ValueError(f"reduce_scatter's algorithm must be 'ring', 'direct' or "
                                  f"'auto', got {algorithm!r}")
-            algo = self._resolve_algorithm(algorithm, send.nbytes, deadline, tree_ok=False)
-            return send, recv, self._op(op, send), algo
+            opcode = self._op(op, send)
+            w = self._check_weight(weight, op, algorithm)
+            algo = _core.DIRECT if w else self._resolve_algorithm(algorithm, send.nbytes,
+                                                                  deadline, tree_ok=False)
+            return send, recv, opcode, algo, w
         return self._run(_core.REDUCE_SCATTER, prepare, timeout)
 
     def allgather(self, sendbuf: Any, recvbuf: Any, *, timeout: Any = _UNSET) -> CollectiveStats:
@@ -471,7 +484,7 @@ class Communicator:
             if (_buffers.address(send) != _buffers.address(recv) + lo * recv.itemsize
                     and np.may_share_memory(send, recv)):
                 raise ValueError("sendbuf overlaps recvbuf without being this rank's chunk of it")
-            return send, recv, _core.SUM, _core.DIRECT
+            return send, recv, _core.SUM, _core.DIRECT, 0.0
         return self._run(_core.ALLGATHER, lambda deadline: prepare(), timeout)
 
     def chunk_bounds(self, count: int, rank: Optional[int] = None) -> tuple:
@@ -495,7 +508,7 @@ class Communicator:
             spent = self._auto.tick(self._timeout == AUTO if timeout is _UNSET
                                     else isinstance(timeout, str) and timeout == "auto")
             tmo = self._timeout if timeout is _UNSET else _check_timeout(timeout)
-            send, recv, opcode, algo = prepare(tmo != -1.0)
+            send, recv, opcode, algo, weight = prepare(tmo != -1.0)
         except BaseException as exc:
             # Validation errors become the same exception on every rank;
             # anything else (a device error, Ctrl-C) is raised here as it
@@ -516,7 +529,7 @@ class Communicator:
             if spent:       # the agreement's wait is part of this call's deadline
                 budget = max(tmo - spent, 0.25 * tmo)
         copy_back, self._copy_back = self._copy_back, None
-        result = core.collective(send, recv, coll, dtype, opcode, algo, budget)
+        result = core.collective(send, recv, coll, dtype, opcode, algo, budget, weight)
         if copy_back is not None and not result.err_kind:
             self._copy_out(*copy_back)
         start, anchor, end = result.timing
@@ -665,6 +678,25 @@ class Communicator:
             raise TypeError(f"op='avg' needs a floating-point dtype, got {send.dtype}")
         return opcode
 
+    def _check_weight(self, weight: Any, op: str, algorithm: str) -> float:
+        """The weight to pass to the core: 0.0 for none."""
+        if weight is None:
+            return 0.0
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise TypeError(f"weight must be a real number or None, got {type(weight).__name__}")
+        w = float(weight)
+        if not (math.isfinite(w) and w > 0):
+            raise ValueError(f"weight must be finite and > 0, got {weight!r}")
+        if op != "avg":
+            raise ValueError(f"weight needs op='avg' (a weighted average), got op={op!r}")
+        if algorithm not in ("direct", "auto"):
+            raise ValueError(f"weight needs algorithm='direct' (or 'auto', which then picks "
+                             f"it), got {algorithm!r}")
+        if self._scaling != "unbiased":
+            raise ValueError("weight needs scaling='unbiased' (a weighted average divides by "
+                             "the weights that arrived)")
+        return w
+
     @staticmethod
     def _check_algorithm(algorithm: Any) -> str:
         if algorithm not in ("ring", "tree", "direct", "auto"):
@@ -740,16 +772,18 @@ def default_communicator() -> Communicator:
 
 
 def allreduce(sendbuf: Any, recvbuf: Any = None, *, op: str = "sum",
-              algorithm: Optional[str] = None, timeout: Any = _UNSET) -> CollectiveStats:
+              algorithm: Optional[str] = None, timeout: Any = _UNSET,
+              weight: Optional[float] = None) -> CollectiveStats:
     """mpilossy.Communicator.allreduce on default_communicator()."""
     return default_communicator().allreduce(sendbuf, recvbuf, op=op, algorithm=algorithm,
-                                            timeout=timeout)
+                                            timeout=timeout, weight=weight)
 
 
 def reduce_scatter(sendbuf: Any, recvbuf: Any, *, op: str = "sum",
-                   timeout: Any = _UNSET) -> CollectiveStats:
+                   timeout: Any = _UNSET, weight: Optional[float] = None) -> CollectiveStats:
     """mpilossy.Communicator.reduce_scatter on default_communicator()."""
-    return default_communicator().reduce_scatter(sendbuf, recvbuf, op=op, timeout=timeout)
+    return default_communicator().reduce_scatter(sendbuf, recvbuf, op=op, timeout=timeout,
+                                                 weight=weight)
 
 
 def allgather(sendbuf: Any, recvbuf: Any, *, timeout: Any = _UNSET) -> CollectiveStats:

@@ -41,8 +41,8 @@ cdef enum:
 # functions, which answer "?" out of range.
 cdef const char* DTYPE_NAMES[5]
 DTYPE_NAMES[:] = [b"float16", b"float32", b"float64", b"int32", b"int64"]
-cdef const char* OP_NAMES[2]
-OP_NAMES[:] = [b"sum", b"avg"]
+cdef const char* OP_NAMES[3]
+OP_NAMES[:] = [b"sum", b"avg", b"avg(weight=)"]      # the last: announced_op
 cdef const char* ALGO_NAMES[3]
 ALGO_NAMES[:] = [b"ring", b"tree", b"direct"]
 cdef const char* COLL_NAMES[3]
@@ -56,7 +56,7 @@ cdef inline const char* dtype_name(uint32_t i) noexcept nogil:
 
 
 cdef inline const char* op_name(uint32_t i) noexcept nogil:
-    if i < 2:
+    if i < 3:
         return OP_NAMES[i]
     return b"?"
 
@@ -86,6 +86,8 @@ cdef struct CallInfo:
     int coll              # COLL_*
     int scaling           # SCALE_UNBIASED or SCALE_ZERO_FILL
     bint rotate           # move chain starts / tree roots with every call
+    double weight         # > 0: weighted average (direct only), this rank's
+                          # weight; 0: every contribution weighs one
     Py_ssize_t count      # elements of the whole vector
     Py_ssize_t itemsize
     int nslots            # records a rank publishes per block index
@@ -168,6 +170,12 @@ cdef inline void chunk_bounds(Py_ssize_t count, int size, int chunk,
     cdef Py_ssize_t base = count // size, extra = count % size
     first[0] = chunk * base + min(<Py_ssize_t>chunk, extra)
     length[0] = base + (1 if chunk < extra else 0)
+
+
+cdef inline uint32_t announced_op(const CallInfo* call) noexcept nogil:
+    """The op as peers see it: a weighted average is an op of its own (for
+    the mismatch message; the signature tells them apart already)."""
+    return 2 if call.weight > 0 else <uint32_t>call.op
 
 
 cdef inline double call_scale(const CallInfo* call, uint32_t count, int nranks) noexcept nogil:

@@ -121,9 +121,11 @@ cdef class Core:
             self.closed = True
             self.chan.close()
 
-    def collective(self, sendbuf, recvbuf, int coll, int dtype, int op, int algo, double timeout):
+    def collective(self, sendbuf, recvbuf, int coll, int dtype, int op, int algo, double timeout,
+                   double weight=0.0):
         """Run one collective call (COLL_*) on buffers the Python layer has
-        validated.  `timeout` < 0 waits for everything.  Returns
+        validated.  `timeout` < 0 waits for everything; `weight` > 0: this
+        rank's weight in a weighted average (direct algorithm, op avg).  Returns
         (err_kind, err_rank, err_msg, delivered, elapsed, deadline_hit,
         fallback_fraction, min_contributors, seq, lost_blocks, timing, agreed,
         contributors) with timing = (start, anchor, end) on the monotonic clock
@@ -139,13 +141,13 @@ cdef class Core:
         try:
             return self.run(<char*>sb.buf, <char*>rb.buf,
                             rb.len if coll == COLL_ALLGATHER else sb.len,
-                            coll, dtype, op, algo, timeout)
+                            coll, dtype, op, algo, timeout, weight)
         finally:
             PyBuffer_Release(&rb)
             PyBuffer_Release(&sb)
 
     cdef object run(self, char* send, char* recv, Py_ssize_t nbytes, int coll, int dtype,
-                   int op, int algo, double timeout):
+                   int op, int algo, double timeout, double weight):
         """`nbytes`: the whole vector (the send buffer of an all-reduce or a
         reduce-scatter, the receive buffer of an all-gather)."""
         cdef CallInfo* call = &self.call
@@ -175,6 +177,7 @@ cdef class Core:
         call.timeout = timeout
         call.scaling = self.scaling
         call.rotate = self.rotate
+        call.weight = weight
         pause = self.loss.delay(call.seq, self.rank)
         with nogil:
             mpl_sleep(pause)
@@ -188,7 +191,8 @@ cdef class Core:
         alg.layout(call)
         call.sig = mpl_hash4(<uint64_t>call.count,
                              <uint64_t>dtype | <uint64_t>op << 8 | <uint64_t>algo << 16
-                             | <uint64_t>self.tree.radix << 24 | <uint64_t>coll << 40,
+                             | <uint64_t>self.tree.radix << 24 | <uint64_t>coll << 40
+                             | <uint64_t>(weight > 0) << 48,
                              <uint64_t>call.block_elems,
                              <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)) | 1
         try:

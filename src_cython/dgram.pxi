@@ -571,7 +571,7 @@ cdef class DgramChannel(Channel):
         hello.sig = c.sig
         hello.count = c.count
         hello.dtype = c.dtype
-        hello.op = c.op
+        hello.op = announced_op(c)
         hello.algo = c.algo | c.coll << 4
         hello.block = <uint32_t>c.block_bytes
         self.send_control(MPL_PKT_HELLO, c.seq, 0, 0, &hello, sizeof(mpl_hello_t), -1)
@@ -704,7 +704,7 @@ cdef class DgramChannel(Channel):
                  <unsigned long long>hello.count, dtype_name(hello.dtype),
                  op_name(hello.op), algo_name(hello.algo & 15),
                  self.rank, coll_name(c.coll), <unsigned long long>c.count,
-                 dtype_name(c.dtype), op_name(c.op), algo_name(c.algo))
+                 dtype_name(c.dtype), op_name(announced_op(c)), algo_name(c.algo))
 
     cdef void take_error(self, const mpl_error_t* e) noexcept nogil:
         if self.error.kind == ERR_NONE:

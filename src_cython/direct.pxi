@@ -31,6 +31,12 @@
 # A rank that misses a reduced block uses its own contribution to it
 # (count 1).  Stages: the reduction ends at half the budget, the gather at
 # the full budget.
+#
+# Weighted average (call.weight > 0): a contribution travels as w * x with
+# w (a double) after its data, where the bitmap goes in a reduced record;
+# the reducer sums the weights of what arrived per block and divides by
+# them, so every block is sum(w x) / sum(w) over its own contributors.  The
+# reducer's own w * x is made in the scratch buffer at the start.
 
 cdef enum:
     FUSE_SCAN = 16       # streams looked at for contributions to add in one pass
@@ -57,6 +63,7 @@ cdef class Direct(Chunked):
     cdef Py_ssize_t data_bytes     # payload bytes of a full block, before the bitmap
     # per block of the chunk I reduce
     cdef uint32_t* count
+    cdef double* wsum                # weights summed (weighted calls)
     cdef int* pending
     cdef unsigned char* where        # where the running sum is: SUM_IN_*
     cdef unsigned char* scaled       # the running sum is already the result
@@ -64,6 +71,7 @@ cdef class Direct(Chunked):
     cdef const char** sources
     cdef int* taken                  # other streams whose block joins it
     cdef int ntaken, target
+    cdef double taken_weight         # of the arrival being taken, with the fused ones
     cdef bint target_final
     cdef uint64_t* members           # bitmap of the running sum
     cdef char* scratch
@@ -87,6 +95,7 @@ cdef class Direct(Chunked):
         free(self.sources)
         free(self.taken)
         free(self.count)
+        free(self.wsum)
         free(self.pending)
         free(self.where)
         free(self.scaled)
@@ -114,16 +123,18 @@ cdef class Direct(Chunked):
         cdef int n = self.size, nb = c.nblocks, k, reducer
         if nb > self.block_cap:
             free(self.count)
+            free(self.wsum)
             free(self.pending)
             free(self.where)
             free(self.scaled)
             free(self.members)
             self.count = <uint32_t*>malloc(nb * sizeof(uint32_t))
+            self.wsum = <double*>malloc(nb * sizeof(double))
             self.pending = <int*>malloc(nb * sizeof(int))
             self.where = <unsigned char*>malloc(nb)
             self.scaled = <unsigned char*>malloc(nb)
             self.members = <uint64_t*>malloc(<Py_ssize_t>nb * self.words * 8)
-            if not (self.count and self.pending and self.where and self.scaled and self.members):
+            if not (self.count and self.wsum and self.pending and self.where and self.scaled and self.members):
                 self.block_cap = 0
                 raise MemoryError()
             self.block_cap = nb
@@ -190,6 +201,28 @@ cdef class Direct(Chunked):
             return SUM_IN_RECORD if self.size % 2 == 0 else SUM_IN_SCRATCH
         return SUM_IN_SCRATCH if self.where[block] == SUM_IN_RECORD else SUM_IN_RECORD
 
+    cdef inline Py_ssize_t contribution_bytes(self, Py_ssize_t n) noexcept nogil:
+        """Record size of a contribution of `n` elements (with its weight)."""
+        if self.call.weight > 0:
+            return round_up(n * self.call.itemsize, 8) + 8
+        return n * self.call.itemsize
+
+    cdef inline double weight_of(self, const char* data, Py_ssize_t n) noexcept nogil:
+        """The weight a contribution of `n` elements carries (1 unweighted);
+        0 if it is not a positive finite number (the record is refused)."""
+        cdef double w
+        if self.call.weight <= 0:
+            return 1.0
+        memcpy(&w, data + round_up(n * self.call.itemsize, 8), 8)
+        return w if isfinite(w) and w > 0 else 0.0
+
+    cdef inline double final_scale(self, uint32_t count, double wsum) noexcept nogil:
+        """What turns the sum of `count` contributions (weighing `wsum`) into
+        the result."""
+        if self.call.weight > 0:
+            return 1.0 / wsum
+        return call_scale(self.call, count, self.size)
+
     # -- reactions --------------------------------------------------------------
     cdef void start(self) noexcept nogil:
         cdef CallInfo* c = self.call
@@ -202,6 +235,11 @@ cdef class Direct(Chunked):
             self.pending[b] = self.size - 1
             self.where[b] = SUM_IN_SEND
             self.scaled[b] = 0
+            self.wsum[b] = c.weight if c.weight > 0 else 1.0
+            if c.weight > 0:
+                k_scale(c.dtype, c.weight, self.location(b, SUM_IN_SCRATCH),
+                        self.location(b, SUM_IN_SEND), self.block_len(me, b))
+                self.where[b] = SUM_IN_SCRATCH
             bits = self.members + <Py_ssize_t>b * self.words
             memset(bits, 0, 8 * self.words)
             bits[self.rank >> 6] |= 1ull << (self.rank & 63)
@@ -214,6 +252,8 @@ cdef class Direct(Chunked):
         cdef CallInfo* c = self.call
         cdef int b = self.next_row, k, reducer, chunk
         cdef Py_ssize_t isz = c.itemsize, n
+        cdef char* record
+        cdef const char* mine
         if b >= c.nblocks:
             return False
         self.next_row += 1
@@ -221,8 +261,14 @@ cdef class Direct(Chunked):
             reducer = (self.rank + k) % self.size
             chunk = self.chunk_of(reducer)
             n = self.block_len(chunk, b)
-            memcpy(self.chan.claim(chunk, b), self.send + self.block_first(chunk, b) * isz, n * isz)
-            self.chan.publish(chunk, b, 1, <uint32_t>(n * isz), &reducer, 1)
+            record = self.chan.claim(chunk, b)
+            mine = self.send + self.block_first(chunk, b) * isz
+            if c.weight > 0:
+                k_scale(c.dtype, c.weight, record, mine, n)
+                memcpy(record + round_up(n * isz, 8), &c.weight, 8)
+            else:
+                memcpy(record, mine, n * isz)
+            self.chan.publish(chunk, b, 1, <uint32_t>self.contribution_bytes(n), &reducer, 1)
         return True
 
     cdef bint ready(self, Stream* s, int block) noexcept nogil:
@@ -263,7 +309,11 @@ cdef class Direct(Chunked):
         cdef int mine = <int>(s - self.streams), ncontrib = self.size - 1
         cdef Stream* t
         cdef Incoming other
-        if inc.count != 1 or inc.nbytes != n * c.itemsize:
+        cdef double w
+        if inc.count != 1 or inc.nbytes != self.contribution_bytes(n):
+            return False
+        self.taken_weight = self.weight_of(inc.data, n)
+        if self.taken_weight == 0:
             return False
         self.sources[0] = self.location(block, self.where[block])
         self.sources[1] = inc.data
@@ -278,8 +328,12 @@ cdef class Direct(Chunked):
                 continue
             if self.chan.poll(t, block, &other) != POLL_READY:
                 continue
-            if other.count != 1 or other.nbytes != n * c.itemsize:
+            if other.count != 1 or other.nbytes != self.contribution_bytes(n):
                 continue        # the engine will find it wrong on its own turn
+            w = self.weight_of(other.data, n)
+            if w == 0:
+                continue
+            self.taken_weight += w
             self.sources[nsrc] = other.data
             nsrc += 1
             self.taken[self.ntaken] = i
@@ -289,7 +343,8 @@ cdef class Direct(Chunked):
             self.target = SUM_IN_SCRATCH if self.where[block] == SUM_IN_RECORD else SUM_IN_RECORD
         else:
             self.target = self.next_location(block)
-        k_sum(c.dtype, call_scale(c, self.count[block] + nsrc - 1, self.size)
+        k_sum(c.dtype, self.final_scale(self.count[block] + nsrc - 1,
+                                 self.wsum[block] + self.taken_weight)
               if self.target_final else 1.0,
               self.location(block, self.target), self.sources, nsrc, n)
         for i in range(self.ntaken):            # read in place: still what it was?
@@ -305,6 +360,7 @@ cdef class Direct(Chunked):
             self.scaled[block] = self.target_final
             self.where[block] = self.target
             self.count[block] += 1 + self.ntaken
+            self.wsum[block] += self.taken_weight
             bits = self.members + <Py_ssize_t>block * self.words
             bits[s.peer >> 6] |= 1ull << (s.peer & 63)
             for i in range(self.ntaken):
@@ -337,7 +393,8 @@ cdef class Direct(Chunked):
             self.add_result(0, n, False)
             return
         bits[self.rank >> 6] |= 1ull << (self.rank & 63)
-        k_scale(c.dtype, call_scale(c, 1, self.size), dst, self.chan.mine(chunk, block), n)
+        k_scale(c.dtype, 1.0 / c.weight if c.weight > 0 else call_scale(c, 1, self.size),
+                dst, self.chan.mine(chunk, block), n)
         self.add_result(1, n, False)
 
     cdef inline void contribution_done(self, int block) noexcept nogil:
@@ -354,7 +411,8 @@ cdef class Direct(Chunked):
         cdef uint64_t* bits = self.members + <Py_ssize_t>block * self.words
         cdef Py_ssize_t at = round_up(n * c.itemsize, 8)
         cdef uint32_t nbytes = <uint32_t>(at + 8 * self.words)
-        k_scale(c.dtype, 1.0 if self.scaled[block] else call_scale(c, self.count[block], self.size),
+        k_scale(c.dtype, 1.0 if self.scaled[block]
+                else self.final_scale(self.count[block], self.wsum[block]),
                 record, self.location(block, self.where[block]), n)
         memcpy(record + at, bits, 8 * self.words)
         if c.coll == COLL_ALLREDUCE:

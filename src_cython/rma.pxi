@@ -220,7 +220,7 @@ cdef class RmaChannel(Channel):
         st.sig = call.sig
         st.count = call.count
         st.dtype = call.dtype
-        st.op = call.op
+        st.op = announced_op(call)
         st.algo = call.algo | call.coll << 4
         st.block = <uint32_t>call.block_bytes
         st.grow = grow
@@ -386,7 +386,7 @@ cdef class RmaChannel(Channel):
                  peer, coll_name(st.algo >> 4), <unsigned long long>st.count,
                  dtype_name(st.dtype), op_name(st.op), algo_name(st.algo & 15),
                  self.rank, coll_name(c.coll), <unsigned long long>c.count, dtype_name(c.dtype),
-                 op_name(c.op), algo_name(c.algo))
+                 op_name(announced_op(c)), algo_name(c.algo))
 
     cdef int poll_get(self, Stream* s, Incoming* inc) noexcept nogil:
         """Network path: a small state machine of MPI_Rget for the cursor
