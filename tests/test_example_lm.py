@@ -42,3 +42,21 @@ def test_short_run_learns(tmp_path, extra):
         assert r["delivered"] < 1.0, r          # loss was really injected
     else:
         assert r["delivered"] == 1.0 and r["final_drift"] == 0.0, r
+
+
+def test_compute_deadline_under_stragglers(tmp_path):
+    """Micro-batches, the straggler scenario and the compute deadline: the
+    run learns, records its curve, and cuts micro-batches on slow steps."""
+    out = tmp_path / "result.json"
+    done = run_bounded([mpiexec(), "-n", "2", sys.executable, "-m", "mpilossy.examples.lm",
+                        *TINY, "--micro-batches", "4", "--straggle", "0.5:4",
+                        "--compute-deadline", "auto", "--eval-every", "10", "--json", out],
+                       timeout=240, env=clean_subprocess_env(OMP_NUM_THREADS="1"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "micro-batches" in done.stdout
+    r = json.loads(out.read_text())
+    assert r["train_loss_last"] < r["train_loss_first"] - 0.5, r
+    assert [c[0] for c in r["curve"]] == [10, 20, 30, 40], r["curve"]
+    assert all(1 < c[2] < 100 for c in r["curve"]), r["curve"]
+    # half the steps 4x slower: once the budget is agreed (step 10) those cut
+    assert 1.0 <= r["micro_batches"] < 3.9, r

@@ -8,6 +8,9 @@
   drift meter);
 - the sharded, bounded-drift mode: ``ShardedOptimizer``;
 - error feedback for both (``error_feedback=True``, ``ErrorFeedback``);
+- ``ComputeDeadline``: DropCompute's compute budget per step (micro-batches
+  until it ends, then a weighted average: ``compute_deadline=`` of both
+  optimizer wrappers);
 - ``group_average_parameters``: one round of lossy group averaging
   (``mpilossy.GroupAverager``, Moshpit SGD) for local SGD;
 - ``PhaseAwareTolerance``: tight loss tolerance early in training, loose later;
@@ -26,6 +29,7 @@ except ImportError as _exc:
 
 from .broadcast import (average_optimizer_state, average_parameters, broadcast_optimizer_state,
                         broadcast_parameters, check_parameters, group_average_parameters)
+from .compute import ComputeDeadline
 from .drift import DriftController, DriftStep, measure_drift
 from .feedback import ErrorFeedback
 from .hooks import AllreduceHookState, allreduce_hook, destroy_process_group, init_process_group
@@ -36,6 +40,7 @@ from .tolerance import PhaseAwareTolerance
 
 __all__ = [
     "AllreduceHookState",
+    "ComputeDeadline",
     "DistributedOptimizer",
     "DriftController",
     "DriftStep",

@@ -13,6 +13,7 @@ from mpi4py import MPI
 from ..communicator import Communicator
 from ._common import (Flat, check_tensors, lossy_communicator, optimizer_parameters,
                       reliable_comm)
+from .compute import ComputeDeadline, deadline_problem, weigh
 from .drift import DriftController, every_problem, resync_problem
 from .feedback import ErrorFeedback, feedback_problem
 from .stats import Recorder, StepStats
@@ -127,8 +128,10 @@ class _GradientAllreduce(Engine):
 
     def __init__(self, lc: Communicator, params: List[torch.Tensor], op: str,
                  bucket_bytes: int, drift: Optional[DriftController],
-                 tolerance: Optional[PhaseAwareTolerance], error_feedback: bool) -> None:
+                 tolerance: Optional[PhaseAwareTolerance], error_feedback: bool,
+                 compute_deadline: Optional[ComputeDeadline] = None) -> None:
         super().__init__(lc, params, op, drift)
+        self.compute_deadline = compute_deadline
         self.flat = Flat(params)
         self.pieces = self.flat.pieces(bucket_bytes)
         self.synchronized = False
@@ -160,8 +163,9 @@ class _GradientAllreduce(Engine):
                 for _, _, stats in calls:
                     self.recorder.add(stats)
             else:
+                weight = weigh(self.compute_deadline, self.flat.arrays.values())
                 for _, _, piece in self.pieces:
-                    self.recorder.add(self.lc.allreduce(piece, op=self.op))
+                    self.recorder.add(self.lc.allreduce(piece, op=self.op, weight=weight))
             if policy is not None and policy.needs_agreement:
                 lost = 1.0 - self.recorder.pending_delivered()
                 if policy.agree(self.lc.comm, lost) > limit:
@@ -231,7 +235,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          root_rank: int = 0,
                          tolerance: Optional[PhaseAwareTolerance] = None,
                          resync: str = "broadcast",
-                         error_feedback: bool = False) -> _DistributedOptimizer:
+                         error_feedback: bool = False,
+                         compute_deadline: Optional[ComputeDeadline] = None
+                         ) -> _DistributedOptimizer:
     """Wrap `optimizer` so that step() first all-reduces the gradients through
     mpilossy's lossy all-reduce (unbiased average, deadline-bound).
 
@@ -260,6 +266,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         phase-aware loss tolerance (PhaseAwareTolerance): how much loss each
         step may accept; a step that loses more re-sends its gradients
         reliably.  Default None: accept whatever arrives by the deadline.
+    compute_deadline:
+        a ComputeDeadline (DropCompute) whose micro-batches fill the
+        gradients: step() divides them by the rank's micro-batch count and
+        reduces with that count as the weight (op="avg", scaling="unbiased";
+        not with `tolerance` or `error_feedback`).
 
     Collective: checks on every rank that all ranks hold the same parameters
     (names, shapes, dtypes, CPU); a problem raises on every rank.  Extra
@@ -270,7 +281,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     comm = reliable_comm(lc)
     problem = (already_wrapped(optimizer) or check_settings(op, bucket_bytes)
                or every_problem(broadcast_every=broadcast_every, measure_every=measure_every)
-               or resync_problem(resync) or feedback_problem(lc, error_feedback))
+               or resync_problem(resync) or feedback_problem(lc, error_feedback)
+               or deadline_problem(lc, op, compute_deadline, error_feedback))
+    if problem is None and tolerance is not None and compute_deadline is not None:
+        problem = ValueError("compute_deadline and tolerance do not combine (a step re-sent "
+                             "reliably would not be weighted)")
     if problem is None and tolerance is not None and not isinstance(tolerance, PhaseAwareTolerance):
         problem = TypeError(f"tolerance must be a PhaseAwareTolerance or None, "
                             f"not {type(tolerance).__name__}")
@@ -283,12 +298,15 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         problem, named = problem or exc, []
     check_tensors(comm, named, reducible=True, problem=problem,
                   extra=(op, bucket_bytes, broadcast_every, measure_every, broadcast_state,
-                         root_rank, repr(tolerance), resync, error_feedback))
+                         root_rank, repr(tolerance), resync, error_feedback,
+                         compute_deadline is not None))
+    if compute_deadline is not None and compute_deadline.comm is None:
+        compute_deadline.comm = comm
     drift = None
     if broadcast_every is not None or measure_every is not None:
         drift = DriftController(named, comm=comm, broadcast_every=broadcast_every,
                                 measure_every=measure_every, root_rank=root_rank,
                                 optimizer=optimizer if broadcast_state else None, resync=resync)
     engine = _GradientAllreduce(lc, [p for _, p in named], op, bucket_bytes, drift, tolerance,
-                                error_feedback)
+                                error_feedback, compute_deadline)
     return wrap(optimizer, _DistributedOptimizer, engine)

@@ -29,6 +29,7 @@ from ..communicator import CollectiveStats, Communicator
 from ._common import (REDUCIBLE, Flat, as_bytes, check_tensors, lossy_communicator,
                       optimizer_parameters, reliable_comm)
 from .broadcast import bcast_tensors
+from .compute import ComputeDeadline, deadline_problem, weigh
 from .drift import DriftController, every_problem
 from .feedback import ErrorFeedback, feedback_problem
 from .optimizer import (Engine, WrappedOptimizer, already_wrapped, check_settings, params_changed,
@@ -44,8 +45,10 @@ class _ShardedExchange(Engine):
 
     def __init__(self, lc: Communicator, comm: MPI.Intracomm, params: List[torch.Tensor],
                  groups: List[int], n_groups: int, op: str, root_rank: int,
-                 error_feedback: bool, missed: str) -> None:
+                 error_feedback: bool, missed: str,
+                 compute_deadline: Optional[ComputeDeadline] = None) -> None:
         super().__init__(lc, params, op, None)
+        self.compute_deadline = compute_deadline
         self.comm = comm
         self.flat = Flat(params)            # the parameters themselves, from now on
         self.flat.pack(params)
@@ -89,11 +92,13 @@ class _ShardedExchange(Engine):
         feedback = self.feedback
         if feedback is not None:
             feedback.add_to(self.grads)
+        weight = weigh(self.compute_deadline, self.grads.arrays.values())
         calls = []
         for dtype, send in self.grads.arrays.items():
             recv = self.shard_grads[dtype]
             stats = self.lc.reduce_scatter(send, recv, op=self.op,
-                                           algorithm="direct" if feedback else "auto")
+                                           algorithm="direct" if feedback else "auto",
+                                           weight=weight)
             self.recorder.add(stats)
             calls.append((dtype, 0, stats))
         if feedback is not None:
@@ -201,7 +206,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
                      communicator: Optional[Communicator] = None, *, op: str = "avg",
                      resync_every: Optional[int] = None, measure_every: Optional[int] = None,
                      root_rank: int = 0, error_feedback: bool = False,
-                     missed: str = "keep") -> _ShardedOptimizer:
+                     missed: str = "keep",
+                     compute_deadline: Optional[ComputeDeadline] = None) -> _ShardedOptimizer:
     """Wrap a freshly built `optimizer` for the sharded, bounded-drift mode
     (see the module documentation).
 
@@ -225,6 +231,9 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
         not bring: "keep" its previous values (the reference scheme), or
         "extrapolate" them by the owner's recent update per step (see
         docs/training.md).  Either way the next block that arrives is exact.
+    compute_deadline:
+        a ComputeDeadline (DropCompute), as for DistributedOptimizer: the
+        gradients are reduce-scattered as a weighted average.
 
     state_dict() holds this rank's chunk of the optimizer state.  Collective,
     with the same checks as DistributedOptimizer.
@@ -233,7 +242,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     comm = reliable_comm(lc)
     problem = (already_wrapped(optimizer) or check_settings(op)
                or every_problem(resync_every=resync_every, measure_every=measure_every)
-               or feedback_problem(lc, error_feedback))
+               or feedback_problem(lc, error_feedback)
+               or deadline_problem(lc, op, compute_deadline, error_feedback))
     if problem is None and missed not in MISSED:
         problem = ValueError(f"missed must be one of {MISSED}, got {missed!r}")
     try:
@@ -247,11 +257,13 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
         problem = problem or ValueError(f"root_rank must be a rank, got {root_rank!r}")
     check_tensors(comm, named, reducible=True, problem=problem,
                   extra=("sharded", op, resync_every, measure_every, root_rank, error_feedback,
-                         missed))
+                         missed, compute_deadline is not None))
+    if compute_deadline is not None and compute_deadline.comm is None:
+        compute_deadline.comm = comm
     params = [p for _, p in named]
     groups = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
     engine = _ShardedExchange(lc, comm, params, groups, len(optimizer.param_groups), op,
-                              root_rank, error_feedback, missed)
+                              root_rank, error_feedback, missed, compute_deadline)
     if resync_every is not None or measure_every is not None:
         engine.drift = DriftController(named, comm=comm, broadcast_every=resync_every,
                                        measure_every=measure_every,

@@ -66,8 +66,17 @@ def parser() -> argparse.ArgumentParser:
                     help="phase-aware loss tolerance: reliable during the critical phase")
     ap.add_argument("--critical-fraction", type=float, default=d.critical_fraction,
                     help="share of the steps that is the critical phase")
+    ap.add_argument("--micro-batches", type=int, default=d.micro_batches,
+                    help="compute each rank's batch in this many micro-batches (accumulated)")
+    ap.add_argument("--compute-deadline", default=d.compute_deadline,
+                    help="DropCompute: 'auto', seconds per step, or 'off': a rank stops "
+                    "after the micro-batches its budget allows (at least one) and its "
+                    "gradient weighs by the count")
+    ap.add_argument("--straggle", default=d.straggle,
+                    help="straggler scenario 'P:F': each rank, each step, with probability P "
+                    "computes F times slower (e.g. 0.1:2)")
     for name in ("steps", "batch", "context", "width", "layers", "heads", "warmup", "seed",
-                 "val_windows", "measure_every", "threads"):
+                 "val_windows", "measure_every", "threads", "eval_every"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -84,6 +93,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                  resync=args.resync,
                  resync_every=None if args.no_drift_correction else args.resync_every,
                  align=not args.no_align, phase_aware=args.phase_aware,
+                 micro_batches=args.micro_batches, compute_deadline=args.compute_deadline,
+                 straggle=args.straggle, eval_every=args.eval_every,
                  critical_fraction=args.critical_fraction,
                  steps=args.steps, batch=args.batch, context=args.context, width=args.width,
                  layers=args.layers, heads=args.heads, lr=args.lr, warmup=args.warmup,
@@ -103,7 +114,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"drift           {r['final_drift']:.2e} at the end, {r['max_drift']:.2e} at most")
         print(f"delivered       {r['delivered']:.4f}")
         print(f"time            {r['wall_seconds']:.1f} s ({r['comm_seconds']:.1f} s in gradient "
-              f"communication)")
+              f"communication, {1e3 * r['step_seconds']:.1f} ms per training step)")
+        if cfg.micro_batches > 1:
+            print(f"micro-batches   {r['micro_batches']:.2f} of {cfg.micro_batches} per step "
+                  f"(compute deadline {cfg.compute_deadline})")
         if "phase_aware" in r:
             print(f"phase-aware     {r['phase_aware']}")
         if args.json:

@@ -30,7 +30,8 @@ from typing import Dict, List, Optional, Tuple
 
 GE = "gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1"    # bursts of ~5 blocks, ~9% lost
 
-SEEDS = {"paired": list(range(8)), "explore": [0, 1, 2], "scale": [0, 1, 2]}
+SEEDS = {"paired": list(range(8)), "explore": [0, 1, 2], "scale": [0, 1, 2],
+         "straggle": list(range(8))}
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,8 @@ BEST = ("--mode", "sharded", "--no-error-feedback", "--no-rotate", "--missed", "
 FEEDBACK = ("--mode", "sharded", "--error-feedback", "--no-rotate", "--missed", "extrapolate")
 TODAY = ("--mode", "replicated", "--no-error-feedback", "--algorithm", "direct", "--rotate")
 SHARDED = ("--mode", "sharded")
+STRAGGLE = (*BEST, "--loss", "0", "--micro-batches", "4", "--straggle", "0.1:2",
+            "--eval-every", "25")
 ROWS: List[Row] = [
     Row("baseline", "reliable MPI_Allreduce", ("--reduce", "mpi")),
     Row("aa", "A/A: lossless mpilossy (sharded + error feedback, no loss)",
@@ -105,6 +108,14 @@ ROWS: List[Row] = [
         "scale", 16, "baseline-16"),
     Row("best-10-16", "16 ranks: best, 10%", (*BEST, "--loss", "0.1", "--batch", "4"),
         "scale", 16, "baseline-16"),
+    # stragglers in compute: 4 micro-batches per step, each rank 2x slower on
+    # 10% of its steps (drawn per rank and step); paired with the fixed count
+    Row("straggle-fixed", "stragglers: 4 micro-batches every step (no compute deadline)",
+        STRAGGLE, "straggle", baseline="straggle-fixed"),
+    Row("straggle-aa", "stragglers, A/A: the same command again",
+        STRAGGLE, "straggle", baseline="straggle-fixed"),
+    Row("straggle-deadline", "stragglers: compute deadline auto (DropCompute), weighted average",
+        (*STRAGGLE, "--compute-deadline", "auto"), "straggle", baseline="straggle-fixed"),
 ]
 # Paired comparisons between rows (same seeds): (row, against, what it isolates)
 COMPARISONS = [
@@ -197,7 +208,7 @@ def report(runs: Path, out: Path) -> str:
         "[95% interval] | delivered | final drift | max drift | train time vs baseline |",
         "|---|---|---|---|---|---|---|---|"]
     for row in ROWS:
-        if row.name not in data:
+        if row.name not in data or row.tier == "straggle":
             continue
         rs = data[row.name]
         ppls = [r["val_perplexity"] for r in rs]
@@ -227,12 +238,62 @@ def report(runs: Path, out: Path) -> str:
                 mean, half = interval(changes)
                 lines.append(f"| {what} (`{name}` vs `{other}`) | {len(changes)} | "
                              f"{mean:+.2f}% [{mean - half:+.2f}, {mean + half:+.2f}] |")
+    lines += straggler_report(data)
     lines += ["", "Commands (S = seed; the paired rows ran seeds 0-7, the others 0-2):", ""]
     lines += [f"- {row.what}: `{shown(row)}`" for row in ROWS if row.name in data]
     table = "\n".join(lines) + "\n"
     (out / "lm-table.md").write_text(table)
     plot(data, out / "lm.png")
     return table
+
+
+def time_to(curve: List[list], target: float) -> float:
+    """Training seconds at which the perplexity curve first reaches `target`
+    (linear between evaluations); inf if it never does."""
+    prev_t, prev_p = 0.0, math.inf
+    for _, t, p in curve:
+        if p <= target:
+            if math.isinf(prev_p):
+                return t
+            return prev_t + (t - prev_t) * (prev_p - target) / (prev_p - p)
+        prev_t, prev_p = t, p
+    return math.inf
+
+
+def straggler_report(data: Dict[str, List[dict]]) -> List[str]:
+    """Rows of the straggler tier, paired by seed with `straggle-fixed`: time
+    per step, time to the baseline's final perplexity, perplexity change."""
+    base = {r["config"]["seed"]: r for r in data.get("straggle-fixed", [])}
+    rows = [row for row in ROWS if row.tier == "straggle" and row.name in data
+            and row.name != "straggle-fixed"]
+    if not base or not rows:
+        return []
+    lines = ["", "Stragglers in compute (paired by seed with `straggle-fixed`):", "",
+             "| row | seeds | micro-batches per step | time per step vs fixed, mean [95%] "
+             "| time to fixed's final perplexity vs fixed's time [95%] (reached) "
+             "| val perplexity change [95%] |", "|---|---|---|---|---|---|"]
+
+    def shown_interval(values: List[float], fmt: str) -> str:
+        mean, half = interval(values)
+        return f"{mean:{fmt}} [{mean - half:{fmt}}, {mean + half:{fmt}}]"
+
+    for row in rows:
+        pairs = [(r, base[r["config"]["seed"]]) for r in data[row.name]
+                 if r["config"]["seed"] in base]
+        if len(pairs) < 2:
+            continue
+        step = [r["step_seconds"] / b["step_seconds"] for r, b in pairs]
+        reach = [time_to(r["curve"], b["val_perplexity"]) / b["train_seconds"] for r, b in pairs]
+        finite = [x for x in reach if math.isfinite(x)]
+        ppl = [100 * (r["val_perplexity"] / b["val_perplexity"] - 1) for r, b in pairs]
+        lines.append(
+            f"| {row.what} | {len(pairs)} "
+            f"| {statistics.fmean(r['micro_batches'] for r, _ in pairs):.2f} "
+            f"| {shown_interval(step, '.3f')}x "
+            f"| {shown_interval(finite, '.3f') + 'x' if len(finite) > 1 else '–'} "
+            f"({len(finite)} of {len(pairs)}) "
+            f"| {shown_interval(ppl, '+.2f')}% |")
+    return lines
 
 
 def plot(data: Dict[str, List[dict]], path: Path) -> None:
@@ -242,7 +303,7 @@ def plot(data: Dict[str, List[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown_rows = [row for row in ROWS if row.name in data and row.name != row.baseline
-                  and paired(data, row)]
+                  and row.tier != "straggle" and paired(data, row)]
     if not shown_rows:
         return
     fig, ax = plt.subplots(figsize=(10, 0.32 * len(shown_rows) + 1.4))

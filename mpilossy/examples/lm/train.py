@@ -44,6 +44,11 @@ class Config:
     resync_every: Optional[int] = 50  # drift correction (None = off)
     align: bool = True                # barrier before each lossy reduction (see below)
     phase_aware: bool = False         # phase-aware loss tolerance
+    micro_batches: int = 1            # the batch is computed in this many micro-batches
+    compute_deadline: str = "off"     # "off", "auto" or seconds: DropCompute's budget per step
+    straggle: str = ""                # "P:F": each rank, each step, with probability P
+                                      # computes F times slower (straggler scenario)
+    eval_every: int = 0               # validation perplexity every K steps (0: at the end only)
     critical_fraction: float = 0.2    # its critical phase: this share of the steps
     steps: int = 300
     batch: int = 16                   # windows per rank per step
@@ -76,6 +81,28 @@ def lr_at(cfg: Config, step: int) -> float:
         return cfg.lr * (step + 1) / cfg.warmup
     done = (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup)
     return cfg.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * done)))
+
+
+def straggler(spec: str) -> tuple:
+    """'P:F' -> (P, F): probability of a slow step, and how much slower."""
+    if not spec:
+        return 0.0, 1.0
+    try:
+        p, f = (float(v) for v in spec.split(":"))
+    except ValueError:
+        raise ValueError(f"straggle must be 'P:F' (e.g. 0.1:2), got {spec!r}") from None
+    if not (0 <= p <= 1 and f >= 1):
+        raise ValueError(f"straggle needs 0 <= P <= 1 and F >= 1, got {spec!r}")
+    return p, f
+
+
+def compute_deadline(cfg: Config) -> Optional[mt.ComputeDeadline]:
+    if cfg.compute_deadline == "off":
+        return None
+    budget: Any = cfg.compute_deadline
+    if budget != "auto":
+        budget = float(budget)
+    return mt.ComputeDeadline(budget, max_micro_batches=cfg.micro_batches)
 
 
 def windows(text: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
@@ -130,6 +157,12 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
     if cfg.mode == "sharded" and (cfg.phase_aware or cfg.algorithm not in ("auto", "direct")):
         raise ValueError("the sharded mode reduce-scatters with the direct algorithm and "
                          "has no phase-aware tolerance")
+    if cfg.micro_batches < 1 or cfg.batch % cfg.micro_batches:
+        raise ValueError(f"micro_batches must divide batch ({cfg.batch}), got {cfg.micro_batches}")
+    slow_p, slow_factor = straggler(cfg.straggle)
+    deadline = compute_deadline(cfg)
+    if deadline is not None and cfg.reduce != "mpilossy":
+        raise ValueError("the compute deadline needs reduce='mpilossy' (a weighted average)")
     torch.set_num_threads(cfg.threads)
     rank, size = comm.rank, comm.size
     began = time.perf_counter()
@@ -171,14 +204,15 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
                                           resync_every=cfg.resync_every,
                                           measure_every=cfg.measure_every,
                                           error_feedback=cfg.error_feedback,
-                                          missed=cfg.missed)
+                                          missed=cfg.missed, compute_deadline=deadline)
         else:
             wrapped = mt.DistributedOptimizer(inner, model.named_parameters(), lc,
                                               broadcast_every=cfg.resync_every,
                                               measure_every=cfg.measure_every,
                                               broadcast_state=cfg.resync == "average",
                                               resync=cfg.resync, tolerance=tolerance,
-                                              error_feedback=cfg.error_feedback)
+                                              error_feedback=cfg.error_feedback,
+                                              compute_deadline=deadline)
         optimizer = wrapped
         drift_control = wrapped.drift_control
     assert drift_control is not None        # (measure_every is always given)
@@ -190,14 +224,31 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
     delivered: List[float] = []
     comm_seconds = 0.0
     losses: List[float] = []
+    curve: List[tuple] = []           # (step, training seconds, rank 0's val perplexity)
+    micro_done: List[int] = []
+    paused = 0.0                      # seconds spent on the curve's evaluations
+    slowness = np.random.default_rng([cfg.seed, rank, 7])
+    per_micro = cfg.batch // cfg.micro_batches
     train_began = time.perf_counter()
     for step in range(cfg.steps):
         for group in inner.param_groups:
             group["lr"] = lr_at(cfg, step)
-        starts = sampler.integers(0, data.train.size - cfg.context - 1, cfg.batch)
-        loss = model.loss(windows(data.train, starts, cfg.context + 1))
         optimizer.zero_grad(set_to_none=False)   # (the wrapper: sharded mode clears the model's)
-        loss.backward()
+        factor = slow_factor if slowness.random() < slow_p else 1.0
+        # Without a compute deadline the micro-batches' mean is the step's
+        # gradient; with one, the optimizer divides by the count it did.
+        scale = 1.0 if deadline is not None else 1.0 / cfg.micro_batches
+        parts = []
+        for _ in (deadline if deadline is not None else range(cfg.micro_batches)):
+            computing = time.perf_counter()
+            starts = sampler.integers(0, data.train.size - cfg.context - 1, per_micro)
+            part = model.loss(windows(data.train, starts, cfg.context + 1))
+            (part * scale if scale != 1.0 else part).backward()
+            parts.append(part.item())
+            if factor > 1.0:    # a throttled or shared core: the same work, slower
+                time.sleep((factor - 1.0) * (time.perf_counter() - computing))
+        micro_done.append(len(parts))
+        loss = torch.tensor(float(np.mean(parts)))
         if cfg.reduce == "mpi":
             comm_seconds += reduce_mpi()
             inner.step()
@@ -215,12 +266,17 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
             delivered.append(stats.delivered)
             comm_seconds += stats.comm_seconds + stats.sync_seconds
         losses.append(loss.item())
+        if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+            pause = time.perf_counter()
+            ppl_now = comm.bcast(perplexity(model, val) if rank == 0 else None)
+            curve.append((step + 1, pause - train_began - paused, ppl_now))
+            paused += time.perf_counter() - pause
         if bar is not None:
             bar.update(1)
             if step % 10 == 0:
                 bar.set_postfix(loss=f"{losses[-1]:.3f}",
                                 delivered=f"{np.mean(delivered[-10:]) if delivered else 1.0:.3f}")
-    train_seconds = time.perf_counter() - train_began
+    train_seconds = time.perf_counter() - train_began - paused
     if bar is not None:
         bar.close()
 
@@ -248,6 +304,9 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
         "train_tokens": int(data.train.size),
         "val_tokens": int(data.val.size),
         "broadcasts": drift_control.broadcasts,
+        "step_seconds": comm.allreduce(train_seconds, op=MPI.MAX) / cfg.steps,
+        "micro_batches": comm.allreduce(float(np.mean(micro_done)), op=MPI.SUM) / size,
+        "curve": curve,
     }
     if tolerance is not None:
         result["phase_aware"] = {"reliable_steps": tolerance.reliable,
