@@ -116,6 +116,9 @@ ROWS: List[Row] = [
         STRAGGLE, "straggle", baseline="straggle-fixed"),
     Row("straggle-deadline", "stragglers: compute deadline auto (DropCompute), weighted average",
         (*STRAGGLE, "--compute-deadline", "auto"), "straggle", baseline="straggle-fixed"),
+    Row("straggle-deadline-330", "stragglers: compute deadline auto, 330 steps (10% more)",
+        (*STRAGGLE, "--compute-deadline", "auto", "--steps", "330"), "straggle",
+        baseline="straggle-fixed"),
 ]
 # Paired comparisons between rows (same seeds): (row, against, what it isolates)
 COMPARISONS = [
@@ -158,8 +161,11 @@ def shown(row: Row) -> str:
 
 def run_rows(rows: List[Row], seeds: Optional[List[int]], runs: Path, extra: List[str],
              run_timeout: float) -> None:
+    # Seed by seed, the rows in turn: paired runs are minutes apart, not an
+    # hour, so that a change in the machine's load falls on both (timings).
     todo = [(row, seed) for row in rows for seed in (seeds or SEEDS[row.tier])
             if not (runs / f"{row.name}-s{seed}.json").exists()]
+    todo.sort(key=lambda item: item[1])
     try:
         from tqdm import tqdm
         todo_iter = tqdm(todo, desc="runs", unit="run")
