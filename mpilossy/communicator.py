@@ -31,6 +31,7 @@ CHANNELS = ("rma", "ud", "auto")
 # Datagram providers that mean real datagram hardware (where "auto" picks ud).
 HARDWARE_DATAGRAMS = ("verbs", "efa")
 SCALINGS = ("unbiased", "zero-fill")
+COMPRESSIONS = {"int8": 8, "int4": 4}      # bits per value on the wire
 
 DEFAULT_CAPACITY = 4 * 1024 * 1024
 # Largest message for which algorithm="auto" picks the tree, by rank count,
@@ -115,6 +116,11 @@ _UNSET: Any = _Unset()
 AUTO = -2.0     # _check_timeout's answer for timeout="auto"
 
 
+def _check_compression(compression: Any) -> None:
+    if compression is not None and compression not in COMPRESSIONS:
+        raise ValueError(f"compression must be None, 'int8' or 'int4', got {compression!r}")
+
+
 def _check_timeout(timeout: Any) -> float:
     """The core's timeout: seconds, -1 for none, AUTO for "auto".  Raises for
     bad values."""
@@ -185,6 +191,12 @@ class Communicator:
         direct reducer in place; the sharded training mode uses it so that
         each shard's owner is its reducer (one hop).  Each biases a single
         call over arbitrary inputs (docs/unbiasedness.md, docs/training.md).
+    compression, compression_group:
+        None, "int8" or "int4": float32 reductions on the direct algorithm
+        travel quantised, `compression_group` values (default 64, even) per
+        float32 scale, rounded stochastically (unbiased); reducers sum in
+        float32 and quantise the reduced values once more for the gather.
+        A per-call ``compression=`` overrides it (None: off for that call).
 
     Construction and free() are collective over `comm`.
     """
@@ -193,7 +205,8 @@ class Communicator:
                  timeout: Union[float, str, None] = _UNSET, loss: Any = _UNSET,
                  algorithm: str = "auto", block_bytes: Optional[int] = None,
                  capacity: int = DEFAULT_CAPACITY, tree_radix: Optional[int] = None,
-                 scaling: str = "unbiased", rotate: bool = True) -> None:
+                 scaling: str = "unbiased", rotate: bool = True,
+                 compression: Optional[str] = None, compression_group: int = 64) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -226,6 +239,11 @@ class Communicator:
                 raise ValueError(f"scaling must be one of {SCALINGS}, got {scaling!r}")
             if not isinstance(rotate, bool):
                 raise TypeError(f"rotate must be a bool, not {type(rotate).__name__}")
+            _check_compression(compression)
+            if (isinstance(compression_group, bool) or not isinstance(compression_group, int)
+                    or not 2 <= compression_group <= 65536 or compression_group % 2):
+                raise ValueError(f"compression_group must be an even int in 2..65536, "
+                                 f"got {compression_group!r}")
             use_shared = env.rma_shm
             # (FI_PROVIDER: libfabric's own variable)
             provider = env.ud_provider or os.environ.get("FI_PROVIDER", "")
@@ -235,6 +253,7 @@ class Communicator:
             # datagram domain, buffer counts) may differ.
             settings = (("channel", channel), ("block_bytes", block), ("tree_radix", radix),
                         ("capacity", capacity), ("scaling", scaling), ("rotate", rotate),
+                        ("compression", compression), ("compression_group", compression_group),
                         ("MPILOSSY_RMA_SHM", use_shared),
                         ("datagram provider", provider), ("MPILOSSY_UD_MTU", env.ud_mtu))
         except (TypeError, ValueError) as exc:
@@ -291,6 +310,8 @@ class Communicator:
         self._radix = radix
         self._scaling = scaling
         self._rotate = rotate
+        self._compression = compression
+        self._compression_group = compression_group
         self._size = self._comm.Get_size()
         self._staging = _device.Staging()       # pinned host copies of GPU buffers
         self._copy_back: Optional[tuple] = None
@@ -421,7 +442,8 @@ class Communicator:
     # -- collectives -----------------------------------------------------------
     def allreduce(self, sendbuf: Any, recvbuf: Any = None, *, op: str = "sum",
                   algorithm: Optional[str] = None, timeout: Any = _UNSET,
-                  weight: Optional[float] = None) -> CollectiveStats:
+                  weight: Optional[float] = None,
+                  compression: Optional[str] = _UNSET) -> CollectiveStats:
         """Lossy all-reduce of `sendbuf` into `recvbuf` (in place without recvbuf).
 
         With op="avg" the result is sum / count; with op="sum" it is
@@ -432,6 +454,9 @@ class Communicator:
         the direct algorithm, scaling="unbiased"): each block of the result
         is sum(w_i x_i) / sum(w_i) over the ranks whose data reached it.
         Every rank passes a weight, or none does.
+
+        compression: None, "int8" or "int4" for this call (default: the
+        communicator's); float32 on the direct algorithm only.
         """
         def prepare(deadline: bool):
             send, recv = self._buffers(sendbuf, recvbuf, recv_required=False, same_ok=True)
@@ -440,18 +465,21 @@ class Communicator:
             chosen = self._algorithm if algorithm is None else self._check_algorithm(algorithm)
             opcode = self._op(op, send)
             w = self._check_weight(weight, op, chosen)
-            algo = _core.DIRECT if w else self._resolve_algorithm(chosen, send.nbytes, deadline)
-            return send, recv, opcode, algo, w
+            bits = self._quantise(compression, send, chosen)
+            algo = _core.DIRECT if w or bits else self._resolve_algorithm(chosen, send.nbytes,
+                                                                          deadline)
+            return send, recv, opcode, algo, w, bits
         return self._run(_core.ALLREDUCE, prepare, timeout)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, *, op: str = "sum",
                        algorithm: str = "auto", timeout: Any = _UNSET,
-                       weight: Optional[float] = None) -> CollectiveStats:
+                       weight: Optional[float] = None,
+                       compression: Optional[str] = _UNSET) -> CollectiveStats:
         """Lossy reduce-scatter: `recvbuf` receives this rank's chunk
         (chunk_bounds) of the reduction of every rank's `sendbuf`, scaled as
         in allreduce.  algorithm: "ring", "direct" or "auto" (as allreduce
-        chooses above the tree's sizes); unbiased like allreduce.  weight:
-        a weighted average, as in allreduce."""
+        chooses above the tree's sizes); unbiased like allreduce.  weight,
+        compression: as in allreduce."""
         def prepare(deadline: bool):
             send, recv = self._buffers(sendbuf, recvbuf, recv_required=True, same_ok=False)
             lo, hi = self.chunk_bounds(send.size)
@@ -463,9 +491,10 @@ class Communicator:
                                  f"'auto', got {algorithm!r}")
             opcode = self._op(op, send)
             w = self._check_weight(weight, op, algorithm)
-            algo = _core.DIRECT if w else self._resolve_algorithm(algorithm, send.nbytes,
-                                                                  deadline, tree_ok=False)
-            return send, recv, opcode, algo, w
+            bits = self._quantise(compression, send, algorithm)
+            algo = _core.DIRECT if w or bits else self._resolve_algorithm(
+                algorithm, send.nbytes, deadline, tree_ok=False)
+            return send, recv, opcode, algo, w, bits
         return self._run(_core.REDUCE_SCATTER, prepare, timeout)
 
     def allgather(self, sendbuf: Any, recvbuf: Any, *, timeout: Any = _UNSET) -> CollectiveStats:
@@ -484,7 +513,7 @@ class Communicator:
             if (_buffers.address(send) != _buffers.address(recv) + lo * recv.itemsize
                     and np.may_share_memory(send, recv)):
                 raise ValueError("sendbuf overlaps recvbuf without being this rank's chunk of it")
-            return send, recv, _core.SUM, _core.DIRECT, 0.0
+            return send, recv, _core.SUM, _core.DIRECT, 0.0, 0
         return self._run(_core.ALLGATHER, lambda deadline: prepare(), timeout)
 
     def chunk_bounds(self, count: int, rank: Optional[int] = None) -> tuple:
@@ -508,7 +537,7 @@ class Communicator:
             spent = self._auto.tick(self._timeout == AUTO if timeout is _UNSET
                                     else isinstance(timeout, str) and timeout == "auto")
             tmo = self._timeout if timeout is _UNSET else _check_timeout(timeout)
-            send, recv, opcode, algo, weight = prepare(tmo != -1.0)
+            send, recv, opcode, algo, weight, qbits = prepare(tmo != -1.0)
         except BaseException as exc:
             # Validation errors become the same exception on every rank;
             # anything else (a device error, Ctrl-C) is raised here as it
@@ -529,7 +558,8 @@ class Communicator:
             if spent:       # the agreement's wait is part of this call's deadline
                 budget = max(tmo - spent, 0.25 * tmo)
         copy_back, self._copy_back = self._copy_back, None
-        result = core.collective(send, recv, coll, dtype, opcode, algo, budget, weight)
+        result = core.collective(send, recv, coll, dtype, opcode, algo, budget, weight,
+                                 qbits, self._compression_group)
         if copy_back is not None and not result.err_kind:
             self._copy_out(*copy_back)
         start, anchor, end = result.timing
@@ -678,6 +708,19 @@ class Communicator:
             raise TypeError(f"op='avg' needs a floating-point dtype, got {send.dtype}")
         return opcode
 
+    def _quantise(self, compression: Any, send: np.ndarray, algorithm: str) -> int:
+        """Bits per value of this call's payloads (0: not quantised)."""
+        compression = self._compression if compression is _UNSET else compression
+        _check_compression(compression)
+        if compression is None:
+            return 0
+        if send.dtype != np.float32:
+            raise TypeError(f"compression={compression!r} needs float32 data, got {send.dtype}")
+        if algorithm not in ("direct", "auto"):
+            raise ValueError(f"compression needs algorithm='direct' (or 'auto', which then "
+                             f"picks it), got {algorithm!r}")
+        return COMPRESSIONS[compression]
+
     def _check_weight(self, weight: Any, op: str, algorithm: str) -> float:
         """The weight to pass to the core: 0.0 for none."""
         if weight is None:
@@ -773,10 +816,12 @@ def default_communicator() -> Communicator:
 
 def allreduce(sendbuf: Any, recvbuf: Any = None, *, op: str = "sum",
               algorithm: Optional[str] = None, timeout: Any = _UNSET,
-              weight: Optional[float] = None) -> CollectiveStats:
+              weight: Optional[float] = None,
+              compression: Optional[str] = _UNSET) -> CollectiveStats:
     """mpilossy.Communicator.allreduce on default_communicator()."""
     return default_communicator().allreduce(sendbuf, recvbuf, op=op, algorithm=algorithm,
-                                            timeout=timeout, weight=weight)
+                                            timeout=timeout, weight=weight,
+                                            compression=compression)
 
 
 def reduce_scatter(sendbuf: Any, recvbuf: Any, *, op: str = "sum",

@@ -88,6 +88,9 @@ cdef struct CallInfo:
     bint rotate           # move chain starts / tree roots with every call
     double weight         # > 0: weighted average (direct only), this rank's
                           # weight; 0: every contribution weighs one
+    int qbits             # 8 or 4: float32 payloads travel quantised (direct
+                          # only, mpilossy_quant.h); 0: as they are
+    Py_ssize_t qgroup     # values per quantisation scale
     Py_ssize_t count      # elements of the whole vector
     Py_ssize_t itemsize
     int nslots            # records a rank publishes per block index

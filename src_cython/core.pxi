@@ -122,10 +122,12 @@ cdef class Core:
             self.chan.close()
 
     def collective(self, sendbuf, recvbuf, int coll, int dtype, int op, int algo, double timeout,
-                   double weight=0.0):
+                   double weight=0.0, int qbits=0, Py_ssize_t qgroup=0):
         """Run one collective call (COLL_*) on buffers the Python layer has
         validated.  `timeout` < 0 waits for everything; `weight` > 0: this
-        rank's weight in a weighted average (direct algorithm, op avg).  Returns
+        rank's weight in a weighted average (direct algorithm, op avg);
+        `qbits` 8 or 4: float32 payloads quantised in groups of `qgroup`
+        (direct algorithm).  Returns
         (err_kind, err_rank, err_msg, delivered, elapsed, deadline_hit,
         fallback_fraction, min_contributors, seq, lost_blocks, timing, agreed,
         contributors) with timing = (start, anchor, end) on the monotonic clock
@@ -141,13 +143,14 @@ cdef class Core:
         try:
             return self.run(<char*>sb.buf, <char*>rb.buf,
                             rb.len if coll == COLL_ALLGATHER else sb.len,
-                            coll, dtype, op, algo, timeout, weight)
+                            coll, dtype, op, algo, timeout, weight, qbits, qgroup)
         finally:
             PyBuffer_Release(&rb)
             PyBuffer_Release(&sb)
 
     cdef object run(self, char* send, char* recv, Py_ssize_t nbytes, int coll, int dtype,
-                   int op, int algo, double timeout, double weight):
+                   int op, int algo, double timeout, double weight, int qbits,
+                   Py_ssize_t qgroup):
         """`nbytes`: the whole vector (the send buffer of an all-reduce or a
         reduce-scatter, the receive buffer of an all-gather)."""
         cdef CallInfo* call = &self.call
@@ -178,6 +181,8 @@ cdef class Core:
         call.scaling = self.scaling
         call.rotate = self.rotate
         call.weight = weight
+        call.qbits = qbits
+        call.qgroup = qgroup
         pause = self.loss.delay(call.seq, self.rank)
         with nogil:
             mpl_sleep(pause)
@@ -192,8 +197,8 @@ cdef class Core:
         call.sig = mpl_hash4(<uint64_t>call.count,
                              <uint64_t>dtype | <uint64_t>op << 8 | <uint64_t>algo << 16
                              | <uint64_t>self.tree.radix << 24 | <uint64_t>coll << 40
-                             | <uint64_t>(weight > 0) << 48,
-                             <uint64_t>call.block_elems,
+                             | <uint64_t>(weight > 0) << 48 | <uint64_t>qbits << 52,
+                             <uint64_t>call.block_elems ^ (<uint64_t>qgroup << 40),
                              <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)) | 1
         try:
             began = self.chan.begin(call)
@@ -303,6 +308,43 @@ def kernel(str name, dst, a, b=None, double scale=1.0):
         PyBuffer_Release(&vd)
         PyBuffer_Release(&va)
         PyBuffer_Release(&vb)
+
+
+def quant_kernel(str name, dst, src, int bits, Py_ssize_t group, unsigned int seed=1,
+                 float scale=1.0):
+    """The low-bit payload kernels on NumPy arrays, outside the GIL:
+    'quantize' float32 src -> dst bytes (mpl_q_bytes long), 'dequantize'
+    bytes src -> float32 dst, 'dequantize_add' dst += decoded src."""
+    cdef Py_buffer vd, vs
+    if bits not in (4, 8) or group < 2 or group % 2:
+        raise ValueError("bits must be 4 or 8 and group even")
+    PyObject_GetBuffer(dst, &vd, PyBUF_SIMPLE | PyBUF_WRITABLE)
+    try:
+        PyObject_GetBuffer(src, &vs, PyBUF_SIMPLE)
+    except BaseException:
+        PyBuffer_Release(&vd)
+        raise
+    cdef int which = {"quantize": 0, "dequantize": 1, "dequantize_add": 2}[name]
+    cdef Py_ssize_t n = (vs.len if which == 0 else vd.len) // 4
+    cdef Py_ssize_t coded = <Py_ssize_t>mpl_q_bytes(n, group, bits)
+    try:
+        if (vd.len if which == 0 else vs.len) < coded:
+            raise ValueError(f"the encoded buffer needs {coded} bytes")
+        with nogil:
+            if which == 0:
+                mpl_quantize(<unsigned char*>vd.buf, <const float*>vs.buf, scale, n, group,
+                             bits, seed)
+            else:
+                mpl_dequantize(<float*>vd.buf, <const float*>vd.buf if which == 2 else NULL,
+                               <const unsigned char*>vs.buf, scale, n, group, bits)
+    finally:
+        PyBuffer_Release(&vd)
+        PyBuffer_Release(&vs)
+
+
+def quant_bytes(Py_ssize_t n, Py_ssize_t group, int bits) -> int:
+    """Bytes of n float32 values encoded with `bits` per value."""
+    return <Py_ssize_t>mpl_q_bytes(n, group, bits)
 
 
 def buffer_address(obj) -> int:

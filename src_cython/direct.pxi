@@ -37,6 +37,15 @@
 # the reducer sums the weights of what arrived per block and divides by
 # them, so every block is sum(w x) / sum(w) over its own contributors.  The
 # reducer's own w * x is made in the scratch buffer at the start.
+#
+# Low-bit payloads (call.qbits, float32): contributions and reduced blocks
+# travel quantised (mpilossy_quant.h: a scale per group, stochastic
+# rounding); a block's record is smaller, so a block holds more values for
+# the same bytes on the wire.  The reducer sums dequantised arrivals in
+# float32, in two private buffers (the record is too small to hold the
+# sum), and quantises the reduced block once; it keeps the decoded record
+# itself, so that every rank holds the same values.  A lost block still
+# costs exactly its own values.
 
 cdef enum:
     FUSE_SCAN = 16       # streams looked at for contributions to add in one pass
@@ -61,6 +70,7 @@ cdef class Direct(Chunked):
     cdef int reduced_chunk         # the chunk I reduce in this call
     cdef int next_row              # the next block index to send (produce)
     cdef Py_ssize_t data_bytes     # payload bytes of a full block, before the bitmap
+    cdef Py_ssize_t acc_bytes      # bytes of a block's running sum (in the scratch)
     # per block of the chunk I reduce
     cdef uint32_t* count
     cdef double* wsum                # weights summed (weighted calls)
@@ -104,14 +114,29 @@ cdef class Direct(Chunked):
 
     cdef int layout(self, CallInfo* call) except -1:
         cdef Py_ssize_t trailer = 8 * self.words
+        cdef Py_ssize_t wire, n
         if call.max_block < trailer + 8 + call.itemsize:
             raise ValueError(f"algorithm='direct' needs {trailer + 8 + call.itemsize} bytes per "
                              f"record at {self.size} ranks; the channel moves {call.max_block}")
         # The bitmap goes in the same record as the block it describes.
-        if round_up(call.block_elems * call.itemsize, 8) + trailer > call.max_block:
+        if call.qbits:
+            # as many values as fit the bytes a plain block would take
+            wire = min(call.block_elems * call.itemsize, call.max_block)
+            n = max(1, (wire - trailer - 8) * call.qgroup
+                    // (call.qgroup * call.qbits // 8 + 4))
+            if n > call.qgroup:
+                n -= n % call.qgroup            # whole groups
+            while n > 1 and round_up(mpl_q_bytes(n, call.qgroup, call.qbits), 8) + trailer > wire:
+                n -= 1
+            call.block_elems = n
+        elif round_up(call.block_elems * call.itemsize, 8) + trailer > call.max_block:
             call.block_elems = (call.max_block - trailer - 8) // call.itemsize
         self.cut(call)
-        self.data_bytes = round_up(call.block_elems * call.itemsize, 8)
+        # (self.call is bound later: the layout reads `call`)
+        self.data_bytes = round_up(<Py_ssize_t>mpl_q_bytes(call.block_elems, call.qgroup,
+                                                           call.qbits) if call.qbits
+                                   else call.block_elems * call.itemsize, 8)
+        self.acc_bytes = round_up(call.block_elems * call.itemsize, 8)
         call.block_bytes = self.data_bytes + trailer
         call.nslots = self.size
         call.nstages = 2
@@ -138,13 +163,15 @@ cdef class Direct(Chunked):
                 self.block_cap = 0
                 raise MemoryError()
             self.block_cap = nb
-        if <Py_ssize_t>nb * self.data_bytes > self.scratch_cap:
+        # one running sum per block; two when quantised (see location)
+        cdef Py_ssize_t need = <Py_ssize_t>nb * self.acc_bytes * (2 if c.qbits else 1)
+        if need > self.scratch_cap:
             free(self.scratch)
-            self.scratch = <char*>malloc(<Py_ssize_t>nb * self.data_bytes)
+            self.scratch = <char*>malloc(need)
             self.scratch_cap = 0
             if self.scratch == NULL:
                 raise MemoryError()
-            self.scratch_cap = <Py_ssize_t>nb * self.data_bytes
+            self.scratch_cap = need
         # who is in each block of my result: entry chunk * nblocks + block
         # (all-reduce) or block (reduce-scatter)
         self.reserve_members(nb if c.coll == COLL_REDUCE_SCATTER else <Py_ssize_t>n * nb)
@@ -190,8 +217,10 @@ cdef class Direct(Chunked):
         if where == SUM_IN_SEND:
             return self.send + self.block_first(self.reduced_chunk, block) * self.call.itemsize
         if where == SUM_IN_RECORD:
+            if self.call.qbits:     # the record holds codes: a second float32 buffer
+                return self.scratch + <Py_ssize_t>(self.call.nblocks + block) * self.acc_bytes
             return self.chan.mine(self.reduced_chunk, block)
-        return self.scratch + <Py_ssize_t>block * self.data_bytes
+        return self.scratch + <Py_ssize_t>block * self.acc_bytes
 
     cdef inline int next_location(self, int block) noexcept nogil:
         """Where the next arrival goes.  Without loss N-1 arrivals alternate
@@ -201,11 +230,48 @@ cdef class Direct(Chunked):
             return SUM_IN_RECORD if self.size % 2 == 0 else SUM_IN_SCRATCH
         return SUM_IN_SCRATCH if self.where[block] == SUM_IN_RECORD else SUM_IN_RECORD
 
+    cdef inline Py_ssize_t qbytes(self, Py_ssize_t n) noexcept nogil:
+        return <Py_ssize_t>mpl_q_bytes(n, self.call.qgroup, self.call.qbits)
+
+    cdef inline Py_ssize_t payload_bytes(self, Py_ssize_t n) noexcept nogil:
+        """Bytes of `n` values as they travel (quantised or not)."""
+        return self.qbytes(n) if self.call.qbits else n * self.call.itemsize
+
     cdef inline Py_ssize_t contribution_bytes(self, Py_ssize_t n) noexcept nogil:
         """Record size of a contribution of `n` elements (with its weight)."""
         if self.call.weight > 0:
-            return round_up(n * self.call.itemsize, 8) + 8
-        return n * self.call.itemsize
+            return round_up(self.payload_bytes(n), 8) + 8
+        return self.payload_bytes(n)
+
+    cdef inline uint32_t qseed(self, int chunk, int block, int stage) noexcept nogil:
+        """Random bits of a quantised record: new for every call and record."""
+        return <uint32_t>mpl_hash4(self.call.seq, <uint64_t>self.rank,
+                                   <uint64_t>chunk * <uint64_t>self.call.nblocks + block,
+                                   <uint64_t>stage)
+
+    cdef inline void encode(self, char* record, const char* values, double s, Py_ssize_t n,
+                            uint32_t seed) noexcept nogil:
+        """record = values * s, as it travels."""
+        if record == values and s == 1.0 and not self.call.qbits:
+            return
+        if self.call.qbits:
+            mpl_quantize(<unsigned char*>record, <const float*>values, <float>s, n,
+                         self.call.qgroup, self.call.qbits, seed)
+        elif s != 1.0:
+            k_scale(self.call.dtype, s, record, values, n)
+        else:
+            memcpy(record, values, n * self.call.itemsize)
+
+    cdef inline void decode(self, char* values, const char* record, double s,
+                            Py_ssize_t n) noexcept nogil:
+        """values = record * s."""
+        if self.call.qbits:
+            mpl_dequantize(<float*>values, NULL, <const unsigned char*>record, <float>s, n,
+                           self.call.qgroup, self.call.qbits)
+        elif s != 1.0:
+            k_scale(self.call.dtype, s, values, record, n)
+        else:
+            memcpy(values, record, n * self.call.itemsize)
 
     cdef inline double weight_of(self, const char* data, Py_ssize_t n) noexcept nogil:
         """The weight a contribution of `n` elements carries (1 unweighted);
@@ -213,7 +279,7 @@ cdef class Direct(Chunked):
         cdef double w
         if self.call.weight <= 0:
             return 1.0
-        memcpy(&w, data + round_up(n * self.call.itemsize, 8), 8)
+        memcpy(&w, data + round_up(self.payload_bytes(n), 8), 8)
         return w if isfinite(w) and w > 0 else 0.0
 
     cdef inline double final_scale(self, uint32_t count, double wsum) noexcept nogil:
@@ -263,11 +329,10 @@ cdef class Direct(Chunked):
             n = self.block_len(chunk, b)
             record = self.chan.claim(chunk, b)
             mine = self.send + self.block_first(chunk, b) * isz
+            self.encode(record, mine, c.weight if c.weight > 0 else 1.0, n,
+                        self.qseed(chunk, b, 0))
             if c.weight > 0:
-                k_scale(c.dtype, c.weight, record, mine, n)
-                memcpy(record + round_up(n * isz, 8), &c.weight, 8)
-            else:
-                memcpy(record, mine, n * isz)
+                memcpy(record + round_up(self.payload_bytes(n), 8), &c.weight, 8)
             self.chan.publish(chunk, b, 1, <uint32_t>self.contribution_bytes(n), &reducer, 1)
         return True
 
@@ -287,17 +352,17 @@ cdef class Direct(Chunked):
         chunk = self.chunk_of(s.tag)
         n = self.block_len(chunk, block)
         if (inc.count == 0 or inc.count > <uint32_t>self.size
-                or inc.nbytes != round_up(n * c.itemsize, 8) + 8 * self.words):
+                or inc.nbytes != round_up(self.payload_bytes(n), 8) + 8 * self.words):
             return False
         bits = self.result_entry(chunk, block)
-        memcpy(bits, inc.data + round_up(n * c.itemsize, 8), 8 * self.words)
+        memcpy(bits, inc.data + round_up(self.payload_bytes(n), 8), 8 * self.words)
         for k in range(self.words):
             total += popcount64(bits[k])
         if self.size & 63 and bits[self.words - 1] >> (self.size & 63):
             return False        # a rank that does not exist
         if total != <int>inc.count:
             return False
-        memcpy(self.out(chunk, block), inc.data, n * c.itemsize)
+        self.decode(self.out(chunk, block), inc.data, 1.0, n)
         return True
 
     cdef bint take_contribution(self, Stream* s, int block, Incoming* inc) noexcept nogil:
@@ -343,14 +408,30 @@ cdef class Direct(Chunked):
             self.target = SUM_IN_SCRATCH if self.where[block] == SUM_IN_RECORD else SUM_IN_RECORD
         else:
             self.target = self.next_location(block)
-        k_sum(c.dtype, self.final_scale(self.count[block] + nsrc - 1,
-                                 self.wsum[block] + self.taken_weight)
-              if self.target_final else 1.0,
-              self.location(block, self.target), self.sources, nsrc, n)
+        self.add_up(self.location(block, self.target), nsrc, n,
+                    self.final_scale(self.count[block] + nsrc - 1,
+                                     self.wsum[block] + self.taken_weight)
+                    if self.target_final else 1.0)
         for i in range(self.ntaken):            # read in place: still what it was?
             if not self.chan.confirm(&self.streams[self.taken[i]], block):
                 return False
         return True
+
+    cdef inline void add_up(self, char* dst, int nsrc, Py_ssize_t n, double s) noexcept nogil:
+        """dst = (sources[0] + ... + sources[nsrc - 1]) * s: the running sum
+        and arrivals, which are quantised records when the call says so."""
+        cdef CallInfo* c = self.call
+        cdef int k
+        if not c.qbits:
+            k_sum(c.dtype, s, dst, self.sources, nsrc, n)
+            return
+        mpl_dequantize(<float*>dst, <const float*>self.sources[0],
+                       <const unsigned char*>self.sources[1], 1.0, n, c.qgroup, c.qbits)
+        for k in range(2, nsrc):
+            mpl_dequantize(<float*>dst, <const float*>dst,
+                           <const unsigned char*>self.sources[k], 1.0, n, c.qgroup, c.qbits)
+        if s != 1.0:
+            k_scale(DT_F32, s, dst, dst, n)
 
     cdef void commit(self, Stream* s, int block, Incoming* inc) noexcept nogil:
         cdef uint64_t* bits
@@ -393,8 +474,8 @@ cdef class Direct(Chunked):
             self.add_result(0, n, False)
             return
         bits[self.rank >> 6] |= 1ull << (self.rank & 63)
-        k_scale(c.dtype, 1.0 / c.weight if c.weight > 0 else call_scale(c, 1, self.size),
-                dst, self.chan.mine(chunk, block), n)
+        self.decode(dst, self.chan.mine(chunk, block),
+                    1.0 / c.weight if c.weight > 0 else call_scale(c, 1, self.size), n)
         self.add_result(1, n, False)
 
     cdef inline void contribution_done(self, int block) noexcept nogil:
@@ -409,18 +490,19 @@ cdef class Direct(Chunked):
         cdef Py_ssize_t n = self.block_len(me, block)
         cdef char* record = self.chan.mine(me, block)
         cdef uint64_t* bits = self.members + <Py_ssize_t>block * self.words
-        cdef Py_ssize_t at = round_up(n * c.itemsize, 8)
+        cdef Py_ssize_t at = round_up(self.payload_bytes(n), 8)
         cdef uint32_t nbytes = <uint32_t>(at + 8 * self.words)
-        k_scale(c.dtype, 1.0 if self.scaled[block]
-                else self.final_scale(self.count[block], self.wsum[block]),
-                record, self.location(block, self.where[block]), n)
+        self.encode(record, self.location(block, self.where[block]),
+                    1.0 if self.scaled[block]
+                    else self.final_scale(self.count[block], self.wsum[block]),
+                    n, self.qseed(me, block, 1))
         memcpy(record + at, bits, 8 * self.words)
         if c.coll == COLL_ALLREDUCE:
             self.chan.publish(me, block, self.count[block], nbytes, self.others, self.size - 1)
         elif me != self.rank:
             self.chan.publish(me, block, self.count[block], nbytes, &me, 1)
         if self.wanted(me):
-            memcpy(self.out(me, block), record, n * c.itemsize)
+            self.decode(self.out(me, block), record, 1.0, n)
             memcpy(self.result_entry(me, block), bits, 8 * self.words)
             self.add_result(self.count[block], n)
 

@@ -130,3 +130,11 @@ cdef extern from "mpilossy_simd.h" nogil:
                         float s, size_t n)
     int mpl_stream_f32(int op, float *dst, const float *a, const float *b, float s, size_t n)
     int mpl_stream_f64(int op, double *dst, const double *a, const double *b, double s, size_t n)
+
+
+cdef extern from "mpilossy_quant.h" nogil:
+    size_t mpl_q_bytes(size_t n, size_t group, int bits)
+    void mpl_quantize(unsigned char *dst, const float *src, float s, size_t n, size_t group,
+                      int bits, uint32_t seed)
+    void mpl_dequantize(float *dst, const float *acc, const unsigned char *src, float s,
+                        size_t n, size_t group, int bits)

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not is_singleton(), reason="starts its own mpiex
 
 ROW_FIELDS = {"size", "count", "type", "redop", "algorithm", "channel", "time_us", "algbw", "busbw",
               "wrong", "mpi_time_us", "mpi_busbw", "ratio", "delivered", "max_err", "p50_us",
-              "p99_us", "mpi_p99_us", "times_us", "mpi_times_us"}
+              "p99_us", "mpi_p99_us", "times_us", "mpi_times_us", "datagrams"}
 TAIL_FIELDS = {"scenario", "size", "algorithm", "channel", "timeout", "mpi_p50_us", "mpi_p99_us",
                "mpi_max_us", "p50_us", "p99_us", "max_us", "p99_ratio", "delivered",
                "lossy_timeouts", "times_us", "mpi_times_us"}
@@ -56,6 +56,29 @@ def test_table_and_json(tmp_path):
     assert (tmp_path / "p.png").stat().st_size > 1000
 
 
+def test_weighted_rows_are_checked(tmp_path):
+    """--weighted: the weighted average, checked against its exact value."""
+    _, doc = bench(tmp_path, "allreduce", "--sizes", "1K,64K", "-a", "direct", "--weighted",
+                   "-n", "2", "-w", "1", nprocs=3)
+    assert [r["redop"] for r in doc["rows"]] == ["avg(w)"] * 2
+    for row in doc["rows"]:
+        assert row["wrong"] == 0 and row["delivered"] == 1.0 and row["max_err"] < 1e-6, row
+
+
+def test_compressed_rows(tmp_path):
+    """--compression: the rows are checked against the exact result within
+    the quantisation's bound, and on ud they count fewer datagrams."""
+    counts = {}
+    for compression in (None, "int8"):
+        extra = ["--compression", compression] if compression else []
+        _, doc = bench(tmp_path, "allreduce", "--sizes", "256K", "-a", "direct", "-c", "ud",
+                       "-n", "2", "-w", "1", *extra)
+        row = doc["rows"][0]
+        assert row["wrong"] == 0 and row["delivered"] == 1.0, row
+        counts[compression] = row["datagrams"]
+    assert 0 < counts["int8"] < 0.4 * counts[None], counts
+
+
 def test_lossy_rows_report_loss(tmp_path):
     # No command: allreduce, as before there were commands.
     _, doc = bench(tmp_path, "--sizes", "64K", "-n", "8", "-w", "1", "--loss",
@@ -92,6 +115,14 @@ def test_kernels(tmp_path):
     assert "eff" in text
     line = text.strip().splitlines()[-1].split()
     assert int(line[0]) == 65536 and all(float(x) > 0 for x in line[1:])
+
+
+def test_quant_kernels(tmp_path):
+    text = command(tmp_path, "kernels", "--quant", "--sizes", "64K", "-r", "3", nprocs=0,
+                   timeout=60)
+    lines = [l for l in text.splitlines() if l.startswith(" ") and "65536" in l]
+    assert len(lines) == 2, text            # the quantisation table and the reduction table
+    assert all(float(x) > 0 for x in lines[0].split()[1:])
 
 
 def test_old_module_path_runs_the_command(tmp_path):

@@ -44,6 +44,8 @@ class BenchConfig:
     iters: int = 20
     warmup: int = 5
     block_bytes: Optional[int] = None
+    weighted: bool = False        # op="avg" with weight = rank + 1
+    compression: Optional[str] = None   # "int8" or "int4": low-bit payloads
 
 
 @dataclass
@@ -68,6 +70,7 @@ class Row:
     mpi_p99_us: float
     times_us: List[float] = field(default_factory=list, repr=False)
     mpi_times_us: List[float] = field(default_factory=list, repr=False)
+    datagrams: float = 0.0       # sent per call and rank (channel ud), mean over ranks
 
 
 def bus_factor(nranks: int) -> float:
@@ -86,7 +89,7 @@ def run_allreduce_bench(comm: MPI.Comm, cfg: BenchConfig,
     rows: List[Row] = []
     for channel in cfg.channels:
         with mpilossy.Communicator(comm, channel=channel, timeout=cfg.timeout, loss=cfg.loss,
-                                   block_bytes=cfg.block_bytes,
+                                   block_bytes=cfg.block_bytes, compression=cfg.compression,
                                    capacity=max(4 << 20, 2 * max(cfg.sizes) + (1 << 20))) as lc:
             rows += _sweep(comm, lc, cfg, channel, progress)
     return rows
@@ -100,13 +103,17 @@ def _sweep(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channel:
         count = max(size // dtype.itemsize, 0)
         send = _data(count, comm.rank, dtype)
         exact = np.empty_like(send)
-        if dtype == np.float16:
+        if cfg.weighted:
+            wide = np.empty(count, np.float64)
+            comm.Allreduce(send.astype(np.float64) * (comm.rank + 1), wide)
+            exact = (wide / (comm.size * (comm.size + 1) / 2)).astype(dtype)
+        elif dtype == np.float16:
             wide = np.empty(count, np.float64)
             comm.Allreduce(send.astype(np.float64), wide)
             exact = wide.astype(np.float16)
         else:
             comm.Allreduce(send, exact)
-        if cfg.op == "avg":
+        if cfg.op == "avg" and not cfg.weighted:
             exact = (exact.astype(np.float64) / comm.size).astype(dtype)
         scale = float(np.max(np.abs(exact.astype(np.float64)))) if count else 1.0
         for algorithm in cfg.algorithms:
@@ -133,9 +140,15 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
     delivered: List[float] = []
     wrong, max_err = 0, 0.0
     done = 0
+    # quantised payloads: off by up to a step of their group, twice
+    tol = (4.0 / (127 if cfg.compression == "int8" else 7) if cfg.compression
+           else 1e-3 if send.dtype == np.float16 else 1e-6)
+    sent_before = lc.channel_info().get("sent", 0)
+
+    weight = float(comm.rank + 1) if cfg.weighted else None
 
     def lossy() -> Optional[mpilossy.CollectiveStats]:
-        return lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm)
+        return lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm, weight=weight)
 
     def mpi() -> None:
         comm.Allreduce(mpi_send, mpi_recv)
@@ -164,9 +177,9 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
                 err = np.abs(recv.astype(np.float64) - exact.astype(np.float64))
                 max_err = max(max_err, float(err.max()) / (scale or 1.0))
                 if done == 0:
-                    tol = 1e-3 if send.dtype == np.float16 else 1e-6
                     wrong = int(np.count_nonzero(err > tol * max(scale, 1.0)))
                 done += 1
+    datagrams = (lc.channel_info().get("sent", 0) - sent_before) / (cfg.iters + cfg.warmup)
     n = comm.size
     t = totals["lossy"] / max(cfg.iters, 1)
     t_mpi = totals["mpi"] / max(cfg.iters, 1)
@@ -176,7 +189,8 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
     every = np.concatenate(comm.allgather(np.asarray(calls["lossy"]))) * 1e6
     every_mpi = np.concatenate(comm.allgather(np.asarray(calls["mpi"]))) * 1e6
     return Row(
-        size=nbytes, count=send.size, type=TYPE_NAMES[send.dtype.name], redop=cfg.op,
+        size=nbytes, count=send.size, type=TYPE_NAMES[send.dtype.name],
+        redop="avg(w)" if cfg.weighted else cfg.op,
         algorithm=algorithm, channel=channel, time_us=t * 1e6, algbw=algbw,
         busbw=algbw * bus_factor(n), wrong=comm.allreduce(wrong, op=MPI.MAX),
         mpi_time_us=t_mpi * 1e6, mpi_busbw=mpi_algbw * bus_factor(n),
@@ -185,13 +199,14 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
         max_err=comm.allreduce(max_err, op=MPI.MAX),
         p50_us=float(np.percentile(every, 50)), p99_us=float(np.percentile(every, 99)),
         mpi_p99_us=float(np.percentile(every_mpi, 99)),
-        times_us=every.tolist(), mpi_times_us=every_mpi.tolist())
+        times_us=every.tolist(), mpi_times_us=every_mpi.tolist(),
+        datagrams=float(np.mean(comm.allgather(datagrams))))
 
 
 HEADER = ("#       size       count    type  redop  root   algo  chan      time   algbw   busbw  #wrong"
-          "  mpi-time mpi-busbw  ratio  delivered    max-err   p99-time mpi-p99-time")
+          "  mpi-time mpi-busbw  ratio  delivered    max-err   p99-time mpi-p99-time  datagrams")
 UNITS = ("#        (B)  (elements)                                         (us)  (GB/s)  (GB/s)        "
-         "      (us)    (GB/s) mpi/us                             (us)         (us)")
+         "      (us)    (GB/s) mpi/us                             (us)         (us)  (per call)")
 
 
 def format_table(rows: Sequence[Row], comm: MPI.Comm, cfg: BenchConfig) -> str:
@@ -199,7 +214,8 @@ def format_table(rows: Sequence[Row], comm: MPI.Comm, cfg: BenchConfig) -> str:
     lines = [
         f"# mpilossy.bench allreduce: {comm.size} ranks, {vendor}, mpilossy {mpilossy.__version__}",
         f"# channels {','.join(cfg.channels)}, timeout {cfg.timeout}, loss {cfg.loss or 'none'}, "
-        f"iters {cfg.iters}, warmup {cfg.warmup}",
+        f"iters {cfg.iters}, warmup {cfg.warmup}, compression {cfg.compression or 'none'}",
+        "# datagrams = sent per call and rank (channel ud; 0 on rma)",
         f"# time = back-to-back calls in batches of {BATCH}, slowest rank; busbw = algbw * 2(n-1)/n;",
         "# ratio = MPI_Allreduce time / mpilossy time in the same run (> 1: mpilossy faster)",
         "#", HEADER, UNITS,
@@ -210,7 +226,7 @@ def format_table(rows: Sequence[Row], comm: MPI.Comm, cfg: BenchConfig) -> str:
             f"{r.channel:>5s} "
             f"{r.time_us:9.1f} {r.algbw:7.3f} {r.busbw:7.3f} {r.wrong:7d} "
             f"{r.mpi_time_us:9.1f} {r.mpi_busbw:9.3f} {r.ratio:6.2f} {r.delivered:10.4f} "
-            f"{r.max_err:10.3g} {r.p99_us:10.1f} {r.mpi_p99_us:12.1f}")
+            f"{r.max_err:10.3g} {r.p99_us:10.1f} {r.mpi_p99_us:12.1f} {r.datagrams:10.1f}")
     if rows:
         avg = sum(r.busbw for r in rows) / len(rows)
         lines.append(f"# Avg bus bandwidth    : {avg:.3f} GB/s")
@@ -475,6 +491,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-d", "--dtype", default="float32",
                    choices=["float16", "float32", "float64", "int32", "int64"])
     p.add_argument("-o", "--op", default="sum", choices=["sum", "avg"])
+    p.add_argument("--compression", choices=["int8", "int4"], default=None,
+                   help="low-bit payloads (float32, direct)")
+    p.add_argument("--weighted", action="store_true",
+                   help="weighted average (weight = rank + 1; implies -o avg, direct)")
     p.add_argument("-a", "--algorithm", default="ring",
                    help="ring, tree, auto, or a comma-separated list")
     p.add_argument("-c", "--channel", default="rma", help="rma, ud, or a comma-separated list")
@@ -500,11 +520,12 @@ def run(args: argparse.Namespace) -> int:
     comm = MPI.COMM_WORLD
     sizes = (parse_sizes(args.sizes) if args.sizes
              else size_range(args.minbytes, args.maxbytes, args.stepfactor))
-    cfg = BenchConfig(sizes=sizes, dtype=args.dtype, op=args.op,
+    cfg = BenchConfig(sizes=sizes, dtype=args.dtype, op="avg" if args.weighted else args.op,
                       algorithms=[a.strip() for a in args.algorithm.split(",")],
                       channels=[c.strip() for c in args.channel.split(",")],
                       timeout=args.timeout, loss=args.loss, iters=args.iters,
-                      warmup=args.warmup, block_bytes=args.block_bytes)
+                      warmup=args.warmup, block_bytes=args.block_bytes,
+                      weighted=args.weighted, compression=args.compression)
     rows = run_allreduce_bench(comm, cfg) if not args.scenario else []
     tail = run_tail_bench(comm, cfg, args.scenario) if args.scenario else []
     if rows:

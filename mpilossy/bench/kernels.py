@@ -10,7 +10,12 @@ one (2 x size).  efficiency = kernel bandwidth / copy bandwidth.
 `--mac` also measures the datagram channel's authentication: seal and check
 (two SipHash MACs) per datagram of the udp provider's and of InfiniBand UD's
 payload, as datagrams per second and GB/s of payload, against np.copyto of
-the same payload."""
+the same payload.
+
+`--quant` measures the low-bit payload kernels (compression="int8"/"int4"):
+quantise (read 4 bytes per value, write the codes and scales) and
+dequantise-add (read the codes and 4 bytes, write 4), in float32 values per
+second and GB/s of float32 data, against np.copyto of the float32 data."""
 
 from __future__ import annotations
 
@@ -84,17 +89,44 @@ def print_mac_cost(count: int = 200_000) -> None:
               f"{gbs:14.2f} {payload / copy / 1e9:11.2f} {gbs / (payload / copy / 1e9):10.3f}")
 
 
+def print_quant_cost(sizes: list, repeat: int, group: int = 64) -> None:
+    print(f"# low-bit payload kernels (group {group}), best of {repeat}: GB/s of float32 "
+          f"values, and / np.copyto of them")
+    print("#      bytes   copy GB/s   q8 GB/s   /copy   dq8+ GB/s   /copy   q4 GB/s   /copy "
+          "  dq4+ GB/s   /copy")
+    for size in sizes:
+        n = size // 4
+        x = np.random.default_rng(0).standard_normal(n).astype(np.float32)
+        acc = np.zeros(n, np.float32)
+        dst = np.empty_like(x)
+        line = [f"{size:12d}"]
+        copy = best_of(lambda: np.copyto(dst, x), repeat)
+        line.append(f"{size / copy / 1e9:11.1f}")
+        for bits in (8, 4):
+            coded = np.empty(_core.quant_bytes(n, group, bits), np.uint8)
+            q = best_of(lambda: _core.quant_kernel("quantize", coded, x, bits, group), repeat)
+            d = best_of(lambda: _core.quant_kernel("dequantize_add", acc, coded, bits, group),
+                        repeat)
+            for seconds in (q, d):
+                line.append(f"{size / seconds / 1e9:9.1f} {copy / seconds:7.2f}")
+        print(" ".join(line))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="256K,4M,64M")
     p.add_argument("-d", "--dtype", default="float32")
     p.add_argument("-r", "--repeat", type=int, default=20)
     p.add_argument("--mac", action="store_true",
                    help="also the cost of authenticating datagrams (channel='ud')")
+    p.add_argument("--quant", action="store_true",
+                   help="also the low-bit payload kernels (compression='int8'/'int4')")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.mac:
         print_mac_cost()
+    if args.quant:
+        print_quant_cost(parse_sizes(args.sizes), args.repeat)
     print(f"# reduction kernels vs np.copyto, {args.dtype}, best of {args.repeat}")
     print("#      bytes   copy GB/s    add GB/s  eff   acc GB/s  eff  scale GB/s  eff "
           " add_scale GB/s  eff")

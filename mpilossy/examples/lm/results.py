@@ -253,9 +253,12 @@ def report(runs: Path, out: Path) -> str:
     return table
 
 
-def time_to(curve: List[list], target: float) -> float:
+def time_to(curve: List[list], target: float, tolerance: float = 1e-4) -> float:
     """Training seconds at which the perplexity curve first reaches `target`
-    (linear between evaluations); inf if it never does."""
+    (within `tolerance`, relative: runs that differ only in the order of
+    floating-point sums end a few 1e-6 apart; linear between evaluations);
+    inf if it never does."""
+    target *= 1 + tolerance
     prev_t, prev_p = 0.0, math.inf
     for _, t, p in curve:
         if p <= target:
