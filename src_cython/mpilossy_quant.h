@@ -43,13 +43,16 @@ static inline uint32_t mpl_q_hash(uint32_t x)
  * +-maxcode: constant groups encode exactly. */
 static inline int mpl_q_round(float v, uint32_t seed, uint32_t i, float maxcode)
 {
-    float u = (float)(mpl_q_hash(seed ^ (i * 0x9e3779b9U)) >> 8) * (1.0f / 16777216.0f);
-    float q = floorf(v + u);
-    q = v >= maxcode * (1.0f - 1e-6f) ? maxcode : q;
-    q = v <= -maxcode * (1.0f - 1e-6f) ? -maxcode : q;
-    q = q > maxcode ? maxcode : q;
-    q = q < -maxcode ? -maxcode : q;
-    return (int)q;
+    float u = (float)(int32_t)(mpl_q_hash(seed ^ (i * 0x9e3779b9U)) >> 8) * (1.0f / 16777216.0f);
+    /* floor without libm (which does not vectorise on plain SSE2): v + u +
+     * 128 > 0, where truncation is floor */
+    int q = (int)(v + u + 128.0f) - 128;
+    int top = (int)maxcode;
+    q = v >= maxcode * (1.0f - 1e-6f) ? top : q;
+    q = v <= -maxcode * (1.0f - 1e-6f) ? -top : q;
+    q = q > top ? top : q;
+    q = q < -top ? -top : q;
+    return q;
 }
 
 /* dst = encode(src * s).  `first`: index of src[0] in the stream the seed
