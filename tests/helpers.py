@@ -137,3 +137,21 @@ def imported_from(pkg: Path) -> bool:
     import mpilossy._core
     return all(Path(m.__file__).resolve().is_relative_to(Path(pkg).resolve())
                for m in (mpilossy, mpilossy._core))
+
+
+def check_weighted_signatures(out: np.ndarray, contributors, weights: np.ndarray,
+                              rtol: float) -> int:
+    """Rank r sent 2**r with weight weights[r]: every block of `out` must be
+    sum(w_r 2**r) / sum(w_r) over exactly the ranks its bitmap names.
+    Returns how many blocks missed some rank."""
+    partial = 0
+    firsts, lengths = contributors.blocks()
+    for first, length, who in zip(firsts, lengths, contributors.members()):
+        if length == 0:
+            continue
+        ranks = np.flatnonzero(who)
+        assert ranks.size >= 1
+        expected = float(np.sum(weights[ranks] * 2.0 ** ranks) / weights[ranks].sum())
+        np.testing.assert_allclose(out[first:first + length], expected, rtol=rtol)
+        partial += ranks.size < contributors.size
+    return partial
