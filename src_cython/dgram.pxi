@@ -331,12 +331,13 @@ cdef class DgramChannel(Channel):
     def transport_costs(self) -> dict:
         """The native transport's system calls and datagrams (empty for
         libfabric, which does not count them)."""
-        cdef uint64_t c[5]
+        cdef uint64_t c[6]
         if self.fab == NULL or not mpl_dg_is_native(mpl_dg_provider(self.fab)):
             return {}
         mpl_dg_costs(self.fab, c)
         return {"send_calls": c[0], "recv_calls": c[1], "transport_sent": c[2],
-                "transport_received": c[3], "send_refused": c[4]}
+                "transport_received": c[3], "send_refused": c[4],
+                "largest_send_batch": c[5]}
 
     # -- per call ------------------------------------------------------------
     cdef int begin(self, CallInfo* call) except -1:

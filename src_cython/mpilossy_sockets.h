@@ -36,6 +36,9 @@ typedef struct {
 
 typedef struct mpl_sock mpl_sock_t;
 
+/* How many figures mpl_sock_costs reports. */
+#define MPL_DG_COSTS 6
+
 #ifdef __linux__
 /* sendmmsg/recvmmsg need _GNU_SOURCE, which Python.h (pyconfig.h) defines first. */
 #include <dirent.h>
@@ -89,6 +92,7 @@ struct mpl_sock {
     char domain[IF_NAMESIZE];
     /* what it cost: system calls and datagrams */
     uint64_t send_calls, recv_calls, sent, received, send_errors;
+    uint64_t largest_batch;        /* most datagrams one sendmmsg handed over */
 };
 
 static int mpl_sock_fail(char *err, size_t errlen, const char *what)
@@ -310,6 +314,8 @@ static int mpl_sock_flush(mpl_sock_t *s)
         }
     left = first[sent];
     s->sent += left;
+    if (left > s->largest_batch)
+        s->largest_batch = left;
     memmove(s->sq, s->sq + left, (s->sq_count - left) * sizeof(*s->sq));
     s->sq_count -= left;
     return (int)left;
@@ -398,14 +404,16 @@ static int mpl_sock_poll(mpl_sock_t *s, mpl_fab_event_t *events, int max)
 static size_t mpl_sock_max_msg(const mpl_sock_t *s) { return s->max_msg; }
 static const char *mpl_sock_domain_name(const mpl_sock_t *s) { return s->domain; }
 
-/* Send and receive system calls, datagrams sent and received, sends refused. */
-static void mpl_sock_costs(const mpl_sock_t *s, uint64_t out[5])
+/* Send and receive system calls, datagrams sent and received, sends
+ * refused, the largest batch one send call carried. */
+static void mpl_sock_costs(const mpl_sock_t *s, uint64_t out[MPL_DG_COSTS])
 {
     out[0] = s->send_calls;
     out[1] = s->recv_calls;
     out[2] = s->sent;
     out[3] = s->received;
     out[4] = s->send_errors;
+    out[5] = s->largest_batch;
 }
 
 /* The UDP socket of this process bound to `addr` (libfabric's udp provider
@@ -493,7 +501,7 @@ static int mpl_sock_send(mpl_sock_t *s, int p, const void *b, size_t l, void *u)
 static int mpl_sock_poll(mpl_sock_t *s, mpl_fab_event_t *e, int m) { (void)s; (void)e; (void)m; return -1; }
 static size_t mpl_sock_max_msg(const mpl_sock_t *s) { (void)s; return 0; }
 static const char *mpl_sock_domain_name(const mpl_sock_t *s) { (void)s; return ""; }
-static void mpl_sock_costs(const mpl_sock_t *s, uint64_t out[5]) { (void)s; memset(out, 0, 5 * sizeof(uint64_t)); }
+static void mpl_sock_costs(const mpl_sock_t *s, uint64_t out[MPL_DG_COSTS]) { (void)s; memset(out, 0, MPL_DG_COSTS * sizeof(uint64_t)); }
 static void mpl_sock_flush_all(mpl_sock_t *s) { (void)s; }
 static int mpl_udp_tune(const void *addr, size_t addrlen, int bytes) { (void)addr; (void)addrlen; (void)bytes; return -1; }
 static long mpl_udp_drops(const void *addr, size_t addrlen) { (void)addr; (void)addrlen; return -1; }

@@ -130,13 +130,14 @@ static size_t mpl_dg_max_msg(const mpl_dg_t *d)
 }
 
 /* System calls and datagrams of the native transport (zeros for libfabric,
- * which does not say): send calls, receive calls, sent, received, refused. */
-static void mpl_dg_costs(const mpl_dg_t *d, uint64_t out[5])
+ * which does not say): send calls, receive calls, sent, received, refused,
+ * largest send batch. */
+static void mpl_dg_costs(const mpl_dg_t *d, uint64_t out[MPL_DG_COSTS])
 {
     if (d && d->sock)
         mpl_sock_costs(d->sock, out);
     else
-        memset(out, 0, 5 * sizeof(uint64_t));
+        memset(out, 0, MPL_DG_COSTS * sizeof(uint64_t));
 }
 
 #endif /* MPILOSSY_TRANSPORT_H */

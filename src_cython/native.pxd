@@ -119,7 +119,7 @@ cdef extern from "mpilossy_transport.h" nogil:
     const char *mpl_dg_domain_name(const mpl_dg_t *d)
     size_t mpl_dg_prefix(const mpl_dg_t *d)
     size_t mpl_dg_max_msg(const mpl_dg_t *d)
-    void mpl_dg_costs(const mpl_dg_t *d, uint64_t out[5])
+    void mpl_dg_costs(const mpl_dg_t *d, uint64_t out[6])
     void mpl_dg_close(mpl_dg_t *d)
     int mpl_udp_tune(const void *addr, size_t addrlen, int nbytes)
     long mpl_udp_drops(const void *addr, size_t addrlen)

@@ -34,7 +34,9 @@ def provider():
 
 @pytest.mark.mpi(min_size=2)
 def test_datagrams_leave_in_batches(comm, udc):
-    """Several datagrams per system call (libfabric's udp provider: one)."""
+    """Several datagrams per system call (libfabric's udp provider: one).
+    The average per call depends on timing (a send the kernel refuses for a
+    full socket buffer is a call too), so the check is on the largest batch."""
     before = udc.channel_info()
     x = small_ints(1 << 20, comm.rank, np.float32)
     out = np.empty_like(x)
@@ -44,7 +46,8 @@ def test_datagrams_leave_in_batches(comm, udc):
     sent = after["transport_sent"] - before["transport_sent"]
     calls = after["send_calls"] - before["send_calls"]
     assert sent >= 2 * (comm.size - 1) * (4 << 20) // (comm.size * after["datagram_payload"])
-    assert 2 * sent >= 3 * calls, (calls, sent)     # measured 2-2.4 datagrams per call
+    assert 0 < calls < sent
+    assert after["largest_send_batch"] >= 8, after     # a segmented run is up to 64
 
 
 @pytest.mark.mpi
