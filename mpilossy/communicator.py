@@ -121,6 +121,23 @@ def _check_compression(compression: Any) -> None:
         raise ValueError(f"compression must be None, 'int8' or 'int4', got {compression!r}")
 
 
+def _check_residual(residual: Any, send: np.ndarray, recv: np.ndarray) -> Optional[np.ndarray]:
+    """The error-feedback buffer of a call, validated (None: none)."""
+    if residual is None:
+        return None
+    if not isinstance(residual, np.ndarray):
+        raise TypeError(f"residual must be a NumPy array, got {type(residual).__name__}")
+    if residual.dtype != np.float32 or send.dtype != np.float32:
+        raise TypeError(f"residual needs float32 data and a float32 residual, got "
+                        f"{send.dtype} and {residual.dtype}")
+    if residual.size != send.size:
+        raise ValueError(f"residual has {residual.size} elements, sendbuf {send.size}")
+    if not residual.flags.c_contiguous or not residual.flags.writeable:
+        raise ValueError("residual must be C-contiguous and writable")
+    if np.may_share_memory(residual, send) or np.may_share_memory(residual, recv):
+        raise ValueError("residual overlaps sendbuf or recvbuf")
+    return residual.reshape(-1)
+
 def _check_timeout(timeout: Any) -> float:
     """The core's timeout: seconds, -1 for none, AUTO for "auto".  Raises for
     bad values."""
@@ -443,7 +460,8 @@ class Communicator:
     def allreduce(self, sendbuf: Any, recvbuf: Any = None, *, op: str = "sum",
                   algorithm: Optional[str] = None, timeout: Any = _UNSET,
                   weight: Optional[float] = None,
-                  compression: Optional[str] = _UNSET) -> CollectiveStats:
+                  compression: Optional[str] = _UNSET,
+                  residual: Optional[np.ndarray] = None) -> CollectiveStats:
         """Lossy all-reduce of `sendbuf` into `recvbuf` (in place without recvbuf).
 
         With op="avg" the result is sum / count; with op="sum" it is
@@ -457,6 +475,11 @@ class Communicator:
 
         compression: None, "int8" or "int4" for this call (default: the
         communicator's); float32 on the direct algorithm only.
+
+        residual: a float32 NumPy array as long as `sendbuf`, for error
+        feedback: receives what quantisation took from this rank's
+        contribution (sendbuf minus what travelled), zeros where nothing
+        was quantised (this rank's own chunk, an uncompressed call).
         """
         def prepare(deadline: bool):
             send, recv = self._buffers(sendbuf, recvbuf, recv_required=False, same_ok=True)
@@ -466,20 +489,22 @@ class Communicator:
             opcode = self._op(op, send)
             w = self._check_weight(weight, op, chosen)
             bits = self._quantise(compression, send, chosen)
+            err = _check_residual(residual, send, recv)
             algo = _core.DIRECT if w or bits else self._resolve_algorithm(chosen, send.nbytes,
                                                                           deadline)
-            return send, recv, opcode, algo, w, bits
+            return send, recv, opcode, algo, w, bits, err
         return self._run(_core.ALLREDUCE, prepare, timeout)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, *, op: str = "sum",
                        algorithm: str = "auto", timeout: Any = _UNSET,
                        weight: Optional[float] = None,
-                       compression: Optional[str] = _UNSET) -> CollectiveStats:
+                       compression: Optional[str] = _UNSET,
+                       residual: Optional[np.ndarray] = None) -> CollectiveStats:
         """Lossy reduce-scatter: `recvbuf` receives this rank's chunk
         (chunk_bounds) of the reduction of every rank's `sendbuf`, scaled as
         in allreduce.  algorithm: "ring", "direct" or "auto" (as allreduce
         chooses above the tree's sizes); unbiased like allreduce.  weight,
-        compression: as in allreduce."""
+        compression, residual: as in allreduce."""
         def prepare(deadline: bool):
             send, recv = self._buffers(sendbuf, recvbuf, recv_required=True, same_ok=False)
             lo, hi = self.chunk_bounds(send.size)
@@ -492,9 +517,10 @@ class Communicator:
             opcode = self._op(op, send)
             w = self._check_weight(weight, op, algorithm)
             bits = self._quantise(compression, send, algorithm)
+            err = _check_residual(residual, send, recv)
             algo = _core.DIRECT if w or bits else self._resolve_algorithm(
                 algorithm, send.nbytes, deadline, tree_ok=False)
-            return send, recv, opcode, algo, w, bits
+            return send, recv, opcode, algo, w, bits, err
         return self._run(_core.REDUCE_SCATTER, prepare, timeout)
 
     def allgather(self, sendbuf: Any, recvbuf: Any, *, timeout: Any = _UNSET) -> CollectiveStats:
@@ -513,7 +539,7 @@ class Communicator:
             if (_buffers.address(send) != _buffers.address(recv) + lo * recv.itemsize
                     and np.may_share_memory(send, recv)):
                 raise ValueError("sendbuf overlaps recvbuf without being this rank's chunk of it")
-            return send, recv, _core.SUM, _core.DIRECT, 0.0, 0
+            return send, recv, _core.SUM, _core.DIRECT, 0.0, 0, None
         return self._run(_core.ALLGATHER, lambda deadline: prepare(), timeout)
 
     def chunk_bounds(self, count: int, rank: Optional[int] = None) -> tuple:
@@ -537,7 +563,7 @@ class Communicator:
             spent = self._auto.tick(self._timeout == AUTO if timeout is _UNSET
                                     else isinstance(timeout, str) and timeout == "auto")
             tmo = self._timeout if timeout is _UNSET else _check_timeout(timeout)
-            send, recv, opcode, algo, weight, qbits = prepare(tmo != -1.0)
+            send, recv, opcode, algo, weight, qbits, residual = prepare(tmo != -1.0)
         except BaseException as exc:
             # Validation errors become the same exception on every rank;
             # anything else (a device error, Ctrl-C) is raised here as it
@@ -558,8 +584,10 @@ class Communicator:
             if spent:       # the agreement's wait is part of this call's deadline
                 budget = max(tmo - spent, 0.25 * tmo)
         copy_back, self._copy_back = self._copy_back, None
+        if residual is not None:
+            residual[...] = 0       # (the core writes the blocks it quantised)
         result = core.collective(send, recv, coll, dtype, opcode, algo, budget, weight,
-                                 qbits, self._compression_group)
+                                 qbits, self._compression_group, residual)
         if copy_back is not None and not result.err_kind:
             self._copy_out(*copy_back)
         start, anchor, end = result.timing

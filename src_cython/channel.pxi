@@ -91,6 +91,8 @@ cdef struct CallInfo:
     int qbits             # 8 or 4: float32 payloads travel quantised (direct
                           # only, mpilossy_quant.h); 0: as they are
     Py_ssize_t qgroup     # values per quantisation scale
+    float* residual       # not NULL: where the quantisation error of each sent
+                          # contribution goes (x - what travelled), float32
     Py_ssize_t count      # elements of the whole vector
     Py_ssize_t itemsize
     int nslots            # records a rank publishes per block index

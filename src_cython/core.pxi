@@ -122,35 +122,50 @@ cdef class Core:
             self.chan.close()
 
     def collective(self, sendbuf, recvbuf, int coll, int dtype, int op, int algo, double timeout,
-                   double weight=0.0, int qbits=0, Py_ssize_t qgroup=0):
+                   double weight=0.0, int qbits=0, Py_ssize_t qgroup=0, residual=None):
         """Run one collective call (COLL_*) on buffers the Python layer has
         validated.  `timeout` < 0 waits for everything; `weight` > 0: this
         rank's weight in a weighted average (direct algorithm, op avg);
         `qbits` 8 or 4: float32 payloads quantised in groups of `qgroup`
-        (direct algorithm).  Returns
+        (direct algorithm); `residual` (float32, as long as the send buffer,
+        zeros on entry) receives what quantisation took from each sent
+        block of this rank's contribution.  Returns
         (err_kind, err_rank, err_msg, delivered, elapsed, deadline_hit,
         fallback_fraction, min_contributors, seq, lost_blocks, timing, agreed,
         contributors) with timing = (start, anchor, end) on the monotonic clock
         and contributors (direct only, else None) = (bitmap bytes, entries,
         nblocks, block_elems, words)."""
-        cdef Py_buffer sb, rb
+        cdef Py_buffer sb, rb, eb
+        cdef float* err = NULL
         PyObject_GetBuffer(sendbuf, &sb, PyBUF_SIMPLE)
         try:
             PyObject_GetBuffer(recvbuf, &rb, PyBUF_SIMPLE | PyBUF_WRITABLE)
         except BaseException:
             PyBuffer_Release(&sb)
             raise
+        if residual is not None:
+            try:
+                PyObject_GetBuffer(residual, &eb, PyBUF_SIMPLE | PyBUF_WRITABLE)
+            except BaseException:
+                PyBuffer_Release(&rb)
+                PyBuffer_Release(&sb)
+                raise
+            err = <float*>eb.buf
         try:
+            if err != NULL and (dtype != DT_F32 or eb.len != sb.len):
+                raise ValueError("residual: float32, as long as the send buffer")
             return self.run(<char*>sb.buf, <char*>rb.buf,
                             rb.len if coll == COLL_ALLGATHER else sb.len,
-                            coll, dtype, op, algo, timeout, weight, qbits, qgroup)
+                            coll, dtype, op, algo, timeout, weight, qbits, qgroup, err)
         finally:
+            if err != NULL:
+                PyBuffer_Release(&eb)
             PyBuffer_Release(&rb)
             PyBuffer_Release(&sb)
 
     cdef object run(self, char* send, char* recv, Py_ssize_t nbytes, int coll, int dtype,
                    int op, int algo, double timeout, double weight, int qbits,
-                   Py_ssize_t qgroup):
+                   Py_ssize_t qgroup, float* residual=NULL):
         """`nbytes`: the whole vector (the send buffer of an all-reduce or a
         reduce-scatter, the receive buffer of an all-gather)."""
         cdef CallInfo* call = &self.call
@@ -183,6 +198,7 @@ cdef class Core:
         call.weight = weight
         call.qbits = qbits
         call.qgroup = qgroup
+        call.residual = residual if qbits else NULL
         pause = self.loss.delay(call.seq, self.rank)
         with nogil:
             mpl_sleep(pause)

@@ -273,6 +273,16 @@ cdef class Direct(Chunked):
         else:
             memcpy(values, record, n * self.call.itemsize)
 
+    cdef inline void keep_error(self, float* err, const float* values, const char* record,
+                                Py_ssize_t n) noexcept nogil:
+        """err = values - what `record` (a quantised contribution) carries of
+        them: the part error feedback sends again."""
+        cdef double s = self.call.weight if self.call.weight > 0 else 1.0
+        cdef Py_ssize_t i
+        self.decode(<char*>err, record, 1.0 / s, n)
+        for i in range(n):
+            err[i] = values[i] - err[i]
+
     cdef inline double weight_of(self, const char* data, Py_ssize_t n) noexcept nogil:
         """The weight a contribution of `n` elements carries (1 unweighted);
         0 if it is not a positive finite number (the record is refused)."""
@@ -331,6 +341,9 @@ cdef class Direct(Chunked):
             mine = self.send + self.block_first(chunk, b) * isz
             self.encode(record, mine, c.weight if c.weight > 0 else 1.0, n,
                         self.qseed(chunk, b, 0))
+            if c.residual != NULL:
+                self.keep_error(c.residual + self.block_first(chunk, b), <const float*>mine,
+                                record, n)
             if c.weight > 0:
                 memcpy(record + round_up(self.payload_bytes(n), 8), &c.weight, 8)
             self.chan.publish(chunk, b, 1, <uint32_t>self.contribution_bytes(n), &reducer, 1)
@@ -492,10 +505,17 @@ cdef class Direct(Chunked):
         cdef uint64_t* bits = self.members + <Py_ssize_t>block * self.words
         cdef Py_ssize_t at = round_up(self.payload_bytes(n), 8)
         cdef uint32_t nbytes = <uint32_t>(at + 8 * self.words)
-        self.encode(record, self.location(block, self.where[block]),
-                    1.0 if self.scaled[block]
-                    else self.final_scale(self.count[block], self.wsum[block]),
-                    n, self.qseed(me, block, 1))
+        cdef double scale = 1.0 if self.scaled[block] \
+            else self.final_scale(self.count[block], self.wsum[block])
+        if c.qbits and c.coll == COLL_REDUCE_SCATTER and me == self.rank:
+            # My own chunk of a reduce-scatter goes nowhere: not quantised again.
+            k_scale(c.dtype, scale, self.out(me, block), self.location(block, self.where[block]),
+                    n)
+            memcpy(self.result_entry(me, block), bits, 8 * self.words)
+            self.add_result(self.count[block], n)
+            return
+        self.encode(record, self.location(block, self.where[block]), scale, n,
+                    self.qseed(me, block, 1))
         memcpy(record + at, bits, 8 * self.words)
         if c.coll == COLL_ALLREDUCE:
             self.chan.publish(me, block, self.count[block], nbytes, self.others, self.size - 1)

@@ -179,3 +179,62 @@ def test_ranks_disagree_on_compression(comm):
         all_ranks_raise(comm, lambda: lc.allreduce(np.ones(1000, np.float32), op="avg",
                                                    algorithm="direct", compression=mine),
                         mpilossy.MismatchError)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("compression", ["int8", "int4"])
+@pytest.mark.parametrize("channel", ["rma", "ud"])
+def test_residual_is_what_quantisation_took(comm, compression, channel):
+    """residual= for error feedback: zeros on the owner's own chunk, at most
+    one step of its group elsewhere, and the owner's reduce-scatter result is
+    exactly the average of what travelled (x - residual): nothing else
+    quantised it."""
+    if channel == "ud" and not mpilossy._core.HAVE_DATAGRAM_AUTH:
+        pytest.skip("built without OpenSSL headers: channel='ud' absent")
+    n, group = 70_001, 64
+    x = data(comm.rank, n, seed=3)
+    residual = np.full(n, 7.0, np.float32)      # overwritten everywhere
+    with mpilossy.Communicator(comm, channel=channel, timeout=None, rotate=False,
+                               compression=compression, compression_group=group) as lc:
+        lo, hi = lc.chunk_bounds(n)
+        out = np.empty(hi - lo, np.float32)
+        lc.reduce_scatter(x, out, op="avg", residual=residual)
+    assert not residual[lo:hi].any()
+    # (groups start at block starts: an element's group lies within group - 1 of it)
+    near = np.lib.stride_tricks.sliding_window_view(
+        np.pad(np.abs(x), group - 1), 2 * group - 1).max(axis=1)
+    steps = near / (127 if compression == "int8" else 7)
+    assert np.all(np.abs(residual) <= steps * (1 + 1e-5)), np.abs(residual / steps).max()
+    if comm.size > 1:
+        assert np.abs(residual).max() > 0
+    sent = (x - residual).astype(np.float64)
+    expected = comm.allreduce(sent)[lo:hi] / comm.size
+    np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.mpi
+def test_residual_without_compression_is_zero(comm):
+    x = data(comm.rank, 1000)
+    residual = np.full_like(x, 7.0)
+    with mpilossy.Communicator(comm, timeout=None) as lc:
+        out = np.empty_like(x)
+        lc.allreduce(x, out, op="avg", algorithm="direct", residual=residual)
+    assert not residual.any()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("residual,exc", [
+    (np.zeros(100, np.float64), TypeError), (np.zeros(99, np.float32), ValueError),
+    (np.zeros(200, np.float32)[::2], ValueError), ([0.0] * 100, TypeError)])
+def test_bad_residuals_fail_everywhere(comm, residual, exc):
+    x = np.ones(100, np.float32)
+    with mpilossy.Communicator(comm, timeout=2.0, compression="int8") as lc:
+        # (a bad buffer on the last rank only: every rank raises)
+        mine = residual if comm.rank == comm.size - 1 else np.zeros(100, np.float32)
+        all_ranks_raise(comm, lambda: lc.allreduce(x, np.empty_like(x), op="avg",
+                                                   residual=mine), exc)
+        frozen = np.zeros(100, np.float32)
+        frozen.flags.writeable = False
+        all_ranks_raise(comm, lambda: lc.allreduce(x, np.empty_like(x), op="avg",
+                                                   residual=frozen), ValueError)
+        all_ranks_raise(comm, lambda: lc.allreduce(x, op="avg", residual=x), ValueError)

@@ -11,6 +11,9 @@
 - ``ComputeDeadline``: DropCompute's compute budget per step (micro-batches
   until it ends, then a weighted average: ``compute_deadline=`` of both
   optimizer wrappers);
+- gradient compression for both and the hook (``compression=``):
+  ``LowBit("int8" | "int4")`` and aligned ``TopK(density)``, each with
+  error feedback of what compression leaves out;
 - ``group_average_parameters``: one round of lossy group averaging
   (``mpilossy.GroupAverager``, Moshpit SGD) for local SGD;
 - ``PhaseAwareTolerance``: tight loss tolerance early in training, loose later;
@@ -29,6 +32,7 @@ except ImportError as _exc:
 
 from .broadcast import (average_optimizer_state, average_parameters, broadcast_optimizer_state,
                         broadcast_parameters, check_parameters, group_average_parameters)
+from .compression import LowBit, TopK
 from .compute import ComputeDeadline
 from .drift import DriftController, DriftStep, measure_drift
 from .feedback import ErrorFeedback
@@ -46,9 +50,11 @@ __all__ = [
     "DriftStep",
     "ErrorFeedback",
     "group_average_parameters",
+    "LowBit",
     "PhaseAwareTolerance",
     "ShardedOptimizer",
     "StepStats",
+    "TopK",
     "WrappedOptimizer",
     "allreduce_hook",
     "average_optimizer_state",

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from mpi4py import MPI
 
 from ..communicator import CollectiveStats, Communicator
-from ._common import check_tensors, lossy_communicator, named_tensors, reliable_comm
+from ._common import as_numpy, check_tensors, lossy_communicator, named_tensors, reliable_comm
+from .compression import Compression, compression_problem
 from .optimizer import check_settings
 from .stats import Recorder, StepStats
 
@@ -39,6 +40,9 @@ class AllreduceHookState:
     model:
         if given (a module), check collectively that every rank holds the
         same parameters, as check_parameters() does.
+    compression:
+        LowBit or TopK (mpilossy.torch.compression), with its own error
+        feedback per bucket; CPU gradients.
 
     ``stats`` is the StepStats of the last complete backward pass,
     ``bucket_stats`` the CollectiveStats of each bucket's last call.
@@ -46,15 +50,18 @@ class AllreduceHookState:
     """
 
     def __init__(self, communicator: Optional[Communicator] = None, *, op: str = "avg",
-                 background: bool = False, model: Optional[torch.nn.Module] = None) -> None:
+                 background: bool = False, model: Optional[torch.nn.Module] = None,
+                 compression: Optional[Compression] = None) -> None:
         self.communicator = lossy_communicator(communicator)
         comm = reliable_comm(self.communicator)
-        problem = check_settings(op)
+        problem = check_settings(op) or compression_problem(compression, False)
         if not isinstance(background, bool):
             problem = problem or TypeError("background must be a bool")
         named = [] if model is None else named_tensors(model.named_parameters())
-        check_tensors(comm, named, reducible=True, problem=problem, extra=op)
+        check_tensors(comm, named, reducible=True, problem=problem,
+                      extra=(op, repr(compression)))
         self.op = op
+        self.compression = compression
         self.bucket_stats: Dict[int, CollectiveStats] = {}
         self._recorder = Recorder()
         self._worker = ThreadPoolExecutor(1, "mpilossy-hook") if background else None
@@ -76,7 +83,13 @@ class AllreduceHookState:
     def _reduce(self, tensor: torch.Tensor, index: int, last: bool,
                 future: torch.futures.Future[torch.Tensor]) -> None:
         try:
-            stats = self.communicator.allreduce(tensor, op=self.op)
+            if self.compression is not None:
+                if tensor.device.type != "cpu":
+                    raise BufferError("compression needs CPU gradients")
+                stats = self.compression.allreduce(self.communicator, index, as_numpy(tensor),
+                                                   op=self.op)
+            else:
+                stats = self.communicator.allreduce(tensor, op=self.op)
         except BufferError as exc:
             # Every rank gets this (the core spreads errors): say it in torch terms.
             # (torch's annotation of set_exception takes the Future's value type,

@@ -13,6 +13,7 @@ from mpi4py import MPI
 from ..communicator import Communicator
 from ._common import (Flat, check_tensors, lossy_communicator, optimizer_parameters,
                       reliable_comm)
+from .compression import Compression, compression_problem
 from .compute import ComputeDeadline, deadline_problem, weigh
 from .drift import DriftController, every_problem, resync_problem
 from .feedback import ErrorFeedback, feedback_problem
@@ -129,9 +130,11 @@ class _GradientAllreduce(Engine):
     def __init__(self, lc: Communicator, params: List[torch.Tensor], op: str,
                  bucket_bytes: int, drift: Optional[DriftController],
                  tolerance: Optional[PhaseAwareTolerance], error_feedback: bool,
-                 compute_deadline: Optional[ComputeDeadline] = None) -> None:
+                 compute_deadline: Optional[ComputeDeadline] = None,
+                 compression: Optional[Compression] = None) -> None:
         super().__init__(lc, params, op, drift)
         self.compute_deadline = compute_deadline
+        self.compression = compression
         self.flat = Flat(params)
         self.pieces = self.flat.pieces(bucket_bytes)
         self.synchronized = False
@@ -164,8 +167,13 @@ class _GradientAllreduce(Engine):
                     self.recorder.add(stats)
             else:
                 weight = weigh(self.compute_deadline, self.flat.arrays.values())
-                for _, _, piece in self.pieces:
-                    self.recorder.add(self.lc.allreduce(piece, op=self.op, weight=weight))
+                for key, (_, _, piece) in enumerate(self.pieces):
+                    if self.compression is not None:
+                        stats = self.compression.allreduce(self.lc, key, piece, op=self.op,
+                                                           weight=weight)
+                    else:
+                        stats = self.lc.allreduce(piece, op=self.op, weight=weight)
+                    self.recorder.add(stats)
             if policy is not None and policy.needs_agreement:
                 lost = 1.0 - self.recorder.pending_delivered()
                 if policy.agree(self.lc.comm, lost) > limit:
@@ -236,7 +244,8 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                          tolerance: Optional[PhaseAwareTolerance] = None,
                          resync: str = "broadcast",
                          error_feedback: bool = False,
-                         compute_deadline: Optional[ComputeDeadline] = None
+                         compute_deadline: Optional[ComputeDeadline] = None,
+                         compression: Optional[Compression] = None
                          ) -> _DistributedOptimizer:
     """Wrap `optimizer` so that step() first all-reduces the gradients through
     mpilossy's lossy all-reduce (unbiased average, deadline-bound).
@@ -271,6 +280,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         gradients: step() divides them by the rank's micro-batch count and
         reduces with that count as the weight (op="avg", scaling="unbiased";
         not with `tolerance` or `error_feedback`).
+    compression:
+        LowBit("int8" | "int4") or TopK(density) (mpilossy.torch.compression):
+        fewer bytes per step, with the compressor's own error feedback.  Not
+        with `tolerance` or `error_feedback`.
 
     Collective: checks on every rank that all ranks hold the same parameters
     (names, shapes, dtypes, CPU); a problem raises on every rank.  Extra
@@ -282,7 +295,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     problem = (already_wrapped(optimizer) or check_settings(op, bucket_bytes)
                or every_problem(broadcast_every=broadcast_every, measure_every=measure_every)
                or resync_problem(resync) or feedback_problem(lc, error_feedback)
-               or deadline_problem(lc, op, compute_deadline, error_feedback))
+               or deadline_problem(lc, op, compute_deadline, error_feedback)
+               or compression_problem(compression, error_feedback))
+    if problem is None and tolerance is not None and compression is not None:
+        problem = ValueError("compression and tolerance do not combine (a step re-sent "
+                             "reliably would not be compressed)")
     if problem is None and tolerance is not None and compute_deadline is not None:
         problem = ValueError("compute_deadline and tolerance do not combine (a step re-sent "
                              "reliably would not be weighted)")
@@ -299,7 +316,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     check_tensors(comm, named, reducible=True, problem=problem,
                   extra=(op, bucket_bytes, broadcast_every, measure_every, broadcast_state,
                          root_rank, repr(tolerance), resync, error_feedback,
-                         compute_deadline is not None))
+                         compute_deadline is not None, repr(compression)))
     if compute_deadline is not None and compute_deadline.comm is None:
         compute_deadline.comm = comm
     drift = None
@@ -308,5 +325,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                                 measure_every=measure_every, root_rank=root_rank,
                                 optimizer=optimizer if broadcast_state else None, resync=resync)
     engine = _GradientAllreduce(lc, [p for _, p in named], op, bucket_bytes, drift, tolerance,
-                                error_feedback, compute_deadline)
+                                error_feedback, compute_deadline, compression)
     return wrap(optimizer, _DistributedOptimizer, engine)

@@ -26,9 +26,10 @@ import torch
 from mpi4py import MPI
 
 from ..communicator import CollectiveStats, Communicator
-from ._common import (REDUCIBLE, Flat, as_bytes, check_tensors, lossy_communicator,
+from ._common import (REDUCIBLE, Flat, as_bytes, as_numpy, check_tensors, lossy_communicator,
                       optimizer_parameters, reliable_comm)
 from .broadcast import bcast_tensors
+from .compression import Compression, compression_problem
 from .compute import ComputeDeadline, deadline_problem, weigh
 from .drift import DriftController, every_problem
 from .feedback import ErrorFeedback, feedback_problem
@@ -46,9 +47,11 @@ class _ShardedExchange(Engine):
     def __init__(self, lc: Communicator, comm: MPI.Intracomm, params: List[torch.Tensor],
                  groups: List[int], n_groups: int, op: str, root_rank: int,
                  error_feedback: bool, missed: str,
-                 compute_deadline: Optional[ComputeDeadline] = None) -> None:
+                 compute_deadline: Optional[ComputeDeadline] = None,
+                 compression: Optional[Compression] = None) -> None:
         super().__init__(lc, params, op, None)
         self.compute_deadline = compute_deadline
+        self.compression = compression
         self.comm = comm
         self.flat = Flat(params)            # the parameters themselves, from now on
         self.flat.pack(params)
@@ -96,9 +99,13 @@ class _ShardedExchange(Engine):
         calls = []
         for dtype, send in self.grads.arrays.items():
             recv = self.shard_grads[dtype]
-            stats = self.lc.reduce_scatter(send, recv, op=self.op,
-                                           algorithm="direct" if feedback else "auto",
-                                           weight=weight)
+            if self.compression is not None:
+                stats = self.compression.reduce_scatter(self.lc, dtype, send, as_numpy(recv),
+                                                        op=self.op, weight=weight)
+            else:
+                stats = self.lc.reduce_scatter(send, recv, op=self.op,
+                                               algorithm="direct" if feedback else "auto",
+                                               weight=weight)
             self.recorder.add(stats)
             calls.append((dtype, 0, stats))
         if feedback is not None:
@@ -207,7 +214,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
                      resync_every: Optional[int] = None, measure_every: Optional[int] = None,
                      root_rank: int = 0, error_feedback: bool = False,
                      missed: str = "keep",
-                     compute_deadline: Optional[ComputeDeadline] = None) -> _ShardedOptimizer:
+                     compute_deadline: Optional[ComputeDeadline] = None,
+                     compression: Optional[Compression] = None) -> _ShardedOptimizer:
     """Wrap a freshly built `optimizer` for the sharded, bounded-drift mode
     (see the module documentation).
 
@@ -234,6 +242,9 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     compute_deadline:
         a ComputeDeadline (DropCompute), as for DistributedOptimizer: the
         gradients are reduce-scattered as a weighted average.
+    compression:
+        LowBit or TopK, as for DistributedOptimizer (TopK all-reduces the
+        chosen blocks; each rank keeps its chunk of the result).
 
     state_dict() holds this rank's chunk of the optimizer state.  Collective,
     with the same checks as DistributedOptimizer.
@@ -243,7 +254,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     problem = (already_wrapped(optimizer) or check_settings(op)
                or every_problem(resync_every=resync_every, measure_every=measure_every)
                or feedback_problem(lc, error_feedback)
-               or deadline_problem(lc, op, compute_deadline, error_feedback))
+               or deadline_problem(lc, op, compute_deadline, error_feedback)
+               or compression_problem(compression, error_feedback))
     if problem is None and missed not in MISSED:
         problem = ValueError(f"missed must be one of {MISSED}, got {missed!r}")
     try:
@@ -257,13 +269,13 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
         problem = problem or ValueError(f"root_rank must be a rank, got {root_rank!r}")
     check_tensors(comm, named, reducible=True, problem=problem,
                   extra=("sharded", op, resync_every, measure_every, root_rank, error_feedback,
-                         missed, compute_deadline is not None))
+                         missed, compute_deadline is not None, repr(compression)))
     if compute_deadline is not None and compute_deadline.comm is None:
         compute_deadline.comm = comm
     params = [p for _, p in named]
     groups = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
     engine = _ShardedExchange(lc, comm, params, groups, len(optimizer.param_groups), op,
-                              root_rank, error_feedback, missed, compute_deadline)
+                              root_rank, error_feedback, missed, compute_deadline, compression)
     if resync_every is not None or measure_every is not None:
         engine.drift = DriftController(named, comm=comm, broadcast_every=resync_every,
                                        measure_every=measure_every,

@@ -72,6 +72,13 @@ def parser() -> argparse.ArgumentParser:
                     help="DropCompute: 'auto', seconds per step, or 'off': a rank stops "
                     "after the micro-batches its budget allows (at least one) and its "
                     "gradient weighs by the count")
+    ap.add_argument("--compression", default=d.compression,
+                    help="gradient compression: none, int8, int4 (quantised in groups, "
+                    "stochastic rounding) or topk:D (the D share of blocks, the same on every "
+                    "rank)")
+    ap.add_argument("--compression-feedback", action=argparse.BooleanOptionalAction,
+                    default=d.compression_feedback,
+                    help="error feedback of what compression leaves out")
     ap.add_argument("--straggle", default=d.straggle,
                     help="straggler scenario 'P:F': each rank, each step, with probability P "
                     "computes F times slower (e.g. 0.1:2)")
@@ -95,6 +102,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                  align=not args.no_align, phase_aware=args.phase_aware,
                  micro_batches=args.micro_batches, compute_deadline=args.compute_deadline,
                  straggle=args.straggle, eval_every=args.eval_every,
+                 compression=args.compression,
+                 compression_feedback=args.compression_feedback,
                  critical_fraction=args.critical_fraction,
                  steps=args.steps, batch=args.batch, context=args.context, width=args.width,
                  layers=args.layers, heads=args.heads, lr=args.lr, warmup=args.warmup,
@@ -105,7 +114,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if comm.rank == 0:
         r = result
         how = cfg.reduce if cfg.reduce == "mpi" else (
-            f"mpilossy {cfg.mode}{' + error feedback' if cfg.error_feedback else ''}")
+            f"mpilossy {cfg.mode}{' + error feedback' if cfg.error_feedback else ''}"
+            f"{'' if cfg.compression == 'none' else ', compression ' + cfg.compression}"
+            f"{'' if cfg.compression == 'none' or cfg.compression_feedback else ' without EF'}")
         print(f"ranks {r['ranks']}  reduce {how}  loss {cfg.loss or 'none'}  "
               f"params {r['parameters']}  steps {cfg.steps}")
         print(f"train loss      {r['train_loss_first']:.3f} -> {r['train_loss_last']:.3f}")

@@ -31,7 +31,7 @@ from typing import Dict, List, Optional, Tuple
 GE = "gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1"    # bursts of ~5 blocks, ~9% lost
 
 SEEDS = {"paired": list(range(8)), "explore": [0, 1, 2], "scale": [0, 1, 2],
-         "straggle": list(range(8))}
+         "straggle": list(range(8)), "compress": list(range(8))}
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,27 @@ ROWS: List[Row] = [
         (*STRAGGLE, "--compute-deadline", "auto", "--steps", "330"), "straggle",
         baseline="straggle-fixed"),
 ]
+# gradient compression (8 seeds): the best sharded setting with compressed
+# gradients, paired with the same setting in float32, lossless and at 10%
+ROWS += [
+    Row("c-f32-0", "compression: float32 (the best setting, lossless)",
+        (*BEST, "--loss", "0"), "compress", baseline="c-f32-0"),
+    Row("c-aa-0", "compression, A/A: float32 lossless again",
+        (*BEST, "--loss", "0"), "compress", baseline="c-f32-0"),
+    Row("c-f32-10", "compression: float32, 10%", (*BEST, "--loss", "0.1"), "compress",
+        baseline="c-f32-10"),
+]
+for _name, _spec, _what in [("int8", "int8", "int8"), ("int4", "int4", "int4"),
+                            ("topk10", "topk:0.1", "Top-K 10%"), ("topk1", "topk:0.01", "Top-K 1%")]:
+    ROWS += [
+        Row(f"c-{_name}-0", f"compression: {_what} + its error feedback, lossless",
+            (*BEST, "--loss", "0", "--compression", _spec), "compress", baseline="c-f32-0"),
+        Row(f"c-{_name}-noef-0", f"compression: {_what} without error feedback, lossless",
+            (*BEST, "--loss", "0", "--compression", _spec, "--no-compression-feedback"),
+            "compress", baseline="c-f32-0"),
+        Row(f"c-{_name}-10", f"compression: {_what} + its error feedback, 10%",
+            (*BEST, "--loss", "0.1", "--compression", _spec), "compress", baseline="c-f32-10"),
+    ]
 # Paired comparisons between rows (same seeds): (row, against, what it isolates)
 COMPARISONS = [
     ("best-10", "today-10", "the sharded scheme against the previous default, 10%"),
@@ -133,6 +154,9 @@ COMPARISONS = [
     ("average-10", "today-10", "replicated: average re-synchronisation instead of broadcast"),
     ("delay-only-10", "best-10", "no stale parameters at all (reliable all-gather every step)"),
     ("best-10-8", "today-10-8", "8 ranks: the sharded scheme against the previous default"),
+    *[(f"c-{name}-noef-0", f"c-{name}-0", f"{what}: without its error feedback against with it")
+      for name, what in [("int8", "int8"), ("int4", "int4"), ("topk10", "Top-K 10%"),
+                         ("topk1", "Top-K 1%")]],
 ]
 
 # 97.5% quantiles of Student's t for 1..10 degrees of freedom (two-sided 95%).
@@ -322,7 +346,7 @@ def plot(data: Dict[str, List[dict]], path: Path) -> None:
         half = 0.0 if math.isnan(half) else half
         lows.append(mean - half)
         highs.append(mean + half)
-        color = {"paired": "C0", "explore": "C1", "scale": "C2"}[row.tier]
+        color = {"paired": "C0", "explore": "C1", "scale": "C2", "compress": "C3"}[row.tier]
         ax.errorbar([mean], [y], xerr=[[half], [half]], fmt="o", color=color, capsize=3)
     ax.axvline(0, color="0.4", lw=1)
     for target, label in ((0.5, "10% target"), (2.0, "30% target")):

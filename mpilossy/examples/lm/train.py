@@ -46,6 +46,8 @@ class Config:
     phase_aware: bool = False         # phase-aware loss tolerance
     micro_batches: int = 1            # the batch is computed in this many micro-batches
     compute_deadline: str = "off"     # "off", "auto" or seconds: DropCompute's budget per step
+    compression: str = "none"         # gradients: "none", "int8", "int4" or "topk:D" (density D)
+    compression_feedback: bool = True  # the compressor's error feedback
     straggle: str = ""                # "P:F": each rank, each step, with probability P
                                       # computes F times slower (straggler scenario)
     eval_every: int = 0               # validation perplexity every K steps (0: at the end only)
@@ -103,6 +105,18 @@ def compute_deadline(cfg: Config) -> Optional[mt.ComputeDeadline]:
     if budget != "auto":
         budget = float(budget)
     return mt.ComputeDeadline(budget, max_micro_batches=cfg.micro_batches)
+
+
+def compression(cfg: Config) -> Optional[Any]:
+    """The gradient compressor of `cfg` (None: full float32 gradients)."""
+    if cfg.compression == "none":
+        return None
+    if cfg.compression in ("int8", "int4"):
+        return mt.LowBit(cfg.compression, error_feedback=cfg.compression_feedback)
+    kind, _, density = cfg.compression.partition(":")
+    if kind != "topk" or not density:
+        raise ValueError(f"compression must be none, int8, int4 or topk:D, got {cfg.compression!r}")
+    return mt.TopK(float(density), error_feedback=cfg.compression_feedback)
 
 
 def windows(text: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
@@ -204,7 +218,8 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
                                           resync_every=cfg.resync_every,
                                           measure_every=cfg.measure_every,
                                           error_feedback=cfg.error_feedback,
-                                          missed=cfg.missed, compute_deadline=deadline)
+                                          missed=cfg.missed, compute_deadline=deadline,
+                                          compression=compression(cfg))
         else:
             wrapped = mt.DistributedOptimizer(inner, model.named_parameters(), lc,
                                               broadcast_every=cfg.resync_every,
@@ -212,7 +227,8 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
                                               broadcast_state=cfg.resync == "average",
                                               resync=cfg.resync, tolerance=tolerance,
                                               error_feedback=cfg.error_feedback,
-                                              compute_deadline=deadline)
+                                              compute_deadline=deadline,
+                                              compression=compression(cfg))
         optimizer = wrapped
         drift_control = wrapped.drift_control
     assert drift_control is not None        # (measure_every is always given)
