@@ -35,6 +35,7 @@ from .communicator import (AllreduceStats, CollectiveStats, Communicator, allgat
 from .contributors import Contributors
 from .errors import LaggingError, MismatchError, MPILossyError
 from .group import GroupAverager
+from . import compression  # (after communicator, which it builds on)
 
 __version__: str = _core.VERSION      # VERSION, through meson.build
 

@@ -330,7 +330,9 @@ def quant_kernel(str name, dst, src, int bits, Py_ssize_t group, unsigned int se
                  float scale=1.0):
     """The low-bit payload kernels on NumPy arrays, outside the GIL:
     'quantize' float32 src -> dst bytes (mpl_q_bytes long), 'dequantize'
-    bytes src -> float32 dst, 'dequantize_add' dst += decoded src."""
+    bytes src -> float32 dst, 'dequantize_add' dst += decoded src;
+    'quantize_portable': 'quantize' without the AVX2 variant (the same
+    bytes, one value at a time)."""
     cdef Py_buffer vd, vs
     if bits not in (4, 8) or group < 2 or group % 2:
         raise ValueError("bits must be 4 or 8 and group even")
@@ -340,16 +342,21 @@ def quant_kernel(str name, dst, src, int bits, Py_ssize_t group, unsigned int se
     except BaseException:
         PyBuffer_Release(&vd)
         raise
-    cdef int which = {"quantize": 0, "dequantize": 1, "dequantize_add": 2}[name]
-    cdef Py_ssize_t n = (vs.len if which == 0 else vd.len) // 4
+    cdef int which = {"quantize": 0, "dequantize": 1, "dequantize_add": 2,
+                      "quantize_portable": 3}[name]
+    cdef bint encoding = which == 0 or which == 3
+    cdef Py_ssize_t n = (vs.len if encoding else vd.len) // 4
     cdef Py_ssize_t coded = <Py_ssize_t>mpl_q_bytes(n, group, bits)
     try:
-        if (vd.len if which == 0 else vs.len) < coded:
+        if (vd.len if encoding else vs.len) < coded:
             raise ValueError(f"the encoded buffer needs {coded} bytes")
         with nogil:
             if which == 0:
                 mpl_quantize(<unsigned char*>vd.buf, <const float*>vs.buf, scale, n, group,
                              bits, seed)
+            elif which == 3:
+                mpl_quantize_portable(<unsigned char*>vd.buf, <const float*>vs.buf, scale, n,
+                                      group, bits, seed)
             else:
                 mpl_dequantize(<float*>vd.buf, <const float*>vd.buf if which == 2 else NULL,
                                <const unsigned char*>vs.buf, scale, n, group, bits)

@@ -136,5 +136,7 @@ cdef extern from "mpilossy_quant.h" nogil:
     size_t mpl_q_bytes(size_t n, size_t group, int bits)
     void mpl_quantize(unsigned char *dst, const float *src, float s, size_t n, size_t group,
                       int bits, uint32_t seed)
+    void mpl_quantize_portable(unsigned char *dst, const float *src, float s, size_t n,
+                               size_t group, int bits, uint32_t seed)
     void mpl_dequantize(float *dst, const float *acc, const unsigned char *src, float s,
                         size_t n, size_t group, int bits)

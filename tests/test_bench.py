@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not is_singleton(), reason="starts its own mpiex
 
 ROW_FIELDS = {"size", "count", "type", "redop", "algorithm", "channel", "time_us", "algbw", "busbw",
               "wrong", "mpi_time_us", "mpi_busbw", "ratio", "delivered", "max_err", "p50_us",
-              "p99_us", "mpi_p99_us", "times_us", "mpi_times_us", "datagrams"}
+              "p99_us", "mpi_p99_us", "times_us", "mpi_times_us", "datagrams", "payload"}
 TAIL_FIELDS = {"scenario", "size", "algorithm", "channel", "timeout", "mpi_p50_us", "mpi_p99_us",
                "mpi_max_us", "p50_us", "p99_us", "max_us", "p99_ratio", "delivered",
                "lossy_timeouts", "times_us", "mpi_times_us"}
@@ -77,6 +77,23 @@ def test_compressed_rows(tmp_path):
         assert row["wrong"] == 0 and row["delivered"] == 1.0, row
         counts[compression] = row["datagrams"]
     assert 0 < counts["int8"] < 0.4 * counts[None], counts
+
+
+def test_topk_rows(tmp_path):
+    """--topk: the chosen values are checked against the exact average, the
+    payload is the chosen values plus one float32 energy per 64 values, and
+    on ud the datagrams follow it."""
+    rows = {}
+    for topk in (None, "0.1"):
+        extra = ["--topk", topk] if topk else []
+        _, doc = bench(tmp_path, "allreduce", "--sizes", "256K", "-a", "direct", "-c", "ud",
+                       "-o", "avg", "-n", "2", "-w", "1", *extra, nprocs=3)
+        rows[topk] = row = doc["rows"][0]
+        assert row["wrong"] == 0 and row["delivered"] == 1.0 and row["max_err"] < 1e-6, row
+    blocks = (256 << 10) // 4 // 64
+    assert rows[None]["payload"] == 256 << 10
+    assert rows["0.1"]["payload"] == 4 * 64 * math.ceil(0.1 * blocks) + 4 * blocks
+    assert 0 < rows["0.1"]["datagrams"] < 0.2 * rows[None]["datagrams"], rows
 
 
 def test_lossy_rows_report_loss(tmp_path):

@@ -90,3 +90,40 @@ def test_bad_arguments():
         _core.quant_kernel("quantize", np.empty(100, np.uint8), x, 8, 63)
     with pytest.raises(ValueError, match="needs"):
         _core.quant_kernel("quantize", np.empty(5, np.uint8), x, 8, 64)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group", [2, 8, 64, 128])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 63, 64, 65, 1000, 100_003])
+def test_vector_encoder_gives_the_reference_bytes(bits, group, n):
+    """The AVX2 encoder (where the CPU has it) writes exactly what the
+    one-value-at-a-time encoder writes, edge values included: NaN and Inf
+    groups, constant and zero groups, values near float32's largest."""
+    rng = np.random.default_rng([bits, group, n])
+    x = (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 1e3], n)).astype(np.float32)
+    for at, value in ((3, np.nan), (n // 2, np.inf), (n - 1, -3e38)):
+        if at < n and n > 16:
+            x[at] = value
+    if n >= 200:
+        x[128:192] = 2.5
+        x[64:128] = 0.0
+    for seed, scale in ((1, 1.0), (77, 0.3)):
+        vector = encode(x, bits, group, seed, scale)
+        portable = np.empty_like(vector)
+        _core.quant_kernel("quantize_portable", portable, x, bits, group, seed, scale)
+        np.testing.assert_array_equal(vector, portable)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("group", [2, 8, 64])
+@pytest.mark.parametrize("n", [1, 9, 64, 1001])
+def test_decoders_add_exactly_what_the_layout_says(bits, group, n):
+    """dequantize_add (vectorised for int4 where the CPU has AVX2): acc +
+    code * scale, as the documented layout read with numpy gives."""
+    rng = np.random.default_rng([bits, group, n, 1])
+    x = rng.standard_normal(n).astype(np.float32)
+    coded = encode(x, bits, group, seed=5)
+    acc = rng.standard_normal(n).astype(np.float32)
+    out = acc.copy()
+    _core.quant_kernel("dequantize_add", out, coded, bits, group)
+    np.testing.assert_array_equal(out, acc + reference_decode(coded, n, bits, group))

@@ -46,6 +46,7 @@ class BenchConfig:
     block_bytes: Optional[int] = None
     weighted: bool = False        # op="avg" with weight = rank + 1
     compression: Optional[str] = None   # "int8" or "int4": low-bit payloads
+    topk: Optional[float] = None  # aligned Top-K at this density (mpilossy.compression)
 
 
 @dataclass
@@ -71,6 +72,7 @@ class Row:
     times_us: List[float] = field(default_factory=list, repr=False)
     mpi_times_us: List[float] = field(default_factory=list, repr=False)
     datagrams: float = 0.0       # sent per call and rank (channel ud), mean over ranks
+    payload: int = 0             # bytes of the vector as it travels (direct; compressed)
 
 
 def bus_factor(nranks: int) -> float:
@@ -146,8 +148,12 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
     sent_before = lc.channel_info().get("sent", 0)
 
     weight = float(comm.rank + 1) if cfg.weighted else None
+    topk = mpilossy.compression.TopK(cfg.topk, error_feedback=False) if cfg.topk else None
 
     def lossy() -> Optional[mpilossy.CollectiveStats]:
+        if topk is not None:        # (its own copy: the compressor reduces in place)
+            recv[...] = send
+            return topk.allreduce(lc, 0, recv, op=cfg.op, weight=weight)
         return lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm, weight=weight)
 
     def mpi() -> None:
@@ -175,6 +181,8 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
                     totals[name] += elapsed
             if phase == "measure" and recv.size:
                 err = np.abs(recv.astype(np.float64) - exact.astype(np.float64))
+                if topk is not None:
+                    err[recv == 0] = 0.0    # (the blocks left out; the sent ones are exact)
                 max_err = max(max_err, float(err.max()) / (scale or 1.0))
                 if done == 0:
                     wrong = int(np.count_nonzero(err > tol * max(scale, 1.0)))
@@ -200,13 +208,28 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
         p50_us=float(np.percentile(every, 50)), p99_us=float(np.percentile(every, 99)),
         mpi_p99_us=float(np.percentile(every_mpi, 99)),
         times_us=every.tolist(), mpi_times_us=every_mpi.tolist(),
-        datagrams=float(np.mean(comm.allgather(datagrams))))
+        datagrams=float(np.mean(comm.allgather(datagrams))), payload=payload_bytes(send, cfg))
+
+
+def payload_bytes(send: np.ndarray, cfg: BenchConfig) -> int:
+    """Bytes of the vector as it travels: float32 values; quantised ones
+    with their group scales; Top-K's chosen values plus the block energies
+    (float32, one per 64 values) of the reliable selection."""
+    if cfg.topk:
+        blocks = -(-send.size // 64)
+        return 4 * min(send.size, 64 * max(1, math.ceil(cfg.topk * blocks))) + 4 * blocks
+    if cfg.compression and send.dtype == np.float32:
+        return mpilossy._core.quant_bytes(send.size, 64, mpilossy.communicator.COMPRESSIONS[
+            cfg.compression])
+    return send.nbytes
 
 
 HEADER = ("#       size       count    type  redop  root   algo  chan      time   algbw   busbw  #wrong"
-          "  mpi-time mpi-busbw  ratio  delivered    max-err   p99-time mpi-p99-time  datagrams")
+          "  mpi-time mpi-busbw  ratio  delivered    max-err   p99-time mpi-p99-time  datagrams"
+          "     payload")
 UNITS = ("#        (B)  (elements)                                         (us)  (GB/s)  (GB/s)        "
-         "      (us)    (GB/s) mpi/us                             (us)         (us)  (per call)")
+         "      (us)    (GB/s) mpi/us                             (us)         (us)  (per call)"
+         "         (B)")
 
 
 def format_table(rows: Sequence[Row], comm: MPI.Comm, cfg: BenchConfig) -> str:
@@ -214,7 +237,8 @@ def format_table(rows: Sequence[Row], comm: MPI.Comm, cfg: BenchConfig) -> str:
     lines = [
         f"# mpilossy.bench allreduce: {comm.size} ranks, {vendor}, mpilossy {mpilossy.__version__}",
         f"# channels {','.join(cfg.channels)}, timeout {cfg.timeout}, loss {cfg.loss or 'none'}, "
-        f"iters {cfg.iters}, warmup {cfg.warmup}, compression {cfg.compression or 'none'}",
+        f"iters {cfg.iters}, warmup {cfg.warmup}, compression "
+        f"{f'topk:{cfg.topk}' if cfg.topk else cfg.compression or 'none'}",
         "# datagrams = sent per call and rank (channel ud; 0 on rma)",
         f"# time = back-to-back calls in batches of {BATCH}, slowest rank; busbw = algbw * 2(n-1)/n;",
         "# ratio = MPI_Allreduce time / mpilossy time in the same run (> 1: mpilossy faster)",
@@ -226,7 +250,8 @@ def format_table(rows: Sequence[Row], comm: MPI.Comm, cfg: BenchConfig) -> str:
             f"{r.channel:>5s} "
             f"{r.time_us:9.1f} {r.algbw:7.3f} {r.busbw:7.3f} {r.wrong:7d} "
             f"{r.mpi_time_us:9.1f} {r.mpi_busbw:9.3f} {r.ratio:6.2f} {r.delivered:10.4f} "
-            f"{r.max_err:10.3g} {r.p99_us:10.1f} {r.mpi_p99_us:12.1f} {r.datagrams:10.1f}")
+            f"{r.max_err:10.3g} {r.p99_us:10.1f} {r.mpi_p99_us:12.1f} {r.datagrams:10.1f} "
+            f"{r.payload:11d}")
     if rows:
         avg = sum(r.busbw for r in rows) / len(rows)
         lines.append(f"# Avg bus bandwidth    : {avg:.3f} GB/s")
@@ -493,6 +518,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-o", "--op", default="sum", choices=["sum", "avg"])
     p.add_argument("--compression", choices=["int8", "int4"], default=None,
                    help="low-bit payloads (float32, direct)")
+    p.add_argument("--topk", type=float, default=None, metavar="DENSITY",
+                   help="aligned Top-K (mpilossy.compression.TopK, no error feedback): the "
+                   "DENSITY share of 64-value blocks, chosen alike on every rank (float32, "
+                   "direct)")
     p.add_argument("--weighted", action="store_true",
                    help="weighted average (weight = rank + 1; implies -o avg, direct)")
     p.add_argument("-a", "--algorithm", default="ring",
@@ -525,7 +554,7 @@ def run(args: argparse.Namespace) -> int:
                       channels=[c.strip() for c in args.channel.split(",")],
                       timeout=args.timeout, loss=args.loss, iters=args.iters,
                       warmup=args.warmup, block_bytes=args.block_bytes,
-                      weighted=args.weighted, compression=args.compression)
+                      weighted=args.weighted, compression=args.compression, topk=args.topk)
     rows = run_allreduce_bench(comm, cfg) if not args.scenario else []
     tail = run_tail_bench(comm, cfg, args.scenario) if args.scenario else []
     if rows:

@@ -1,0 +1,118 @@
+"""The compressors of mpilossy.compression (LowBit, aligned TopK) on NumPy
+vectors: the same blocks on every rank, the chosen values reduced exactly,
+what is sent plus what is kept is the vector (error feedback), bad
+settings refused.  (The optimizers and the hook with them:
+test_torch_compression.py.)"""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpilossy
+from mpilossy.compression import LowBit, TopK
+
+
+def same_on_every_rank(comm, values):
+    return all(np.array_equal(v, values) for v in comm.allgather(values))
+
+
+def grad(rank, n, step=0):
+    """Each rank's gradient: a shared part with a few strong blocks, and its own noise."""
+    rng = np.random.default_rng([step, 99])
+    shared = rng.standard_normal(n) * np.repeat(rng.random(-(-n // 64)) ** 4, 64)[:n]
+    own = np.random.default_rng([step, rank]).standard_normal(n) * 0.1
+    return (shared + own).astype(np.float32)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("n", [1, 1000, 10_007])
+def test_topk_sends_the_same_blocks_and_keeps_the_rest(comm, n):
+    topk = TopK(0.1, block=64)
+    with mpilossy.Communicator(comm, timeout=None) as lc:
+        g = grad(comm.rank, n)
+        data = g.copy()
+        topk.allreduce(lc, "k", data, op="avg")
+    nonzero = np.flatnonzero(data)
+    assert same_on_every_rank(comm, nonzero.astype(np.float64))
+    blocks = np.unique(nonzero // 64)
+    assert blocks.size == min(-(-n // 64), max(1, -(-(-(-n // 64)) // 10)))
+    mean = comm.allreduce(g.astype(np.float64)) / comm.size
+    np.testing.assert_allclose(data[nonzero], mean[nonzero], rtol=1e-5, atol=1e-6)
+    residual = topk.residual("k")
+    sent = np.zeros(n, bool)
+    sent[nonzero] = True
+    assert not residual[sent].any()
+    np.testing.assert_array_equal(residual[~sent], g[~sent])
+    # the chosen blocks hold the most energy (max over ranks): none left out is larger
+    energy = np.square(np.pad(g.astype(np.float64), (0, -n % 64))).reshape(-1, 64).sum(axis=1)
+    comm.Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX)
+    chosen = np.zeros(energy.size, bool)
+    chosen[blocks] = True
+    if (~chosen).any():
+        assert energy[chosen].min() >= energy[~chosen].max()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("make", [lambda: TopK(0.05), lambda: LowBit("int4")],
+                         ids=["topk", "int4"])
+def test_error_feedback_sends_every_gradient_eventually(comm, make):
+    """Lossless: the sum of the reduced gradients over steps is the sum of the
+    true averages less the average residual still held (nothing is lost)."""
+    compressor = make()
+    n, steps = 5000, 12
+    total = np.zeros(n)
+    truth = np.zeros(n)
+    with mpilossy.Communicator(comm, timeout=None, rotate=False) as lc:
+        for step in range(steps):
+            g = grad(comm.rank, n, step)
+            truth += comm.allreduce(g.astype(np.float64)) / comm.size
+            lo, hi = lc.chunk_bounds(n)
+            out = np.empty(hi - lo, np.float32)
+            compressor.reduce_scatter(lc, "g", g.copy(), out, op="avg")
+            total[lo:hi] += out
+        held = comm.allreduce(compressor.residual("g").astype(np.float64)) / comm.size
+    np.testing.assert_allclose(total[lo:hi], (truth - held)[lo:hi], rtol=1e-4, atol=1e-4)
+    # and without feedback the same sum misses what was left out
+    if comm.size > 1 or isinstance(compressor, TopK):
+        assert np.abs(held).max() > 1e-3
+
+
+@pytest.mark.mpi
+def test_topk_density_one_is_the_plain_average(comm):
+    with mpilossy.Communicator(comm, timeout=None) as lc:
+        g = grad(comm.rank, 3000)
+        data = g.copy()
+        TopK(1.0, error_feedback=False).allreduce(lc, 0, data, op="avg")
+        plain = g.copy()
+        lc.allreduce(plain, op="avg", algorithm="direct")
+    np.testing.assert_allclose(data, plain, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("make,exc", [
+    (lambda: TopK(0.0), ValueError), (lambda: TopK(1.5), ValueError),
+    (lambda: TopK(0.1, block=0), ValueError), (lambda: LowBit("int2"), ValueError),
+    (lambda: LowBit("int8", error_feedback=1), TypeError)])
+def test_bad_compressors(make, exc):
+    with pytest.raises(exc):
+        make()
+
+
+@pytest.mark.mpi(min_size=2)
+def test_topk_under_loss_averages_what_arrived(comm):
+    """30% of blocks lost: every rank still chooses the same blocks (the
+    selection is reliable), and each chosen value is an average of some of
+    the ranks' values (between their smallest and largest)."""
+    n = 20_000
+    g = grad(comm.rank, n)
+    data = g.copy()
+    with mpilossy.Communicator(comm, timeout=0.5, block_bytes=256,
+                               loss=mpilossy.loss.Bernoulli(0.3, seed=5)) as lc:
+        stats = TopK(0.2, error_feedback=False).allreduce(lc, 0, data, op="avg")
+    assert stats.delivered < 1.0
+    every = np.stack(comm.allgather(g))
+    chosen = data != 0
+    assert same_on_every_rank(comm, np.unique(np.flatnonzero(chosen) // 64))
+    lo, hi = every.min(axis=0), every.max(axis=0)
+    slack = 1e-5 * np.abs(every).max()
+    assert np.all(data[chosen] >= lo[chosen] - slack) and np.all(data[chosen] <= hi[chosen] + slack)
