@@ -86,6 +86,8 @@ def parser() -> argparse.ArgumentParser:
                  "val_windows", "measure_every", "threads", "eval_every"):
         ap.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--optimizer", choices=["adamw", "sgd"], default=d.optimizer,
+                    help="AdamW, or SGD with momentum 0.9 (give it its own --lr)")
     ap.add_argument("--no-progress", action="store_true", help="no progress bar")
     ap.add_argument("--json", help="write the results to this file (rank 0)")
     return ap
@@ -102,7 +104,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  align=not args.no_align, phase_aware=args.phase_aware,
                  micro_batches=args.micro_batches, compute_deadline=args.compute_deadline,
                  straggle=args.straggle, eval_every=args.eval_every,
-                 compression=args.compression,
+                 compression=args.compression, optimizer=args.optimizer,
                  compression_feedback=args.compression_feedback,
                  critical_fraction=args.critical_fraction,
                  steps=args.steps, batch=args.batch, context=args.context, width=args.width,

@@ -141,6 +141,26 @@ for _name, _spec, _what in [("int8", "int8", "int8"), ("int4", "int4", "int4"),
         Row(f"c-{_name}-10", f"compression: {_what} + its error feedback, 10%",
             (*BEST, "--loss", "0.1", "--compression", _spec), "compress", baseline="c-f32-10"),
     ]
+# diagnostic (3 seeds): the same with SGD + momentum instead of AdamW, whose
+# per-coordinate normalisation turns Top-K's bursts of accumulated residual
+# into one normal-sized step
+SGD = (*BEST, "--loss", "0", "--optimizer", "sgd", "--lr", "0.3")
+ROWS += [
+    Row("c-sgd-f32-0", "compression, SGD: float32, lossless", SGD, "explore",
+        baseline="c-sgd-f32-0"),
+    Row("c-sgd-int4-0", "compression, SGD: int4 + its error feedback", (*SGD, "--compression", "int4"),
+        "explore", baseline="c-sgd-f32-0"),
+    Row("c-sgd-int4-noef-0", "compression, SGD: int4 without error feedback",
+        (*SGD, "--compression", "int4", "--no-compression-feedback"), "explore",
+        baseline="c-sgd-f32-0"),
+    Row("c-sgd-topk10-0", "compression, SGD: Top-K 10% + its error feedback",
+        (*SGD, "--compression", "topk:0.1"), "explore", baseline="c-sgd-f32-0"),
+    Row("c-sgd-topk10-noef-0", "compression, SGD: Top-K 10% without error feedback",
+        (*SGD, "--compression", "topk:0.1", "--no-compression-feedback"), "explore",
+        baseline="c-sgd-f32-0"),
+    Row("c-sgd-topk1-0", "compression, SGD: Top-K 1% + its error feedback",
+        (*SGD, "--compression", "topk:0.01"), "explore", baseline="c-sgd-f32-0"),
+]
 # Paired comparisons between rows (same seeds): (row, against, what it isolates)
 COMPARISONS = [
     ("best-10", "today-10", "the sharded scheme against the previous default, 10%"),

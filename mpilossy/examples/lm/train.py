@@ -48,6 +48,7 @@ class Config:
     compute_deadline: str = "off"     # "off", "auto" or seconds: DropCompute's budget per step
     compression: str = "none"         # gradients: "none", "int8", "int4" or "topk:D" (density D)
     compression_feedback: bool = True  # the compressor's error feedback
+    optimizer: str = "adamw"          # "adamw", or "sgd" (momentum 0.9; give it its own --lr)
     straggle: str = ""                # "P:F": each rank, each step, with probability P
                                       # computes F times slower (straggler scenario)
     eval_every: int = 0               # validation perplexity every K steps (0: at the end only)
@@ -190,7 +191,12 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
     model = TinyGPT(corpus_mod.VOCAB, cfg.context, cfg.width, cfg.layers, cfg.heads)
     mt.broadcast_parameters(model, comm=comm)
     params = [p for p in model.parameters()]
-    inner = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    if cfg.optimizer == "sgd":
+        inner: torch.optim.Optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+    elif cfg.optimizer == "adamw":
+        inner = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    else:
+        raise ValueError(f"optimizer must be adamw or sgd, got {cfg.optimizer!r}")
 
     lc = None
     tolerance = None
