@@ -32,7 +32,7 @@ dtype, per bucket).  float32 only; other dtypes go through uncompressed.
 from __future__ import annotations
 
 import math
-from typing import Dict, Hashable, Optional
+from typing import Dict, Hashable, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -93,14 +93,17 @@ class LowBit(Compression):
     def __repr__(self) -> str:
         return f"LowBit({self.bits!r}, error_feedback={self.error_feedback})"
 
-    def allreduce(self, lc, key, data, *, op, weight=None):
+    def allreduce(self, lc: Communicator, key: Hashable, data: np.ndarray, *, op: str,
+                  weight: Optional[float] = None) -> CollectiveStats:
         if data.dtype != np.float32:
             return lc.allreduce(data, op=op, weight=weight, algorithm="direct")
         residual = self._with_residual(key, data)
         return lc.allreduce(data, op=op, weight=weight, algorithm="direct",
                             compression=self.bits, residual=residual)
 
-    def reduce_scatter(self, lc, key, send, recv, *, op, weight=None):
+    def reduce_scatter(self, lc: Communicator, key: Hashable, send: np.ndarray,
+                       recv: np.ndarray, *, op: str,
+                       weight: Optional[float] = None) -> CollectiveStats:
         if send.dtype != np.float32:
             return lc.reduce_scatter(send, recv, op=op, weight=weight, algorithm="direct")
         residual = self._with_residual(key, send)
@@ -153,7 +156,7 @@ class TopK(Compression):
         return np.sort(np.argpartition(-energy, k - 1)[:k])
 
     def _reduce(self, lc: Communicator, key: Hashable, data: np.ndarray, op: str,
-                weight: Optional[float]) -> tuple:
+                weight: Optional[float]) -> Tuple[np.ndarray, np.ndarray, CollectiveStats]:
         """(chosen blocks, their reduced values, stats); `data` (gradient
         plus residual) is left as it is, the residual set."""
         residual = self._with_residual(key, data)
@@ -166,7 +169,8 @@ class TopK(Compression):
             self._put(residual, chosen, np.zeros_like(values))
         return chosen, values, stats
 
-    def allreduce(self, lc, key, data, *, op, weight=None):
+    def allreduce(self, lc: Communicator, key: Hashable, data: np.ndarray, *, op: str,
+                  weight: Optional[float] = None) -> CollectiveStats:
         if data.dtype != np.float32:
             return lc.allreduce(data, op=op, weight=weight, algorithm="direct")
         chosen, values, stats = self._reduce(lc, key, data, op, weight)
@@ -174,7 +178,9 @@ class TopK(Compression):
         self._put(data, chosen, values)
         return stats
 
-    def reduce_scatter(self, lc, key, send, recv, *, op, weight=None):
+    def reduce_scatter(self, lc: Communicator, key: Hashable, send: np.ndarray,
+                       recv: np.ndarray, *, op: str,
+                       weight: Optional[float] = None) -> CollectiveStats:
         if send.dtype != np.float32:
             return lc.reduce_scatter(send, recv, op=op, weight=weight, algorithm="direct")
         chosen, values, stats = self._reduce(lc, key, send, op, weight)
