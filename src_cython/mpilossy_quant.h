@@ -55,12 +55,64 @@ static inline int mpl_q_round(float v, uint32_t seed, uint32_t i, float maxcode)
     return q;
 }
 
+/* The largest |src[i] * s| over [lo, hi), folded into *amax; *finite
+ * cleared by a non-finite value. */
+static inline void mpl_q_scan(const float *src, float s, size_t lo, size_t hi, float *amax,
+                              int *finite)
+{
+    size_t i;
+    for (i = lo; i < hi; i++) {
+        float a = fabsf(src[i] * s);
+        *amax = a > *amax ? a : *amax;
+        *finite &= isfinite(a) != 0;
+    }
+}
+
+/* A group's scale (NaN for a non-finite group); *inv takes values to codes. */
+static inline float mpl_q_scale(float amax, int finite, float maxcode, float *inv)
+{
+    *inv = (finite && amax > 0.0f) ? maxcode / amax : 0.0f;
+    return finite ? amax / maxcode : NAN;
+}
+
+/* The codes of values [lo, hi) of a group, one at a time (lo even for int4:
+ * a group, and the vector part before a tail, start on a byte). */
+static inline void mpl_q_codes(unsigned char *codes, const float *src, float s, float inv,
+                               size_t lo, size_t hi, int bits, uint32_t seed, float maxcode)
+{
+    size_t i;
+    if (bits == 8) {
+        for (i = lo; i < hi; i++)
+            codes[i] = (unsigned char)(int8_t)mpl_q_round(src[i] * s * inv, seed, (uint32_t)i,
+                                                          maxcode);
+        return;
+    }
+    for (i = lo; i < hi; i += 2) {
+        int a = mpl_q_round(src[i] * s * inv, seed, (uint32_t)i, maxcode);
+        int b = i + 1 < hi ? mpl_q_round(src[i + 1] * s * inv, seed, (uint32_t)i + 1, maxcode)
+                           : 0;
+        codes[i / 2] = (unsigned char)((a + 8) | (b + 8) << 4);
+    }
+}
+
+/* dst[i] = (acc[i], or 0 without acc) + code * scale over [lo, hi) of an
+ * int4 block, one value at a time. */
+static inline void mpl_q_decode4(float *dst, const float *acc, const unsigned char *codes,
+                                 float scale, size_t lo, size_t hi)
+{
+    size_t i;
+    for (i = lo; i < hi; i++) {
+        int code = (int)((codes[i / 2] >> (4 * (i & 1))) & 15) - 8;
+        dst[i] = (acc ? acc[i] : 0.0f) + (float)code * scale;
+    }
+}
+
 /* dst = encode(src * s), one value at a time (the reference: the AVX2
  * variant below gives the same bytes). */
 static void mpl_quantize_portable(unsigned char *dst, const float *src, float s, size_t n,
                                   size_t group, int bits, uint32_t seed)
 {
-    size_t groups = (n + group - 1) / group, g, i;
+    size_t groups = (n + group - 1) / group, g;
     float maxcode = (float)mpl_q_maxcode(bits);
     float *scales = (float *)dst;                 /* dst is 8-byte aligned */
     unsigned char *codes = dst + 4 * groups;
@@ -68,27 +120,10 @@ static void mpl_quantize_portable(unsigned char *dst, const float *src, float s,
         size_t lo = g * group, hi = lo + group < n ? lo + group : n;
         float amax = 0.0f, inv, scale;
         int finite = 1;
-        for (i = lo; i < hi; i++) {
-            float a = fabsf(src[i] * s);
-            amax = a > amax ? a : amax;
-            finite &= isfinite(a) != 0;
-        }
-        scale = finite ? amax / maxcode : NAN;
-        inv = (finite && amax > 0.0f) ? maxcode / amax : 0.0f;
+        mpl_q_scan(src, s, lo, hi, &amax, &finite);
+        scale = mpl_q_scale(amax, finite, maxcode, &inv);
         memcpy(scales + g, &scale, 4);
-        if (bits == 8) {
-            for (i = lo; i < hi; i++)
-                codes[i] = (unsigned char)(int8_t)mpl_q_round(src[i] * s * inv, seed, (uint32_t)i,
-                                                              maxcode);
-        } else {
-            /* group is even: a group starts on a byte */
-            for (i = lo; i < hi; i += 2) {
-                int a = mpl_q_round(src[i] * s * inv, seed, (uint32_t)i, maxcode);
-                int b = i + 1 < hi ? mpl_q_round(src[i + 1] * s * inv, seed, (uint32_t)i + 1,
-                                                 maxcode) : 0;
-                codes[i / 2] = (unsigned char)((a + 8) | (b + 8) << 4);
-            }
-        }
+        mpl_q_codes(codes, src, s, inv, lo, hi, bits, seed, maxcode);
     }
 }
 
@@ -161,13 +196,8 @@ MPL_AVX2 static int mpl_quantize_avx2(unsigned char *dst, const float *src, floa
         for (i = 0; i < 8; i++)
             amax = lanes[i] > amax ? lanes[i] : amax;
         finite = _mm256_movemask_ps(bad) == 0;
-        for (i = full; i < hi; i++) {
-            float a = fabsf(src[i] * s);
-            amax = a > amax ? a : amax;
-            finite &= isfinite(a) != 0;
-        }
-        scale = finite ? amax / maxcode : NAN;
-        inv = (finite && amax > 0.0f) ? maxcode / amax : 0.0f;
+        mpl_q_scan(src, s, full, hi, &amax, &finite);
+        scale = mpl_q_scale(amax, finite, maxcode, &inv);
         memcpy(scales + g, &scale, 4);
         __m256 k = _mm256_set1_ps(inv);
         if (bits == 8) {
@@ -178,9 +208,6 @@ MPL_AVX2 static int mpl_quantize_avx2(unsigned char *dst, const float *src, floa
                 memcpy(codes + i, &w0, 4);
                 memcpy(codes + i + 4, &w1, 4);
             }
-            for (i = full; i < hi; i++)
-                codes[i] = (unsigned char)(int8_t)mpl_q_round(src[i] * s * inv, seed, (uint32_t)i,
-                                                              maxcode);
         } else {
             for (i = lo; i < full; i += 8) {
                 __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + i), vs), k);
@@ -190,13 +217,8 @@ MPL_AVX2 static int mpl_quantize_avx2(unsigned char *dst, const float *src, floa
                 for (int j = 0; j < 8; j += 2)
                     codes[(i + j) / 2] = (unsigned char)(q[j] | q[j + 1] << 4);
             }
-            for (i = full; i < hi; i += 2) {
-                int a = mpl_q_round(src[i] * s * inv, seed, (uint32_t)i, maxcode);
-                int b = i + 1 < hi ? mpl_q_round(src[i + 1] * s * inv, seed, (uint32_t)i + 1,
-                                                 maxcode) : 0;
-                codes[i / 2] = (unsigned char)((a + 8) | (b + 8) << 4);
-            }
         }
+        mpl_q_codes(codes, src, s, inv, full, hi, bits, seed, maxcode);     /* the tail */
     }
     return 1;
 }
@@ -239,10 +261,7 @@ MPL_AVX2 static void mpl_dequantize4_avx2(float *dst, const float *acc, const un
             __m256 a = acc ? _mm256_loadu_ps(acc + i) : _mm256_setzero_ps();
             _mm256_storeu_ps(dst + i, _mm256_add_ps(a, v));
         }
-        for (i = full; i < hi; i++) {
-            int code = (int)((codes[i / 2] >> (4 * (i & 1))) & 15) - 8;
-            dst[i] = (acc ? acc[i] : 0.0f) + (float)code * scale;
-        }
+        mpl_q_decode4(dst, acc, codes, scale, full, hi);     /* the tail */
     }
 }
 #endif
@@ -271,10 +290,7 @@ static void mpl_dequantize(float *dst, const float *acc, const unsigned char *sr
                 for (i = lo; i < hi; i++)
                     dst[i] = (float)(int8_t)codes[i] * scale;
         } else {
-            for (i = lo; i < hi; i++) {
-                int code = (int)((codes[i / 2] >> (4 * (i & 1))) & 15) - 8;
-                dst[i] = (acc ? acc[i] : 0.0f) + (float)code * scale;
-            }
+            mpl_q_decode4(dst, acc, codes, scale, lo, hi);
         }
     }
 }
