@@ -86,7 +86,7 @@ class LowBit(Compression):
 
     def __init__(self, bits: str = "int8", *, error_feedback: bool = True) -> None:
         super().__init__(error_feedback)
-        if bits not in COMPRESSIONS or COMPRESSIONS[bits] == 0:
+        if bits not in COMPRESSIONS:
             raise ValueError(f"bits must be 'int8' or 'int4', got {bits!r}")
         self.bits = bits
 
