@@ -19,7 +19,9 @@ from typing import Dict, List, Optional
 from mpi4py import MPI
 
 import mpilossy
-from mpilossy import _core, settings
+from mpilossy import _core
+from mpilossy._loader import loaded_mpi_libraries
+from mpilossy.control import settings
 
 
 def _cpu_model() -> str:
@@ -74,7 +76,7 @@ def report(comm: MPI.Comm) -> Optional[List[str]]:
     ranks = comm.gather(_rank_line(), root=0)
     if ranks is None:           # not rank 0
         return None
-    libraries = mpilossy._loaded_mpi_libraries()
+    libraries = loaded_mpi_libraries()
     env = settings.from_environment()
     lines = [
         f"mpilossy {mpilossy.__version__} ({os.path.dirname(mpilossy.__file__)})",

@@ -37,7 +37,9 @@ from typing import Dict, Hashable, Optional, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from .communicator import COMPRESSIONS, CollectiveStats, Communicator
+from .call.config import COMPRESSIONS
+from .call.stats import CollectiveStats
+from .communicator import Communicator
 
 __all__ = ["Compression", "LowBit", "TopK"]
 

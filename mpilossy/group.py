@@ -19,7 +19,8 @@ from typing import Any, List, Optional, Tuple
 
 from mpi4py import MPI
 
-from .communicator import CollectiveStats, Communicator
+from .call.stats import CollectiveStats
+from .communicator import Communicator
 
 __all__ = ["GroupAverager", "grid_shape"]
 

@@ -47,7 +47,7 @@ cdef class Core:
                   double early_close=DEFAULT_EARLY_CLOSE):
         global SPIN_BEFORE_YIELD, EARLY_CLOSE_GRACE
         SPIN_BEFORE_YIELD = spin                # (MPILOSSY_SPIN, MPILOSSY_EARLY_CLOSE:
-        EARLY_CLOSE_GRACE = early_close         #  mpilossy/settings.py)
+        EARLY_CLOSE_GRACE = early_close         #  mpilossy/control/settings.py)
         self.comm = comm
         self.scaling = SCALE_ZERO_FILL if zero_fill else SCALE_UNBIASED
         self.rotate = rotate
@@ -288,8 +288,10 @@ cdef int raise_pending() except -1:
 cdef int kernel_buffers(object dst, object a, object b, Py_buffer* vd, Py_buffer* va,
                         Py_buffer* vb, int* dtype) except -1:
     import numpy as np
-    from mpilossy._buffers import DTYPE_CODES
-    dtype[0] = DTYPE_CODES[np.asarray(dst).dtype]
+    codes = {np.dtype(np.float16): DT_F16, np.dtype(np.float32): DT_F32,
+             np.dtype(np.float64): DT_F64, np.dtype(np.int32): DT_I32,
+             np.dtype(np.int64): DT_I64}
+    dtype[0] = codes[np.asarray(dst).dtype]
     PyObject_GetBuffer(dst, vd, PyBUF_SIMPLE | PyBUF_WRITABLE)
     PyObject_GetBuffer(a, va, PyBUF_SIMPLE)
     PyObject_GetBuffer(b if b is not None else a, vb, PyBUF_SIMPLE)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mpilossy
-from mpilossy import deadline
+from mpilossy.control import deadline
 
 
 @pytest.mark.mpi

@@ -11,7 +11,7 @@ import pytest
 from mpi4py import MPI
 
 import mpilossy
-from mpilossy import device
+from mpilossy.call import device
 from helpers import all_ranks_raise, mpi_sum, small_ints
 
 

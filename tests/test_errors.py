@@ -181,30 +181,7 @@ def test_bad_timeout_in_a_call(comm, lct, bad):
     still_works(comm, lct)
 
 
-# -- construction and lifetime ------------------------------------------------
-@pytest.mark.mpi
-@pytest.mark.parametrize("bad", [0, -0.5, math.nan, -math.inf], ids=repr)
-def test_bad_timeout_at_construction(comm, bad):
-    timeout = one_rank_passes(comm, bad, 0.5)
-    all_ranks_raise(comm, lambda: mpilossy.Communicator(comm, timeout=timeout), ValueError)
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("kwargs", [{"algorithm": "butterfly"}, {"channel": "carrier-pigeon"},
-                                    {"block_bytes": 8}, {"tree_radix": 1},
-                                    {"loss": "bernoulli:1.5"}, {"scaling": "max"}], ids=str)
-def test_bad_arguments_at_construction(comm, kwargs):
-    args = one_rank_passes(comm, kwargs, {})
-    all_ranks_raise(comm, lambda: mpilossy.Communicator(comm, **args), ValueError)
-
-
-@pytest.mark.mpi(min_size=2)
-def test_ranks_disagree_on_block_size(comm):
-    block = one_rank_passes(comm, 4096, 8192)
-    all_ranks_raise(comm, lambda: mpilossy.Communicator(comm, block_bytes=block),
-                    mpilossy.MismatchError)
-
-
+# -- lifetime ----------------------------------------------------------------
 @pytest.mark.mpi
 def test_use_after_free(comm):
     lc = mpilossy.Communicator(comm)

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 import mpilossy
-from mpilossy import settings
+from mpilossy.control import settings
 from helpers import clean_subprocess_env, is_singleton, mpiexec, run_bounded
 
 BAD = {"MPILOSSY_TIMEOUT": "-1", "MPILOSSY_LOSS": "bernouli:0.1", "MPILOSSY_BLOCK_BYTES": "64k",

@@ -105,7 +105,7 @@ def test_site_build_uses_the_site_mpi_only(site):
     proc = run([site.python, "-c",
                 "import mpilossy, mpilossy._core as c, importlib.metadata as m\n"
                 "print(c.library_version().split(',')[0])\n"
-                "print(mpilossy._loaded_mpi_libraries())\n"
+                "print(mpilossy._loader.loaded_mpi_libraries())\n"
                 "print(sorted(d.metadata['Name'].lower() for d in m.distributions()))"],
                **site.loaded, **OMPI_ENV)
     assert proc.returncode == 0, proc.stderr
@@ -226,7 +226,7 @@ def test_import_refuses_two_mpis(site):
 
 
 def test_default_install_loads_one_mpi_library():
-    proc = run([sys.executable, "-c", "import mpilossy; print(mpilossy._loaded_mpi_libraries())"],
+    proc = run([sys.executable, "-c", "import mpilossy; print(mpilossy._loader.loaded_mpi_libraries())"],
                **main_env())
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == repr([str(MAIN_LIBMPI.resolve())]), proc.stdout

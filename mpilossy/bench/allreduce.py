@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpilossy
+from mpilossy.call.config import COMPRESSIONS
 
 from .harness import figure, parse_size, parse_sizes, save_figure, say, size_range, write_json
 
@@ -219,8 +220,7 @@ def payload_bytes(send: np.ndarray, cfg: BenchConfig) -> int:
         blocks = -(-send.size // 64)
         return 4 * min(send.size, 64 * max(1, math.ceil(cfg.topk * blocks))) + 4 * blocks
     if cfg.compression and send.dtype == np.float32:
-        return mpilossy._core.quant_bytes(send.size, 64, mpilossy.communicator.COMPRESSIONS[
-            cfg.compression])
+        return mpilossy._core.quant_bytes(send.size, 64, COMPRESSIONS[cfg.compression])
     return send.nbytes
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..communicator import Communicator, default_communicator
+from .. import Communicator, default_communicator
 from ..errors import MismatchError
 
 # What the lossy collectives reduce (the core's float dtypes).

@@ -14,7 +14,7 @@ from ._common import (CommLike, Flat, as_bytes, as_numpy, check_everywhere, chec
                       host_problem, named_tensors, reliable_comm)
 
 if TYPE_CHECKING:
-    from ..group import GroupAverager
+    from .. import GroupAverager
 
 __all__ = ["average_optimizer_state", "average_parameters", "broadcast_optimizer_state",
            "broadcast_parameters", "check_parameters", "group_average_parameters"]

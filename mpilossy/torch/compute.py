@@ -14,7 +14,7 @@ from typing import Deque, Iterable, Iterator, Optional, Union
 import numpy as np
 from mpi4py import MPI
 
-from ..communicator import Communicator
+from .. import Communicator
 
 __all__ = ["ComputeDeadline"]
 

@@ -25,8 +25,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..communicator import CollectiveStats, Communicator
-from ..contributors import Contributors
+from .. import CollectiveStats, Communicator
 from ._common import REDUCIBLE, Flat, reliable_comm
 
 __all__ = ["ErrorFeedback"]

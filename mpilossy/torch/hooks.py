@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from ..communicator import CollectiveStats, Communicator
+from .. import CollectiveStats, Communicator
 from ._common import as_numpy, check_tensors, lossy_communicator, named_tensors, reliable_comm
 from .compression import Compression, compression_problem
 from .optimizer import check_settings

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ..communicator import Communicator
+from .. import Communicator
 from ._common import (Flat, check_tensors, lossy_communicator, optimizer_parameters,
                       reliable_comm)
 from .compression import Compression, compression_problem

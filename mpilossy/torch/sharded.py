@@ -25,7 +25,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from mpi4py import MPI
 
-from ..communicator import CollectiveStats, Communicator
+from .. import CollectiveStats, Communicator
 from ._common import (REDUCIBLE, Flat, as_bytes, as_numpy, check_tensors, lossy_communicator,
                       optimizer_parameters, reliable_comm)
 from .broadcast import bcast_tensors

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
-from ..communicator import CollectiveStats
+from .. import CollectiveStats
 
 __all__ = ["StepStats"]
 

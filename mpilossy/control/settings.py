@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
-from . import loss as _loss
+from ..loss import parse as parse_loss
 
 log = logging.getLogger("mpilossy")
 log.addHandler(logging.NullHandler())
@@ -44,7 +44,7 @@ def _timeout(text: str) -> Union[None, str, float]:
 
 
 def _loss_spec(text: str) -> str:
-    _loss.parse(text)           # raises with the model's own message
+    parse_loss(text)            # raises with the model's own message
     return text
 
 
@@ -142,6 +142,11 @@ VARIABLES: Tuple[Variable, ...] = (
 )
 
 _BY_NAME = {v.name: v for v in VARIABLES}
+
+
+def variable(name: str) -> Variable:
+    """The variable of the setting `name` (e.g. "block_bytes")."""
+    return _BY_NAME[name]
 
 
 @dataclass(frozen=True)

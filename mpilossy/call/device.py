@@ -1,5 +1,5 @@
 """GPU buffers: intake of device arrays and their staging through pinned
-host memory.
+host memory (the GPU side of call/buffers.py).
 
 A device buffer is recognised by ``__cuda_array_interface__`` (CuPy, Numba,
 PyTorch CUDA tensors) or by ``__dlpack_device__`` naming a CUDA device
@@ -21,7 +21,10 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 
-__all__ = ["DeviceBuffer", "describe", "backend", "Staging", "mpi_cuda_aware"]
+from .dtypes import DTYPE_CODES, SUPPORTED
+
+__all__ = ["DeviceBuffer", "StagedBuffers", "Staging", "backend", "describe", "is_device",
+           "mpi_cuda_aware"]
 
 KDL_CUDA, KDL_CUDA_MANAGED = 2, 13
 
@@ -153,6 +156,25 @@ def mpi_cuda_aware() -> Optional[bool]:
         return None
 
 
+class StagedBuffers:
+    """A call on GPU memory: `send` and `recv` are pinned host copies, and
+    finish() copies the result back to the device."""
+
+    __slots__ = ("send", "recv", "_backend", "_device_recv", "_stream")
+
+    def __init__(self, send: np.ndarray, recv: np.ndarray, backend: Any,
+                 device_recv: DeviceBuffer, stream: int) -> None:
+        self.send, self.recv = send, recv
+        self._backend, self._device_recv, self._stream = backend, device_recv, stream
+
+    def finish(self, ok: bool) -> None:
+        """Copy the result to the device and wait for it (not after a failed
+        call: the user's buffer keeps what it held)."""
+        if ok:
+            self._backend.to_device(self._device_recv, self.recv, self._stream)
+            self._backend.synchronize(self._stream)
+
+
 class Staging:
     """Pinned host buffers owned by a Communicator: allocated on first use,
     grown by doubling, reused by every later call."""
@@ -178,3 +200,63 @@ class Staging:
     @property
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._buffers if b is not None)
+
+    def take(self, sendbuf: Any, recvbuf: Any, rules: Any) -> StagedBuffers:
+        """GPU buffers of one call: validate them, stage what the call reads
+        into pinned host memory (copies on the arrays' streams, waited for),
+        and return the host views.  `rules`: call/buffers.py's Rules."""
+        if recvbuf is None and rules.recv_required:
+            raise TypeError("recvbuf is required")
+        back = self.backend                             # raises without CuPy
+        for obj, name in ((sendbuf, "sendbuf"), (recvbuf, "recvbuf")):
+            if obj is not None and not is_device(obj):
+                raise BufferError(f"{name} is in host memory and the other buffer on a GPU; "
+                                  f"pass both on the same side")
+        send = describe(sendbuf, "sendbuf")
+        recv = send if recvbuf is None else describe(recvbuf, "recvbuf")
+        for buf, name in ((send, "sendbuf"), (recv, "recvbuf")):
+            if buf.dtype not in DTYPE_CODES:
+                raise TypeError(f"{name} has dtype {buf.dtype}; supported: {SUPPORTED}")
+            if not buf.contiguous:
+                raise BufferError(f"{name} is not C-contiguous; pass a contiguous copy")
+        if recv.readonly:
+            raise BufferError("recvbuf is read-only; the result is written into it"
+                              if recvbuf is not None else
+                              "sendbuf (in place, no recvbuf) is read-only")
+        if recv.dtype != send.dtype:
+            raise TypeError(f"recvbuf has dtype {recv.dtype}, sendbuf {send.dtype}")
+        in_stream, out_stream = back.stream_of(send), back.stream_of(recv)
+        same = send.ptr == recv.ptr and send.nbytes == recv.nbytes
+        s_lo, s_hi, r_lo, r_hi = send.ptr, send.ptr + send.nbytes, recv.ptr, recv.ptr + recv.nbytes
+        if same:
+            if recvbuf is not None and not rules.same_ok:
+                raise ValueError("sendbuf and recvbuf must be different buffers")
+            host_send = host_recv = self.host(1, recv)
+            back.to_host(host_recv, recv, out_stream)
+        elif s_lo < r_hi and r_lo < s_hi:
+            offset = s_lo - r_lo
+            if not (rules.overlap_ok and offset >= 0 and s_hi <= r_hi
+                    and offset % recv.dtype.itemsize == 0):
+                raise ValueError("sendbuf and recvbuf overlap without being the same buffer")
+            host_recv = self.host(1, recv)
+            back.to_host(host_recv, recv, out_stream)
+            first = offset // recv.dtype.itemsize
+            host_send = host_recv.reshape(-1)[first:first + send.size]     # a chunk of recv
+        elif rules.same_ok and not rules.overlap_ok:
+            # allreduce out of place: reduce the staged send data in place,
+            # then copy it to recvbuf (recvbuf's old contents are not needed).
+            if recv.nbytes != send.nbytes:
+                raise ValueError(f"recvbuf has {recv.size} elements, sendbuf {send.size}")
+            host_send = host_recv = self.host(1, send)
+            back.to_host(host_send, send, in_stream)
+        else:
+            # reduce_scatter, allgather: recvbuf's old contents stay where
+            # nothing arrives (allgather keeps a missing chunk's previous values)
+            host_recv = self.host(1, recv)
+            back.to_host(host_recv, recv, out_stream)
+            host_send = self.host(0, send)
+            back.to_host(host_send, send, in_stream)
+        back.synchronize(in_stream)
+        if out_stream != in_stream:
+            back.synchronize(out_stream)
+        return StagedBuffers(host_send.reshape(-1), host_recv.reshape(-1), back, recv, out_stream)

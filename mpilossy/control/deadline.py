@@ -40,7 +40,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Deque, Dict, NamedTuple, Tuple
+from typing import Any, Deque, Dict, NamedTuple, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -87,6 +87,7 @@ class AutoDeadline:
         if not (0 < floor <= cap) or not math.isfinite(cap):
             raise ValueError(f"auto deadline needs 0 < floor <= cap < inf, got {floor}, {cap}")
         self.comm = comm            # private: the agreements never meet other traffic
+        self.size = comm.Get_size()
         self.floor = floor
         self.cap = cap
         self.calls = 0
@@ -150,6 +151,15 @@ class AutoDeadline:
     def timeout(self, key: Key) -> float:
         """The deadline of this call, of this kind."""
         return self.timeouts.setdefault(key, self.cap)
+
+    def observe(self, key: Key, result: Any) -> None:
+        """Learn from a call that ended (the core's CallResult): how long its
+        stages took after the anchor, if every contribution arrived.  (A
+        single rank has nothing to learn: it only copies.)"""
+        if self.size > 1 and not result.err_kind:
+            _start, anchor, end = result.timing
+            if anchor >= 0:
+                self.record(key, end - anchor, result.delivered >= 1.0 and not result.deadline_hit)
 
     def record(self, key: Key, duration: float, complete: bool) -> None:
         """Report how long the stages of a call took, and whether it lost anything."""

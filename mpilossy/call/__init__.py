@@ -1,0 +1,5 @@
+"""The path of one collective call, from the user's arguments to its
+statistics: the communicator's settings (config), the call's arguments
+resolved (spec), its buffers (buffers, device), the channel the core runs
+on (channel), and what the call reports (stats, contributors, trace,
+failure).  Internal: the public names are re-exported by mpilossy."""

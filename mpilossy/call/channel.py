@@ -1,0 +1,70 @@
+"""The compiled core of a communicator, opened on its channel: "auto"
+resolved, the channel built, and any rank's failure agreed by every rank."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from mpi4py import MPI
+
+from .._core import HAVE_DATAGRAM_AUTH, HAVE_LIBFABRIC, Core, datagram_providers
+from ..errors import MPILossyError
+from ..loss import to_spec as loss_spec
+from .config import Config
+
+__all__ = ["open_core", "HARDWARE_DATAGRAMS"]
+
+# Datagram providers that mean real datagram hardware (where "auto" picks ud).
+HARDWARE_DATAGRAMS = ("verbs", "efa")
+
+
+def open_core(comm: MPI.Intracomm, config: Config) -> Tuple[Core, str]:
+    """Collective: the core on `comm` and the channel it runs ("rma" or
+    "ud").  Raises on every rank if any rank failed: its own error there,
+    an MPILossyError naming the ranks and reasons elsewhere."""
+    channel = config.channel
+    if channel == "auto":
+        channel = auto_channel(comm, config.ud_provider)
+    core: Optional[Core] = None
+    error: Optional[BaseException] = None
+    try:
+        core = Core(comm, config.capacity, config.block_bytes, config.tree_radix,
+                    config.rma_shm, config.scaling == "zero-fill", config.rotate,
+                    channel=channel, provider=config.ud_provider, domain=config.ud_domain,
+                    datagram_bytes=config.ud_mtu, recv_buffers=config.ud_recv_buffers,
+                    socket_bytes=config.ud_socket_bytes, spin=config.spin,
+                    early_close=config.early_close)
+        core.configure_loss(loss_spec(config.loss))
+    except BaseException as exc:
+        error = exc
+    # The channels agree on their own failures; this catches the rest, so
+    # that no rank returns a communicator whose peers raised.
+    outcomes = comm.allgather(None if error is None else f"{type(error).__name__}: {error}")
+    broken = [(r, why) for r, why in enumerate(outcomes) if why is not None]
+    if broken:
+        if core is not None:
+            core.close()
+        if error is not None:
+            raise error
+        raise MPILossyError("Communicator construction failed on " + "; ".join(
+            f"rank {r}: {why}" for r, why in broken))
+    assert core is not None
+    return core, channel
+
+
+def auto_channel(comm: MPI.Intracomm, provider: str) -> str:
+    """ud where the fabric does datagrams in hardware, or where a datagram
+    provider is asked for (MPILOSSY_UD_PROVIDER, FI_PROVIDER); rma
+    otherwise.  Agreed by every rank."""
+    choice = "rma"
+    if HAVE_DATAGRAM_AUTH and provider == "native":
+        choice = "ud"
+    elif HAVE_LIBFABRIC:
+        try:
+            providers = datagram_providers()
+        except MPILossyError:
+            providers = []
+        names = {p.split("/")[0] for p in providers}
+        if (provider and provider in names) or names & set(HARDWARE_DATAGRAMS):
+            choice = "ud"
+    return "ud" if all(c == "ud" for c in comm.allgather(choice)) else "rma"

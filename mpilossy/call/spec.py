@@ -1,0 +1,184 @@
+"""One call, resolved: the per-call arguments of a collective (op, weight,
+compression, residual, timeout, algorithm) checked against the
+communicator's config and the call's buffers, into one `CallSpec` that the
+three collectives share and the core runs."""
+
+from __future__ import annotations
+
+import numbers
+import math
+from typing import Any, NamedTuple, Optional, Tuple
+
+import numpy as np
+
+from .._core import ALLGATHER, AVG, DIRECT, REDUCE_SCATTER, RING, SUM, TREE
+from ..control.deadline import AutoDeadline, size_bucket
+from .config import AUTO, COMPRESSIONS, UNSET, Config, check_algorithm, check_compression, \
+    check_timeout, core_timeout
+from .dtypes import DTYPE_CODES
+
+__all__ = ["CallSpec", "CallResolver", "asks_for_auto"]
+
+OPS = {"sum": SUM, "avg": AVG}
+ALGORITHMS = {"ring": RING, "tree": TREE, "direct": DIRECT}
+# Largest message for which algorithm="auto" picks the tree, by rank count,
+# measured with `mpiexec -n N python -m mpilossy.bench crossover` on the
+# development machine (docs/performance.md).  Larger jobs could not be
+# measured there: they use TREE_MAX_BYTES_LARGE until calibrated
+# (MPILOSSY_TREE_MAX_BYTES overrides the table).
+TREE_MAX_BYTES = {1: 0, 2: 1024, 3: 2 * 1024, 4: 16 * 1024}
+TREE_MAX_BYTES_LARGE = 32 * 1024
+# algorithm="auto" above the tree's sizes, for calls without a deadline: the
+# ring (True) or direct (False), whichever was faster without loss
+# (docs/performance.md).  Calls with a deadline take direct.
+RING_WITHOUT_DEADLINE = True
+
+
+class CallSpec(NamedTuple):
+    """Everything the core needs for one call besides the buffers.  (A named
+    tuple: one is built per call.)"""
+
+    collective: int
+    algorithm: int
+    dtype: int
+    op: int
+    timeout: float                  # the call's deadline in seconds; < 0: none
+    budget: float                   # what the core gets: the deadline less the auto wait
+    weight: float                   # this rank's weight; 0: none
+    qbits: int                      # bits per quantised value; 0: not quantised
+    qgroup: int                     # values per quantisation scale
+    residual: Optional[np.ndarray]  # where quantisation errors go (error feedback)
+    nbytes: int                     # of this rank's sendbuf
+    elements: int                   # of the whole vector
+    kind: Tuple[int, int, int]      # (collective, algorithm, size bucket): the auto deadline's key
+
+
+def asks_for_auto(timeout: Any, config: Config) -> bool:
+    """Does a call with this `timeout=` argument use the learned deadline?"""
+    if timeout is UNSET:
+        return config.timeout == "auto"
+    return isinstance(timeout, str) and timeout == "auto"
+
+
+class CallResolver:
+    """Resolves the calls of one communicator (its config, rank count and
+    learned deadlines)."""
+
+    def __init__(self, config: Config, size: int, deadlines: AutoDeadline) -> None:
+        self.config = config
+        self.deadlines = deadlines
+        self.tree_max_bytes: int = (config.tree_max_bytes if config.tree_max_bytes is not None
+                                    else TREE_MAX_BYTES.get(size, TREE_MAX_BYTES_LARGE))
+        self.timeout = config.core_timeout        # (read on every call)
+
+    def resolve(self, collective: int, send: np.ndarray, recv: np.ndarray, op: Any = "sum",
+                algorithm: Any = None, timeout: Any = UNSET, weight: Any = None,
+                compression: Any = UNSET, residual: Any = None,
+                spent: float = 0.0) -> CallSpec:
+        """The spec of one call on the host views `send` and `recv` (checked
+        by call/buffers.py).  `spent`: seconds the auto deadline's agreement
+        took at the start of this call, which come out of its deadline.
+        Raises TypeError or ValueError that say what is wrong.  (Called on
+        every call: the common arguments take the short way.)"""
+        config = self.config
+        tmo = self.timeout if timeout is UNSET else core_timeout(check_timeout("timeout", timeout))
+        if collective == ALLGATHER:
+            opcode, algo, w, bits, err = SUM, DIRECT, 0.0, 0, None
+        else:
+            if collective == REDUCE_SCATTER:
+                if algorithm not in ("ring", "direct", "auto"):
+                    raise ValueError(f"reduce_scatter's algorithm must be 'ring', 'direct' or "
+                                     f"'auto', got {algorithm!r}")
+                chosen = algorithm
+            elif algorithm is None:
+                chosen = config.algorithm
+            else:
+                chosen = check_algorithm("algorithm", algorithm)
+            opcode = _op(op, send)
+            w = 0.0 if weight is None else self._weight(weight, op, chosen)
+            if compression is UNSET:
+                compression = config.compression
+            bits = 0 if compression is None else self._bits(compression, send, chosen)
+            err = None if residual is None else _residual(residual, send, recv)
+            if w or bits:
+                algo = DIRECT
+            else:
+                algo = self._algorithm(chosen, send.nbytes, tmo != -1.0,
+                                       tree_ok=collective != REDUCE_SCATTER)
+        nbytes = send.nbytes
+        kind = (collective, algo, size_bucket(nbytes))
+        budget = tmo
+        if tmo == AUTO:
+            tmo = budget = self.deadlines.timeout(kind)
+            if spent:       # the agreement's wait is part of this call's deadline
+                budget = max(tmo - spent, 0.25 * tmo)
+        return CallSpec(collective, algo, DTYPE_CODES[send.dtype], opcode, tmo, budget, w, bits,
+                        config.compression_group, err, nbytes,
+                        recv.size if collective == ALLGATHER else send.size, kind)
+
+    def _algorithm(self, algorithm: str, nbytes: int, deadline: bool, tree_ok: bool) -> int:
+        """algorithm="auto" (docs/performance.md): the tree up to its measured
+        crossover; above it, direct whenever the call has a deadline (the
+        ring loses whole partial sums: at 3 ranks and more it keeps fewer
+        contributions than direct), else the faster of ring and direct
+        without loss (RING_WITHOUT_DEADLINE)."""
+        if algorithm != "auto":
+            return ALGORITHMS[algorithm]
+        if tree_ok and nbytes <= self.tree_max_bytes:
+            return TREE
+        if deadline or not RING_WITHOUT_DEADLINE:
+            return DIRECT
+        return RING
+
+    def _weight(self, weight: Any, op: str, algorithm: str) -> float:
+        """The weight to pass to the core (a weight was given)."""
+        if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
+            raise TypeError(f"weight must be a real number or None, got {type(weight).__name__}")
+        w = float(weight)
+        if not (math.isfinite(w) and w > 0):
+            raise ValueError(f"weight must be finite and > 0, got {weight!r}")
+        if op != "avg":
+            raise ValueError(f"weight needs op='avg' (a weighted average), got op={op!r}")
+        if algorithm not in ("direct", "auto"):
+            raise ValueError(f"weight needs algorithm='direct' (or 'auto', which then picks "
+                             f"it), got {algorithm!r}")
+        if self.config.scaling != "unbiased":
+            raise ValueError("weight needs scaling='unbiased' (a weighted average divides by "
+                             "the weights that arrived)")
+        return w
+
+    @staticmethod
+    def _bits(compression: Any, send: np.ndarray, algorithm: str) -> int:
+        """Bits per value of this call's payloads (a compression was given)."""
+        check_compression("compression", compression)
+        if send.dtype != np.float32:
+            raise TypeError(f"compression={compression!r} needs float32 data, got {send.dtype}")
+        if algorithm not in ("direct", "auto"):
+            raise ValueError(f"compression needs algorithm='direct' (or 'auto', which then "
+                             f"picks it), got {algorithm!r}")
+        return COMPRESSIONS[compression]
+
+
+def _op(op: Any, send: np.ndarray) -> int:
+    opcode = OPS.get(op) if isinstance(op, str) else None
+    if opcode is None:
+        raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
+    if opcode == AVG and send.dtype.kind != "f":
+        raise TypeError(f"op='avg' needs a floating-point dtype, got {send.dtype}")
+    return opcode
+
+
+def _residual(residual: Any, send: np.ndarray, recv: np.ndarray) -> Optional[np.ndarray]:
+    """The error-feedback buffer of a call (one was given), validated."""
+    if not isinstance(residual, np.ndarray):
+        raise TypeError(f"residual must be a NumPy array, got {type(residual).__name__}")
+    if residual.dtype != np.float32 or send.dtype != np.float32:
+        raise TypeError(f"residual needs float32 data and a float32 residual, got "
+                        f"{send.dtype} and {residual.dtype}")
+    if residual.size != send.size:
+        raise ValueError(f"residual has {residual.size} elements, sendbuf {send.size}")
+    if not residual.flags.c_contiguous or not residual.flags.writeable:
+        raise ValueError("residual must be C-contiguous and writable")
+    if np.may_share_memory(residual, send) or np.may_share_memory(residual, recv):
+        raise ValueError("residual overlaps sendbuf or recvbuf")
+    return residual.reshape(-1)

@@ -1,0 +1,79 @@
+"""What one call delivered, as this rank saw it: the CollectiveStats record
+and its making from the compiled core's CallResult."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Optional
+
+from .._core import ALLGATHER, ALLREDUCE, DIRECT, REDUCE_SCATTER, RING, TREE, CallResult
+from .contributors import Contributors
+
+__all__ = ["CollectiveStats", "AllreduceStats", "stats_of", "ALGORITHM_NAMES",
+           "COLLECTIVE_NAMES"]
+
+ALGORITHM_NAMES = {RING: "ring", TREE: "tree", DIRECT: "direct"}
+COLLECTIVE_NAMES = {ALLREDUCE: "allreduce", REDUCE_SCATTER: "reduce_scatter",
+                    ALLGATHER: "allgather"}
+
+
+class CollectiveStats(NamedTuple):
+    """What one call delivered, as this rank saw it.  (A named tuple: one is
+    built per call, and a frozen dataclass costs microseconds to build.)"""
+
+    delivered: float
+    """Fraction of all contributions (ranks x elements) in this rank's result, 0..1."""
+    elapsed: float
+    """Seconds spent in the call on this rank."""
+    deadline_hit: bool
+    """True if this rank gave up waiting for something."""
+    fallback: float
+    """Fraction of elements for which the reduced value did not arrive and this
+    rank used its own partial sum instead (its deviation from the other ranks)."""
+    min_contributors: int
+    """Fewest contributions in any block of this rank's result."""
+    algorithm: str
+    nbytes: int
+    seq: int
+    """Call number on this communicator (1 for the first call)."""
+    lost_blocks: tuple = (0, 0, 0, 0)
+    """Blocks this rank did not receive, by cause: (injected, late, gone,
+    torn).  'late' missed its deadline; 'gone': its producer had finished
+    sending (moved past the call, or marked the stream complete: early
+    close) and it never came; 'torn' changed while being read."""
+    collective: str = "allreduce"
+    timeout: Optional[float] = None
+    """The deadline this call had (with timeout="auto": the learned one)."""
+    agreed: float = 1.0
+    """Fraction of all contributions in the blocks whose reduced value
+    arrived (fallbacks left out): what the reduction itself kept."""
+    contributors: Optional[Contributors] = None
+    """algorithm="direct" and the all-gather: which ranks' data is in each
+    block of the result (all-gather: the owner's for a block that arrived,
+    none for one that kept its previous contents)."""
+
+    def contributed(self, rank: Optional[int] = None) -> float:
+        """Fraction of this rank's result that holds `rank`'s data (default:
+        this rank's own).  Only algorithm="direct" and the all-gather record
+        who contributed."""
+        if self.contributors is None:
+            raise ValueError(f"the {self.algorithm} {self.collective} does not record who "
+                             f"contributed; use algorithm='direct'")
+        return self.contributors.fraction(rank)
+
+
+AllreduceStats = CollectiveStats
+
+
+def stats_of(result: CallResult, spec: Any, rank: int, size: int) -> CollectiveStats:
+    """The statistics of a call that succeeded (`spec`: its CallSpec)."""
+    contributors = None
+    if spec.algorithm == DIRECT:
+        contributors = Contributors(
+            result.contributors, size=size, rank=rank, count=spec.elements,
+            chunks=(rank,) if spec.collective == REDUCE_SCATTER else tuple(range(size)))
+    return CollectiveStats(result.delivered, result.elapsed, result.deadline_hit,
+                           result.fallback, result.min_contributors,
+                           ALGORITHM_NAMES[spec.algorithm], spec.nbytes, result.seq,
+                           result.lost_blocks, COLLECTIVE_NAMES[spec.collective],
+                           None if spec.timeout < 0 else spec.timeout, result.agreed,
+                           contributors)
