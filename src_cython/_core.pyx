@@ -6,8 +6,11 @@ One module, one concern per included file (the layout of mpi4py's MPI.pyx):
   prelude.pxi    the cimports every compiled module shares
   kernels.pxi    accumulate and unbiased scaling, per dtype, outside the GIL
   channel.pxi    the interface between algorithms and channels
-  rma.pxi        the one-sided (MPI window) channel
-  dgram.pxi      the unreliable-datagram channel (libfabric)
+  rma_window.pxi the one-sided channel: this rank's window and what it publishes
+  rma.pxi        the one-sided channel: reading peers (loads, MPI_Rget)
+  dgram_wire.pxi the datagram channel's wire format and packet checks
+  dgram_endpoint.pxi  its endpoint: transport, buffers, sending, reaping
+  dgram.pxi      its protocol (HELLO, DATA, END, ERROR, NACK)
   schedule.pxi   the engine: streams, deadlines, the polling loop
   ring.pxi       ring all-reduce and reduce-scatter
   tree.pxi       k-nomial tree all-reduce
@@ -24,7 +27,10 @@ cdef extern from *:
 
 include "kernels.pxi"
 include "channel.pxi"
+include "rma_window.pxi"
 include "rma.pxi"
+include "dgram_wire.pxi"
+include "dgram_endpoint.pxi"
 include "dgram.pxi"
 include "schedule.pxi"
 include "ring.pxi"

@@ -15,7 +15,10 @@ Nothing here is used by the library itself.
 include "prelude.pxi"
 include "kernels.pxi"
 include "channel.pxi"
+include "rma_window.pxi"
 include "rma.pxi"
+include "dgram_wire.pxi"
+include "dgram_endpoint.pxi"
 include "dgram.pxi"
 
 

@@ -1,17 +1,8 @@
-# One-sided channel: every rank publishes its records in its own MPI window
-# and peers read them (pull).  Nobody ever writes into another rank's
-# records, so a straggler several calls behind cannot corrupt a later call:
-# at worst it reads a record that was already rewritten, which the record's
-# sequence number and check word reveal (seqlock).
-#
-# Peers whose window memory MPI can share (MPI_Win_shared_query: same node)
-# are read with plain loads, without copies and without MPI progress.  Other
-# peers are read with MPI_Rget, polled with MPI_Test, which also drives MPI
-# progress for the peers that read us.
-#
-# Window: [status][done word per rank][end word per slot][records, two
-# regions by call parity].  A slot's end word takes the call number once the
-# slot's last record is published (early close, schedule.pxi).
+# The one-sided channel: reading peers' windows (rma_window.pxi holds what
+# this rank publishes).  Peers whose window memory MPI can share (same
+# node) are read with plain loads, without copies and without MPI progress.
+# Other peers are read with MPI_Rget, polled with MPI_Test, which also
+# drives MPI progress for the peers that read us.
 
 cdef enum:
     GET_IDLE = 0
@@ -20,9 +11,6 @@ cdef enum:
     GET_CONFIRM = 3
     GET_STATUS = 4
     GET_HDR_LAST = 5
-
-cdef enum:
-    RECORD_HEADER = MPL_RECORD_BYTES    # sizeof(mpl_record_t) (asserted in mpilossy_native.h)
 
 # How long end() waits for consumers to say they are done, at most (seconds):
 # a call's own deadline when it is sooner, else this cap, whatever the call's
@@ -34,167 +22,68 @@ cdef double MAX_LINGER = 10.0
 cdef double MAX_LINGER_EXACT = 5.0
 
 
-cdef inline Py_ssize_t round_up(Py_ssize_t x, Py_ssize_t to) noexcept nogil:
-    return ((x + to - 1) // to) * to
-
-
-cdef class RmaChannel(Channel):
-    cdef MPI_Comm comm
-    cdef MPI_Win win
-    cdef bint has_win
-    cdef char* base
-    cdef Py_ssize_t capacity
-    cdef char** peer_base          # a peer's window in my address space, or NULL
-    cdef bint all_shared
-    cdef bint use_shared
-    cdef Py_ssize_t rec_offset     # where records start in every window
-    cdef Py_ssize_t region         # bytes of records per call parity
-    cdef Py_ssize_t stride         # bytes from one record to the next
-    cdef CallInfo* call
+cdef class RmaChannel(RmaWindow):
+    """The channel interface (channel.pxi) over MPI windows: polling peers'
+    records, by loads on the node and MPI_Rget beyond it."""
     cdef unsigned char* consumed_from
     cdef unsigned char* seen          # peers known to be in this call
     cdef int nseen
     cdef int seen_next                # network path: next peer whose status to get
     cdef MPI_Request seen_req
     cdef GetBuffers* seen_gb
-    cdef int nslots_max               # end words per window
-    cdef Py_ssize_t ends_offset
-    cdef int* published_blocks        # per slot, in this call
     cdef uint64_t* ends_seen          # network path: peer * nslots_max + slot
     cdef MPI_Request ends_req         # network path: one get of a peer's end words
     cdef int ends_peer
     cdef GetBuffers* ends_gb
-    cdef unsigned char* published_to
     cdef uint64_t* done_out        # origin buffers of the done signals
     cdef MPI_Request* done_req
     cdef MPI_Request* zreq         # gets that outlived their call
     cdef GetBuffers** zbuf
     cdef int nzombies, zcap
 
-    def __cinit__(self):
-        self.has_win = False
-        self.peer_base = NULL
-
-    cdef int setup(self, MPI_Comm comm, Py_ssize_t capacity, bint use_shared) except -1:
-        cdef int rank, size, p, disp_unit
-        MPI_Comm_rank(comm, &rank)
-        MPI_Comm_size(comm, &size)
-        self.comm = comm
-        self.rank = rank
-        self.size = size
-        self.use_shared = use_shared
-        self.nslots_max = max(size, 2)
-        self.ends_offset = MPL_STATUS_BYTES + 8 * size
-        self.rec_offset = round_up(self.ends_offset + 8 * self.nslots_max, MPL_CACHELINE)
-        self.published_blocks = <int*>calloc(self.nslots_max, sizeof(int))
+    cdef int allocate_readers(self) except -1:
+        cdef int p
+        cdef int size = self.size
         self.ends_seen = <uint64_t*>calloc(<Py_ssize_t>size * self.nslots_max, sizeof(uint64_t))
         self.ends_req = MPI_REQUEST_NULL
-        self.peer_base = <char**>calloc(size, sizeof(char*))
         self.consumed_from = <unsigned char*>calloc(size, 1)
         self.seen = <unsigned char*>calloc(size, 1)
         self.seen_req = MPI_REQUEST_NULL
-        self.published_to = <unsigned char*>calloc(size, 1)
         self.done_out = <uint64_t*>calloc(size, sizeof(uint64_t))
         self.done_req = <MPI_Request*>malloc(size * sizeof(MPI_Request))
-        if not (self.peer_base and self.consumed_from and self.seen and self.published_to
-                and self.done_out and self.done_req and self.published_blocks and self.ends_seen):
+        if not (self.consumed_from and self.seen and self.done_out and self.done_req
+                and self.ends_seen):
             raise MemoryError()
         for p in range(size):
             self.done_req[p] = MPI_REQUEST_NULL
-        self.allocate(max(capacity, 4096))
         return 0
 
-    cdef int allocate(self, Py_ssize_t region) except -1:
-        """Collective: a zeroed window on every rank, with two regions of
-        `region` bytes of records.  Calls alternate between the regions, so
-        that a rank that starts call s+1 never rewrites a record of call s
-        that a slower peer may still read (even when the layout changes)."""
-        cdef Py_ssize_t capacity = self.rec_offset + 2 * round_up(region, MPL_CACHELINE)
-        cdef MPI_Info info
-        cdef MPI_Aint size
-        cdef int disp_unit, p
-        cdef void* ptr
-        chk(MPI_Info_create(&info))
-        MPI_Info_set(info, b"same_size", b"true")
-        MPI_Info_set(info, b"same_disp_unit", b"true")
-        MPI_Info_set(info, b"accumulate_ordering", b"none")
-        ierr = MPI_Win_allocate(capacity, 1, info, self.comm, &self.base, &self.win)
-        MPI_Info_free(&info)
-        chk(ierr)
-        self.has_win = True
-        self.capacity = capacity
-        self.region = round_up(region, MPL_CACHELINE)
-        chk(MPI_Win_set_errhandler(self.win, MPI_ERRORS_RETURN))
-        memset(self.base, 0, capacity)
-        chk(MPI_Win_lock_all(MPI_MODE_NOCHECK, self.win))
-        self.all_shared = True
-        for p in range(self.size):
-            self.peer_base[p] = NULL
-            if p == self.rank:
-                self.peer_base[p] = self.base
-                continue
-            # MPI-4 allows the query on MPI_Win_allocate windows; some MPIs
-            # (Open MPI 5.0) answer with an error instead of size 0: either
-            # way the peer is read through MPI_Rget.
-            if self.use_shared and MPI_Win_shared_query(self.win, p, &size, &disp_unit,
-                                                        &ptr) == MPI_SUCCESS:
-                if size >= capacity:
-                    self.peer_base[p] = <char*>ptr
-            if self.peer_base[p] == NULL:
-                self.all_shared = False
-        # Nobody reads a peer's status before the peer has zeroed it.
-        chk(MPI_Barrier(self.comm))
-        return 0
-
-    cdef void release_window(self):
+    cdef void quiesce(self):
         cdef int i
         for i in range(self.nzombies):
             MPI_Wait(&self.zreq[i], MPI_STATUS_IGNORE)
             free_getbuffers(self.zbuf[i])
         self.nzombies = 0
-        for i in range(self.size):
-            if self.done_req[i] != MPI_REQUEST_NULL:
-                MPI_Wait(&self.done_req[i], MPI_STATUS_IGNORE)
-        if self.has_win:
-            MPI_Win_unlock_all(self.win)
-            MPI_Win_free(&self.win)
-            self.has_win = False
-
-    cdef void close(self):
-        self.release_window()
+        if self.done_req != NULL:
+            for i in range(self.size):
+                if self.done_req[i] != MPI_REQUEST_NULL:
+                    MPI_Wait(&self.done_req[i], MPI_STATUS_IGNORE)
 
     def __dealloc__(self):
-        free(self.peer_base)
         free(self.consumed_from)
         free(self.seen)
         free_getbuffers(self.seen_gb)
         free_getbuffers(self.ends_gb)
-        free(self.published_blocks)
         free(self.ends_seen)
-        free(self.published_to)
         free(self.done_out)
         free(self.done_req)
         free(self.zreq)
         free(self.zbuf)
 
-    # -- addresses ---------------------------------------------------------
-    cdef inline Py_ssize_t record_offset(self, int slot, int block) noexcept nogil:
-        return (self.rec_offset + (<Py_ssize_t>(self.call.seq & 1)) * self.region
-                + (<Py_ssize_t>slot * self.call.nblocks + block) * self.stride)
-
-    cdef inline mpl_status_t* my_status(self) noexcept nogil:
-        return <mpl_status_t*>self.base
-
-    cdef inline uint64_t* done_words(self) noexcept nogil:
-        return <uint64_t*>(self.base + MPL_STATUS_BYTES)
-
     # -- per call ------------------------------------------------------------
     cdef int begin(self, CallInfo* call) except -1:
-        self.call = call
-        self.stride = RECORD_HEADER + round_up(call.block_bytes, MPL_CACHELINE)
         self.reap_zombies()
         memset(self.consumed_from, 0, self.size)
-        memset(self.published_to, 0, self.size)
         memset(self.seen, 0, self.size)
         self.seen[self.rank] = 1
         self.nseen = 1
@@ -203,54 +92,7 @@ cdef class RmaChannel(Channel):
             self.seen_gb = new_getbuffers(0)
         if self.ends_gb == NULL and not self.all_shared:
             self.ends_gb = new_getbuffers(8 * self.nslots_max)
-        if call.nslots > self.nslots_max:
-            raise ValueError(f"{call.nslots} slots per call; windows hold {self.nslots_max}")
-        memset(self.published_blocks, 0, self.nslots_max * sizeof(int))
-        cdef Py_ssize_t need = <Py_ssize_t>call.nslots * call.nblocks * self.stride
-        if need > self.region:
-            if self.grow(call, need):
-                return 1
-        self.announce(call, 0)
-        return 0
-
-    cdef void announce(self, CallInfo* call, uint64_t grow) noexcept nogil:
-        cdef mpl_status_t* st = self.my_status()
-        mpl_store_relaxed(&st.seq, 0)
-        mpl_fence_release()
-        st.sig = call.sig
-        st.count = call.count
-        st.dtype = call.dtype
-        st.op = announced_op(call)
-        st.algo = call.algo | call.coll << 4
-        st.block = <uint32_t>call.block_bytes
-        st.grow = grow
-        mpl_store_release(&st.seq, call.seq)
-
-    cdef char* claim(self, int slot, int block) noexcept nogil:
-        cdef char* rec = self.base + self.record_offset(slot, block)
-        mpl_store_relaxed(&(<mpl_record_t*>rec).seq, 0)
-        mpl_fence_release()
-        return rec + RECORD_HEADER
-
-    cdef char* mine(self, int slot, int block) noexcept nogil:
-        return self.base + self.record_offset(slot, block) + RECORD_HEADER
-
-    cdef void publish(self, int slot, int block, uint32_t count, uint32_t nbytes,
-                      const int* dests, int ndests) noexcept nogil:
-        cdef mpl_record_t* hdr = <mpl_record_t*>(self.base + self.record_offset(slot, block))
-        cdef int i
-        hdr.count = count
-        hdr.nbytes = nbytes
-        hdr.check = mpl_record_check(self.call.seq, self.call.sig, slot, block)
-        mpl_store_release(&hdr.seq, self.call.seq)
-        for i in range(ndests):
-            self.published_to[dests[i]] = 1
-        self.published_blocks[slot] += 1
-        if self.published_blocks[slot] == self.call.nblocks:
-            mpl_store_release(self.end_word(self.base, slot), self.call.seq)
-
-    cdef inline uint64_t* end_word(self, char* window, int slot) noexcept nogil:
-        return <uint64_t*>(window + self.ends_offset + 8 * slot)
+        return RmaWindow.begin(self, call)
 
     cdef bint closed(self, Stream* s) noexcept nogil:
         """The producer's end word for the slot has reached this call.  Its
@@ -374,19 +216,6 @@ cdef class RmaChannel(Channel):
         if seq > cur:
             return POLL_READY
         return POLL_WAIT
-
-    cdef void describe_mismatch(self, int peer, const mpl_status_t* st) noexcept nogil:
-        cdef CallInfo* c = self.call
-        self.error.kind = ERR_MISMATCH
-        self.error.rank = self.rank
-        snprintf(self.error.msg, MPL_MSG_LEN,
-                 b"ranks disagree on call %llu: rank %d: %s of %llu x %s op=%s algorithm=%s; "
-                 b"rank %d: %s of %llu x %s op=%s algorithm=%s",
-                 <unsigned long long>c.seq,
-                 peer, coll_name(st.algo >> 4), <unsigned long long>st.count,
-                 dtype_name(st.dtype), op_name(st.op), algo_name(st.algo & 15),
-                 self.rank, coll_name(c.coll), <unsigned long long>c.count, dtype_name(c.dtype),
-                 op_name(announced_op(c)), algo_name(c.algo))
 
     cdef int poll_get(self, Stream* s, Incoming* inc) noexcept nogil:
         """Network path: a small state machine of MPI_Rget for the cursor
@@ -589,78 +418,6 @@ cdef class RmaChannel(Channel):
         MPI_Rput(&self.done_out[peer], 8, MPI_BYTE, peer,
                  MPL_STATUS_BYTES + 8 * self.rank, 8, MPI_BYTE, self.win, &self.done_req[peer])
         MPI_Test(&self.done_req[peer], &flag, MPI_STATUS_IGNORE)
-
-    cdef void fail(self, CallInfo* call, ErrorInfo* err) noexcept nogil:
-        # The error goes out before the status that announces the call, so a
-        # peer that sees this rank in the call also sees why it failed.
-        cdef mpl_status_t* st = self.my_status()
-        st.err_kind = err.kind
-        st.err_rank = err.rank
-        memcpy(st.err_msg, err.msg, MPL_MSG_LEN)
-        mpl_store_release(&st.err_seq, call.seq)
-        if mpl_load_relaxed(&st.seq) != call.seq:
-            mpl_store_relaxed(&st.seq, 0)
-            mpl_fence_release()
-            st.sig = 0                  # no layout: never read as a mismatch
-            st.grow = 0
-            mpl_store_release(&st.seq, call.seq)
-        if not self.all_shared:
-            MPI_Win_sync(self.win)
-
-    # -- growth --------------------------------------------------------------
-    cdef int grow(self, CallInfo* call, Py_ssize_t need) except -1:
-        """Every rank needs a larger window for this call.  Growing is
-        collective, so first make sure that all peers agree (they announce the
-        same need for the same call); a peer that disagrees fails the call on
-        every rank instead of leaving us blocked in MPI_Win_allocate."""
-        cdef int p, ready
-        cdef mpl_status_t st
-        cdef mpl_status_t* pst
-        self.announce(call, <uint64_t>need)
-        while True:
-            ready = 0
-            for p in range(self.size):
-                if p == self.rank:
-                    ready += 1
-                    continue
-                if self.peer_base[p] != NULL:
-                    pst = <mpl_status_t*>self.peer_base[p]
-                    memcpy(&st, pst, sizeof(mpl_status_t))
-                    mpl_fence_acquire()
-                    if mpl_load_relaxed(&pst.seq) != st.seq:
-                        continue
-                else:
-                    chk(MPI_Get(&st, sizeof(mpl_status_t), MPI_BYTE, p, 0,
-                                sizeof(mpl_status_t), MPI_BYTE, self.win))
-                    chk(MPI_Win_flush(p, self.win))
-                if st.err_seq == call.seq:
-                    self.error.kind = st.err_kind
-                    self.error.rank = st.err_rank
-                    memcpy(self.error.msg, st.err_msg, MPL_MSG_LEN)
-                    self.error.msg[MPL_MSG_LEN - 1] = 0
-                    return 1
-                if st.seq == call.seq:
-                    if st.sig != call.sig or st.grow != <uint64_t>need:
-                        self.describe_mismatch(p, &st)
-                        self.fail(call, &self.error)
-                        return 1
-                    ready += 1
-                elif st.seq > call.seq:
-                    self.error.kind = ERR_PROTOCOL
-                    self.error.rank = self.rank
-                    snprintf(self.error.msg, MPL_MSG_LEN,
-                             b"rank %d went past call %llu while rank %d waited to grow its window",
-                             p, <unsigned long long>call.seq, self.rank)
-                    self.fail(call, &self.error)
-                    return 1
-            if ready == self.size:
-                break
-            with nogil:
-                self.progress()
-                mpl_yield()
-        self.release_window()
-        self.allocate(max(need, self.region + self.region // 2))
-        return 0
 
 
 cdef inline double linger_limit(const CallInfo* call, bint failed, double now) noexcept nogil:
