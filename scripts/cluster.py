@@ -984,12 +984,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ClusterUnavailable as exc:
         print(f"cluster: {exc}", file=sys.stderr)
         return UNAVAILABLE
-    with cluster:
-        if args.what == "run":
-            return run_command(cluster, args)
-        if args.what == "bench":
-            print(BENCH_HEAD, flush=True)
-        rows = bench(cluster, args) if args.what == "bench" else train(cluster, args)
+    try:
+        with cluster:
+            if args.what == "run":
+                return run_command(cluster, args)
+            if args.what == "bench":
+                print(BENCH_HEAD, flush=True)
+            rows = bench(cluster, args) if args.what == "bench" else train(cluster, args)
+    except KeyboardInterrupt:
+        print("cluster: interrupted; the job was killed and the cluster removed",
+              file=sys.stderr)
+        return 130
     if args.json:
         Path(args.json).write_text(json.dumps({"what": args.what, "nodes": cluster.nodes,
                                                "ppn": args.ppn, "np": cluster.nodes * args.ppn,
