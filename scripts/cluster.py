@@ -361,6 +361,15 @@ class Cluster:
             if not self._made:
                 return
             self._made = False
+        # A second Ctrl-C or SIGTERM must not cut the cleanup short.
+        signals = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        try:
+            self._close()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    def _close(self) -> None:
         atexit.unregister(self.close)
         self._serving.set()
         if self._flapper is not None:

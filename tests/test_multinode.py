@@ -58,9 +58,9 @@ def report(request, cluster):
     """What tests/scripts/multinode.py measured on one topology."""
     nodes, ppn = TOPOLOGIES[request.param]
     try:
-        proc = cluster.run([sys.executable, str(SCRIPT)], ppn=ppn, nodes=nodes, timeout=240)
+        proc = cluster.run([sys.executable, str(SCRIPT)], ppn=ppn, nodes=nodes, timeout=150)
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{request.param}: the job ran past 240 s "
+        raise AssertionError(f"{request.param}: the job ran past 150 s "
                              f"(killed):\n{exc.stdout}\n{exc.stderr}") from None
     assert proc.returncode == 0, f"{request.param}: exit {proc.returncode}\n" \
                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
