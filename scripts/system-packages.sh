@@ -7,9 +7,12 @@
 #                     them the build leaves it out and tests/test_ud.py skips
 #   libssl-dev        OpenSSL libcrypto headers: the datagrams' keyed MAC
 #                     (without them channel="ud" and its decoder tests skip)
-#   nftables, iproute2  real kernel drops in tests/test_ud.py (network namespace)
-#   ethtool           scripts/lossy_link.py: segmentation offloads off, so that
-#                     drops hit wire-sized packets (tests/test_lossy_link.py)
+#   nftables, iproute2  real kernel drops in tests/test_ud.py (network namespace);
+#                     scripts/cluster.py, the emulated cluster (namespaces,
+#                     bridge, tbf, drops on the switch: tests/test_cluster.py,
+#                     tests/test_multinode.py; unshare and mount from util-linux)
+#   ethtool           scripts/cluster.py: segmentation and receive offloads per
+#                     node, so that drops hit wire-sized packets
 #   ShellCheck        lints the shell scripts and jobs/ templates (tests/test_scripts.py)
 # Never fails: where the packages cannot be installed, those tests skip and
 # say why.

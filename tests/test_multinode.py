@@ -1,0 +1,159 @@
+"""Several nodes: one MPI job across the nodes of an emulated cluster
+(scripts/cluster.py: a network namespace, host name and /dev/shm per node,
+a switch with 1 Gbit/s ports and 128 KB queues), ranks of a node on shared
+memory, MPI over TCP between nodes, mpilossy's channels rma and ud (native
+sockets) on top.
+
+One job per topology (2 nodes x 2 ranks, 3 nodes x 1 rank) runs every check
+(tests/scripts/multinode.py) and prints what it measured; the tests below
+assert on it, so a topology costs one launch (about 15 s).  Needs root and
+the tools cluster.py names (iproute2, nftables, ethtool, util-linux): where
+they are missing the tests skip and say why.  They start their own mpiexec,
+so they run in the single-rank session only."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mpilossy import _core
+from helpers import HERE, is_singleton
+
+sys.path.insert(0, str(HERE.parent / "scripts"))
+import cluster as emulated  # noqa: E402
+
+SCRIPT = HERE / "scripts" / "multinode.py"
+TOPOLOGIES = {"2x2": (2, 2), "3x1": (3, 1)}
+CHANNELS = ["rma", "ud"]
+ALGORITHMS = ["direct", "ring", "tree"]
+# How far past its deadline a call may return here: 4 ranks poll on 2 shared
+# cores, so a rank can wait a time slice or two for its turn; a TCP
+# retransmission timeout (200 ms and more) would not fit.
+MARGIN = 0.1
+T_LIMIT = 5.0           # |t| above this on any element means biased (test_unbiased.py)
+
+pytestmark = [
+    pytest.mark.skipif(not is_singleton(), reason="starts its own mpiexec: runs at size 1"),
+    pytest.mark.skipif(not _core.HAVE_DATAGRAM_AUTH,
+                       reason="channel='ud' not built (OpenSSL headers missing)"),
+]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    why = emulated.unavailable()
+    if why:
+        pytest.skip(f"emulated cluster: {why}")
+    try:
+        c = emulated.Cluster(nodes=3, rate="1gbit", queue="128kb").open()
+    except emulated.ClusterUnavailable as exc:
+        pytest.skip(f"emulated cluster: {exc}")
+    with c:
+        yield c
+
+
+@pytest.fixture(scope="module", params=sorted(TOPOLOGIES))
+def report(request, cluster):
+    """What tests/scripts/multinode.py measured on one topology."""
+    nodes, ppn = TOPOLOGIES[request.param]
+    try:
+        proc = cluster.run([sys.executable, str(SCRIPT)], ppn=ppn, nodes=nodes, timeout=150)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{request.param}: the job ran past 150 s "
+                             f"(killed):\n{exc.stdout}\n{exc.stderr}") from None
+    assert proc.returncode == 0, f"{request.param}: exit {proc.returncode}\n" \
+                                 f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("MULTINODE ")]
+    assert len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(lines[0][len("MULTINODE "):])
+    out["nodes"], out["ppn"] = nodes, ppn
+    return out
+
+
+def test_topology(report):
+    """Ranks sit on the nodes hydra was told, each node with its own host
+    name and /dev/shm; shared memory within a node, the network between."""
+    nodes, ppn = report["nodes"], report["ppn"]
+    topo = report["topology"]
+    assert topo["hosts"] == [f"node{r // ppn + 1}" for r in range(nodes * ppn)], topo
+    assert topo["node_sizes"] == [ppn] * (nodes * ppn), topo
+    assert topo["sees_rank0_shm"] == [r < ppn for r in range(nodes * ppn)], topo
+    assert [r["shared_memory_peers"] for r in topo["rma"]] == [ppn - 1] * (nodes * ppn), topo
+    for r, ud in enumerate(topo["ud"]):
+        assert ud["domain"] == "eth0", ud
+        assert ud["address"].startswith(f"10.77.0.{r // ppn + 1}:"), ud
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_lossless_equals_mpi_allreduce(report, channel):
+    """No deadline, no loss: every algorithm, reduce_scatter and allgather
+    equal MPI_Allreduce exactly (count of wrong elements over all ranks)."""
+    wrong = report["lossless"][channel]
+    assert len(wrong) == 3 * len(ALGORITHMS) + 2, wrong
+    assert all(v == 0 for v in wrong.values()), wrong
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_unbiased_under_injected_loss(report, channel, algorithm):
+    """10% injected loss, different data per rank: the rank-averaged result
+    over the calls is the exact average, per element, within T_LIMIT
+    standard errors."""
+    r = report["unbiased"][f"{channel} {algorithm}"]
+    assert r["lost_blocks"][0] > 0 and r["delivered"] < 0.99, r   # loss really happened
+    assert r["max_t"] < T_LIMIT, r
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_lossy_calls_close_early(report, channel, algorithm):
+    """A call that lost blocks ends when its producers are done, well before
+    its deadline (the median of those calls), and none runs past it."""
+    r = report["unbiased"][f"{channel} {algorithm}"]
+    assert r["lossy_elapsed_p50"] is not None, r
+    assert r["lossy_elapsed_p50"] < 0.25 * r["timeout"], r
+    assert r["elapsed_max"] < r["timeout"] + MARGIN, r
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("channel", [
+    pytest.param("rma", marks=pytest.mark.xfail(strict=True, reason=(
+        "issue 31: between nodes the one-sided channel loses blocks that were sent: early "
+        "close gives up on gets in flight (lost as 'gone'), and blocks behind an injected "
+        "loss wait for it, unread"))),
+    "ud"])
+def test_network_path_loses_only_injected_blocks(report, channel, algorithm):
+    """Over a network that drops nothing, a lossy call loses what injected
+    loss dropped and hardly anything else: late or gone blocks at most 5% of
+    the injected ones, and the delivered fraction within 0.03 of the datagram
+    channel's under the same (seeded) injected loss."""
+    r = report["unbiased"][f"{channel} {algorithm}"]
+    injected, late, gone, torn = r["lost_blocks"]
+    assert late + gone + torn <= 0.05 * injected, r
+    reference = report["unbiased"][f"ud {algorithm}"]["delivered"]
+    assert abs(r["delivered"] - reference) <= 0.03, (r, reference)
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_deadlines_hold_under_switch_drops(report, channel):
+    """The switch drops 5% of the TCP and UDP packets: MPI over TCP
+    retransmits, datagrams are lost, and every call still returns by its
+    deadline."""
+    r = report["drops"][channel]
+    assert r["switch_drops"] > 0, r
+    assert r["delivered_mean"] < 1.0, r       # the drops reached the calls
+    if channel == "rma":
+        assert r["tcp_retransmits"] > 0, r
+    assert r["elapsed_max"] < r["timeout"] + MARGIN, r
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_stopped_rank_does_not_stall_the_others(report, channel):
+    """The last rank is SIGSTOPped for 0.8 s in the middle of a run of calls:
+    the others' calls miss its contribution and keep returning by their
+    deadline."""
+    r = report["sigstop"][channel]
+    assert r["others_missing_victim"] >= 3, r
+    assert r["others_elapsed_max"] < r["timeout"] + MARGIN, r
+    assert r["victim_span"] >= r["stop_seconds"], r
