@@ -141,6 +141,9 @@ cdef struct Stream:
     int cstate
     MPI_Request req
     GetBuffers* gb
+    int gblock            # (one-sided network path) the block its gets are for
+    double hdr_at         # when the header get in flight was issued
+    double miss_at        # when the header get of the last "not there" was issued
 
 
 # Deadlines.  `start + timeout` is the hard cap of a call.  Inside it, stage
@@ -228,6 +231,11 @@ cdef class Channel:
 
     cdef bint random_access(self, Stream* s) noexcept nogil:
         """Can blocks of `s` be polled out of order (ahead of the cursor)?"""
+        return False
+
+    cdef bint seeks(self, Stream* s) noexcept nogil:
+        """Can `s` poll the first block after a run of injected-lost (never
+        polled) blocks at its cursor, one block at a time?"""
         return False
 
     cdef void abandon(self, Stream* s) noexcept nogil:

@@ -32,6 +32,7 @@ cdef class RmaChannel(RmaWindow):
     cdef MPI_Request seen_req
     cdef GetBuffers* seen_gb
     cdef uint64_t* ends_seen          # network path: peer * nslots_max + slot
+    cdef double* ends_when            # when ends_seen reached its value
     cdef MPI_Request ends_req         # network path: one get of a peer's end words
     cdef int ends_peer
     cdef GetBuffers* ends_gb
@@ -45,6 +46,7 @@ cdef class RmaChannel(RmaWindow):
         cdef int p
         cdef int size = self.size
         self.ends_seen = <uint64_t*>calloc(<Py_ssize_t>size * self.nslots_max, sizeof(uint64_t))
+        self.ends_when = <double*>calloc(<Py_ssize_t>size * self.nslots_max, sizeof(double))
         self.ends_req = MPI_REQUEST_NULL
         self.consumed_from = <unsigned char*>calloc(size, 1)
         self.seen = <unsigned char*>calloc(size, 1)
@@ -52,7 +54,7 @@ cdef class RmaChannel(RmaWindow):
         self.done_out = <uint64_t*>calloc(size, sizeof(uint64_t))
         self.done_req = <MPI_Request*>malloc(size * sizeof(MPI_Request))
         if not (self.consumed_from and self.seen and self.done_out and self.done_req
-                and self.ends_seen):
+                and self.ends_seen and self.ends_when):
             raise MemoryError()
         for p in range(size):
             self.done_req[p] = MPI_REQUEST_NULL
@@ -75,6 +77,7 @@ cdef class RmaChannel(RmaWindow):
         free_getbuffers(self.seen_gb)
         free_getbuffers(self.ends_gb)
         free(self.ends_seen)
+        free(self.ends_when)
         free(self.done_out)
         free(self.done_req)
         free(self.zreq)
@@ -98,26 +101,38 @@ cdef class RmaChannel(RmaWindow):
         """The producer's end word for the slot has reached this call.  Its
         records were visible before the word, so a block still missing is one
         that injected loss dropped, or one whose get is still in flight
-        (then: not closed yet)."""
-        cdef int flag
+        (then: not closed yet).  Network path: the block at the cursor is
+        missing only if a header get issued *after* the word was seen came
+        back without it (a get issued before may have missed a record that
+        was published just before the word)."""
+        cdef int flag, k
         cdef uint64_t cur = self.call.seq
         cdef uint64_t* seen
+        cdef uint64_t* fresh
+        cdef double* when
+        cdef double now
         if self.peer_base[s.peer] != NULL:
             return mpl_load_acquire(self.end_word(self.peer_base[s.peer], s.slot)) >= cur
         if s.cstate != GET_IDLE:
             return False
         seen = self.ends_seen + <Py_ssize_t>s.peer * self.nslots_max
+        when = self.ends_when + <Py_ssize_t>s.peer * self.nslots_max
         if seen[s.slot] >= cur:
-            return True
+            return s.drop[s.cursor] or s.miss_at > when[s.slot]
         # Network path: one get of one peer's end words at a time.
         if self.ends_req != MPI_REQUEST_NULL:
             MPI_Test(&self.ends_req, &flag, MPI_STATUS_IGNORE)
             if not flag:
                 return False
+            now = mpl_now()
+            fresh = <uint64_t*>self.ends_gb.payload
+            for k in range(self.nslots_max):
+                if fresh[k] >= cur and self.ends_seen[self.ends_peer * self.nslots_max + k] < cur:
+                    self.ends_when[self.ends_peer * self.nslots_max + k] = now
             memcpy(self.ends_seen + <Py_ssize_t>self.ends_peer * self.nslots_max,
                    self.ends_gb.payload, 8 * self.nslots_max)
             if seen[s.slot] >= cur:
-                return True
+                return s.drop[s.cursor] or s.miss_at > when[s.slot]
         self.ends_peer = s.peer
         self.rget(self.ends_gb.payload, 8 * self.nslots_max, s.peer, self.ends_offset,
                   &self.ends_req)
@@ -146,7 +161,10 @@ cdef class RmaChannel(RmaWindow):
         self.consumed_from[s.peer] = 1
         if self.peer_base[s.peer] != NULL:
             return self.poll_shared(s, block, inc)
-        return self.poll_get(s, inc)
+        return self.poll_get(s, block, inc)
+
+    cdef bint seeks(self, Stream* s) noexcept nogil:
+        return self.peer_base[s.peer] == NULL
 
     cdef bint random_access(self, Stream* s) noexcept nogil:
         return self.peer_base[s.peer] != NULL
@@ -217,9 +235,10 @@ cdef class RmaChannel(RmaWindow):
             return POLL_READY
         return POLL_WAIT
 
-    cdef int poll_get(self, Stream* s, Incoming* inc) noexcept nogil:
-        """Network path: a small state machine of MPI_Rget for the cursor
-        block, never blocking."""
+    cdef int poll_get(self, Stream* s, int block, Incoming* inc) noexcept nogil:
+        """Network path: a small state machine of MPI_Rget for one block at a
+        time (the cursor's, or the first one behind injected-lost blocks:
+        seek_ahead), never blocking."""
         cdef int flag, verdict, ierr
         if s.gb == NULL:            # its buffers went to the zombie list
             s.gb = alloc_getbuffers(self.call.block_bytes)
@@ -229,7 +248,10 @@ cdef class RmaChannel(RmaWindow):
                 snprintf(self.error.msg, MPL_MSG_LEN, b"out of memory on rank %d", self.rank)
                 return POLL_FAIL
         cdef GetBuffers* gb = s.gb
-        cdef Py_ssize_t off = self.record_offset(s.slot, s.cursor)
+        if s.cstate != GET_IDLE and s.gblock != block:
+            return POLL_WAIT            # busy with another block of the stream
+        cdef Py_ssize_t off = self.record_offset(s.slot, block)
+        s.gblock = block
         while True:
             if s.cstate != GET_IDLE:
                 ierr = MPI_Test(&s.req, &flag, MPI_STATUS_IGNORE)
@@ -238,11 +260,12 @@ cdef class RmaChannel(RmaWindow):
                 if not flag:
                     return POLL_WAIT
             if s.cstate == GET_IDLE:
+                s.hdr_at = mpl_now()
                 if self.rget(&gb.hdr, RECORD_HEADER, s.peer, off, &s.req):
                     return POLL_FAIL
                 s.cstate = GET_HDR
             elif s.cstate == GET_HDR or s.cstate == GET_HDR_LAST:
-                if (self.record_valid(&gb.hdr, gb.hdr.seq, s.slot, s.cursor)
+                if (self.record_valid(&gb.hdr, gb.hdr.seq, s.slot, block)
                         and <Py_ssize_t>gb.hdr.nbytes <= gb.capacity):
                     if self.rget(gb.payload, gb.hdr.nbytes, s.peer, off + RECORD_HEADER, &s.req):
                         return POLL_FAIL
@@ -274,6 +297,8 @@ cdef class RmaChannel(RmaWindow):
                     s.cstate = GET_HDR_LAST
                 else:
                     s.cstate = GET_IDLE
+                    if verdict == POLL_WAIT:
+                        s.miss_at = s.hdr_at
                     return verdict
 
     cdef int rget(self, void* dst, Py_ssize_t nbytes, int peer, Py_ssize_t offset,
@@ -298,6 +323,12 @@ cdef class RmaChannel(RmaWindow):
     cdef int prepare(self, Stream* s) except -1:
         s.cstate = GET_IDLE
         s.req = MPI_REQUEST_NULL
+        s.gblock = 0
+        s.hdr_at = s.miss_at = -1.0
+        # The producer lingers until we say we are done with it: owed even if
+        # no block of it is ever polled (all of them lost to injected loss).
+        if self.peer_base[s.peer] == NULL:
+            self.consumed_from[s.peer] = 1
         if s.stable or self.peer_base[s.peer] == NULL:
             if s.gb == NULL or s.gb.capacity < self.call.block_bytes:
                 free_getbuffers(s.gb)

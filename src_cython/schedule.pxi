@@ -299,7 +299,11 @@ cdef bint look_ahead(Algorithm alg, Channel chan, CallInfo* call, Stream* s, bin
     once.  True if any was taken."""
     cdef int block, verdict, first = s.cursor + 1, looked = 0
     cdef bint took = False, wrapped = False
-    if not chan.random_access(s) or first >= s.nblocks:
+    if not chan.random_access(s):
+        if chan.seeks(s):
+            return seek_ahead(alg, chan, call, s, lossy, err, failed)
+        return False
+    if first >= s.nblocks:
         return False
     verdict = try_take(alg, chan, call, s, first, lossy, err)
     if verdict == POLL_WAIT:
@@ -324,6 +328,32 @@ cdef bint look_ahead(Algorithm alg, Channel chan, CallInfo* call, Stream* s, bin
     return took
 
 
+cdef bint seek_ahead(Algorithm alg, Channel chan, CallInfo* call, Stream* s, bint lossy,
+                     ErrorInfo* err, int* failed) noexcept nogil:
+    """A stream read one block at a time (the one-sided network path) whose
+    cursor block was dropped by injected loss: that block is never polled
+    and waits for the end mark or the deadline, so read the blocks behind it
+    meanwhile, each time the first one that is neither resolved nor dropped
+    (the channel's single state machine works on that block only).  True if
+    any was taken."""
+    cdef int block = s.cursor, verdict
+    cdef bint took = False
+    if not s.drop[block]:
+        return False
+    while True:
+        while block < s.nblocks and (s.done[block] or s.drop[block]):
+            block += 1
+        if block >= s.nblocks or not alg.ready(s, block):
+            return took
+        verdict = try_take(alg, chan, call, s, block, lossy, err)
+        if verdict == TAKE_FAILED:
+            failed[0] = 1
+            return True
+        if verdict != POLL_READY:
+            return took
+        took = True
+
+
 # Idle passes of the polling loop before it yields the core (sched_yield).
 # Set from MPILOSSY_SPIN by the core.
 cdef int DEFAULT_SPIN = 0
@@ -340,9 +370,11 @@ cdef inline bint stream_ended(Channel chan, Stream* s, double now) noexcept nogi
     """Has the producer of `s` sent all it will send, a grace period ago?"""
     if s.drop_end or EARLY_CLOSE_GRACE < 0:
         return False
+    # Asked every time: on the one-sided network path a block whose get is
+    # in flight is not given up, whenever the mark was seen.
+    if not chan.closed(s):
+        return False
     if s.end_at < 0:
-        if not chan.closed(s):
-            return False
         s.end_at = now
     return now >= s.end_at + EARLY_CLOSE_GRACE
 
@@ -417,7 +449,9 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
                                 return 1
                             progressed = True
                         break
-                    chan.abandon(s)
+                    if not s.drop[block]:
+                        chan.abandon(s)     # (a dropped block has no get in flight;
+                                            #  one for a block behind it stays)
                     if s.drop[block]:
                         alg.lost_injected += 1
                     elif ended:

@@ -117,22 +117,22 @@ def test_lossy_calls_close_early(report, channel, algorithm):
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-@pytest.mark.parametrize("channel", [
-    pytest.param("rma", marks=pytest.mark.xfail(strict=True, reason=(
-        "issue 31: between nodes the one-sided channel loses blocks that were sent: early "
-        "close gives up on gets in flight (lost as 'gone'), and blocks behind an injected "
-        "loss wait for it, unread"))),
-    "ud"])
+@pytest.mark.parametrize("channel", CHANNELS)
 def test_network_path_loses_only_injected_blocks(report, channel, algorithm):
     """Over a network that drops nothing, a lossy call loses what injected
-    loss dropped and hardly anything else: late or gone blocks at most 5% of
-    the injected ones, and the delivered fraction within 0.03 of the datagram
-    channel's under the same (seeded) injected loss."""
+    loss dropped and hardly anything else (issue 31: between nodes the
+    one-sided channel lost sent blocks to early close and to reads waiting
+    behind an injected loss): late, gone or torn blocks at most 5% of the
+    injected ones; the delivered fraction within 0.02 of what the same
+    seeded loss leaves on the datagram channel, which loses nothing else
+    here; and no element of the average more than 4 standard errors off
+    (before the fix: 20% to 37% of them on the ring)."""
     r = report["unbiased"][f"{channel} {algorithm}"]
     injected, late, gone, torn = r["lost_blocks"]
     assert late + gone + torn <= 0.05 * injected, r
     reference = report["unbiased"][f"ud {algorithm}"]["delivered"]
-    assert abs(r["delivered"] - reference) <= 0.03, (r, reference)
+    assert abs(r["delivered"] - reference) <= 0.02, (r, reference)
+    assert r["over_4"] == 0.0, r
 
 
 @pytest.mark.parametrize("channel", CHANNELS)
