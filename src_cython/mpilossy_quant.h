@@ -9,6 +9,9 @@
  *
  * A group holding a non-finite value gets a NaN scale: all its values decode
  * as NaN (a NaN or Inf gradient stays visible instead of being rounded away).
+ * A group whose largest magnitude is so small that maxcode / amax would
+ * overflow is coded from its values times 2^64 (a power of two: exact), so
+ * that no code comes from an infinite factor.
  */
 #ifndef MPILOSSY_QUANT_H
 #define MPILOSSY_QUANT_H
@@ -68,28 +71,36 @@ static inline void mpl_q_scan(const float *src, float s, size_t lo, size_t hi, f
     }
 }
 
-/* A group's scale (NaN for a non-finite group); *inv takes values to codes. */
-static inline float mpl_q_scale(float amax, int finite, float maxcode, float *inv)
+#define MPL_Q_TINY 1e-30f                       /* maxcode / amax is finite above */
+#define MPL_Q_LIFT 18446744073709551616.0f      /* 2^64 */
+
+/* A group's scale (NaN for a non-finite group); a value times *pre times
+ * *inv is its code (before rounding): *pre is 1, or 2^64 for a group below
+ * MPL_Q_TINY, whose inverse scale would overflow otherwise. */
+static inline float mpl_q_scale(float amax, int finite, float maxcode, float *inv, float *pre)
 {
-    *inv = (finite && amax > 0.0f) ? maxcode / amax : 0.0f;
+    *pre = (finite && amax > 0.0f && amax < MPL_Q_TINY) ? MPL_Q_LIFT : 1.0f;
+    *inv = (finite && amax > 0.0f) ? maxcode / (amax * *pre) : 0.0f;
     return finite ? amax / maxcode : NAN;
 }
 
 /* The codes of values [lo, hi) of a group, one at a time (lo even for int4:
  * a group, and the vector part before a tail, start on a byte). */
-static inline void mpl_q_codes(unsigned char *codes, const float *src, float s, float inv,
-                               size_t lo, size_t hi, int bits, uint32_t seed, float maxcode)
+static inline void mpl_q_codes(unsigned char *codes, const float *src, float s, float pre,
+                               float inv, size_t lo, size_t hi, int bits, uint32_t seed,
+                               float maxcode)
 {
     size_t i;
     if (bits == 8) {
         for (i = lo; i < hi; i++)
-            codes[i] = (unsigned char)(int8_t)mpl_q_round(src[i] * s * inv, seed, (uint32_t)i,
-                                                          maxcode);
+            codes[i] = (unsigned char)(int8_t)mpl_q_round(src[i] * s * pre * inv, seed,
+                                                          (uint32_t)i, maxcode);
         return;
     }
     for (i = lo; i < hi; i += 2) {
-        int a = mpl_q_round(src[i] * s * inv, seed, (uint32_t)i, maxcode);
-        int b = i + 1 < hi ? mpl_q_round(src[i + 1] * s * inv, seed, (uint32_t)i + 1, maxcode)
+        int a = mpl_q_round(src[i] * s * pre * inv, seed, (uint32_t)i, maxcode);
+        int b = i + 1 < hi ? mpl_q_round(src[i + 1] * s * pre * inv, seed, (uint32_t)i + 1,
+                                         maxcode)
                            : 0;
         codes[i / 2] = (unsigned char)((a + 8) | (b + 8) << 4);
     }
@@ -118,12 +129,12 @@ static void mpl_quantize_portable(unsigned char *dst, const float *src, float s,
     unsigned char *codes = dst + 4 * groups;
     for (g = 0; g < groups; g++) {
         size_t lo = g * group, hi = lo + group < n ? lo + group : n;
-        float amax = 0.0f, inv, scale;
+        float amax = 0.0f, inv, pre, scale;
         int finite = 1;
         mpl_q_scan(src, s, lo, hi, &amax, &finite);
-        scale = mpl_q_scale(amax, finite, maxcode, &inv);
+        scale = mpl_q_scale(amax, finite, maxcode, &inv, &pre);
         memcpy(scales + g, &scale, 4);
-        mpl_q_codes(codes, src, s, inv, lo, hi, bits, seed, maxcode);
+        mpl_q_codes(codes, src, s, pre, inv, lo, hi, bits, seed, maxcode);
     }
 }
 
@@ -184,7 +195,7 @@ MPL_AVX2 static int mpl_quantize_avx2(unsigned char *dst, const float *src, floa
     for (g = 0; g < groups; g++) {
         size_t lo = g * group, hi = lo + group < n ? lo + group : n, full = lo + (hi - lo) / 8 * 8;
         __m256 vs = _mm256_set1_ps(s), vmax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-        float amax, inv, scale, lanes[8];
+        float amax, inv, pre, scale, lanes[8];
         int finite = 1;
         for (i = lo; i < full; i += 8) {
             __m256 a = _mm256_andnot_ps(sign, _mm256_mul_ps(_mm256_loadu_ps(src + i), vs));
@@ -197,12 +208,14 @@ MPL_AVX2 static int mpl_quantize_avx2(unsigned char *dst, const float *src, floa
             amax = lanes[i] > amax ? lanes[i] : amax;
         finite = _mm256_movemask_ps(bad) == 0;
         mpl_q_scan(src, s, full, hi, &amax, &finite);
-        scale = mpl_q_scale(amax, finite, maxcode, &inv);
+        scale = mpl_q_scale(amax, finite, maxcode, &inv, &pre);
         memcpy(scales + g, &scale, 4);
-        __m256 k = _mm256_set1_ps(inv);
+        __m256 k = _mm256_set1_ps(inv), vpre = _mm256_set1_ps(pre);
+        int lift = pre != 1.0f;                 /* (rare: groups below MPL_Q_TINY) */
         if (bits == 8) {
             for (i = lo; i < full; i += 8) {
-                __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + i), vs), k);
+                __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + i), vs);
+                v = _mm256_mul_ps(lift ? _mm256_mul_ps(v, vpre) : v, k);
                 __m256i q = _mm256_shuffle_epi8(mpl_q_round8(v, seed, (uint32_t)i, maxcode), pick);
                 uint32_t w0 = (uint32_t)_mm256_extract_epi32(q, 0), w1 = (uint32_t)_mm256_extract_epi32(q, 4);
                 memcpy(codes + i, &w0, 4);
@@ -210,7 +223,8 @@ MPL_AVX2 static int mpl_quantize_avx2(unsigned char *dst, const float *src, floa
             }
         } else {
             for (i = lo; i < full; i += 8) {
-                __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + i), vs), k);
+                __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + i), vs);
+                v = _mm256_mul_ps(lift ? _mm256_mul_ps(v, vpre) : v, k);
                 int32_t q[8];
                 _mm256_storeu_si256((__m256i *)q, _mm256_add_epi32(
                     mpl_q_round8(v, seed, (uint32_t)i, maxcode), _mm256_set1_epi32(8)));
@@ -218,7 +232,7 @@ MPL_AVX2 static int mpl_quantize_avx2(unsigned char *dst, const float *src, floa
                     codes[(i + j) / 2] = (unsigned char)(q[j] | q[j + 1] << 4);
             }
         }
-        mpl_q_codes(codes, src, s, inv, full, hi, bits, seed, maxcode);     /* the tail */
+        mpl_q_codes(codes, src, s, pre, inv, full, hi, bits, seed, maxcode);   /* the tail */
     }
     return 1;
 }

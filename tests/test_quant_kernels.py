@@ -127,3 +127,26 @@ def test_decoders_add_exactly_what_the_layout_says(bits, group, n):
     out = acc.copy()
     _core.quant_kernel("dequantize_add", out, coded, bits, group)
     np.testing.assert_array_equal(out, acc + reference_decode(coded, n, bits, group))
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("kernel", ["quantize", "quantize_portable"])
+@pytest.mark.parametrize("tiny", [1e-37, 3e-38, 1e-40, 1.4e-45])
+def test_a_group_of_tiny_values_decodes_to_them(bits, kernel, tiny):
+    """A group whose largest magnitude is below maxcode / FLT_MAX: its
+    inverse scale overflowed to inf, 0 * inf gave NaN and the cast of NaN to
+    an int is undefined (issue 27, item 9: one 1e-37 among zeros decoded as
+    1e-37 everywhere).  Zeros must stay zeros, the tiny value within a step."""
+    x = np.zeros(64, np.float32)
+    x[5] = tiny
+    x[40] = -tiny / 2
+    for seed in range(1, 9):
+        out = np.empty(_core.quant_bytes(x.size, 64, bits), np.uint8)
+        _core.quant_kernel(kernel, out, x, bits, 64, seed)
+        y = decode(out, x.size, bits, 64)
+        assert np.all(np.isfinite(y)), y
+        others = np.delete(np.arange(64), [5, 40])
+        np.testing.assert_array_equal(y[others], 0.0)
+        step = np.float32(tiny) / (127 if bits == 8 else 7)
+        assert abs(y[5] - np.float32(tiny)) <= step * 1.01 + 1.5e-45, (y[5], tiny)
+        assert abs(y[40] + np.float32(tiny / 2)) <= step * 1.01 + 1.5e-45, (y[40], tiny)
