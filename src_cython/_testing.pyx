@@ -322,6 +322,18 @@ cdef class DatagramJudge:
             self.chan.inbox = NULL       # ours, freed below
         free(self.area)
 
+    def fail_call(self, uint64_t seq, int nslots, int nblocks, Py_ssize_t block_bytes,
+                  uint64_t sig):
+        """The channel fails call `seq` before it began (its begin() raised,
+        for want of memory): what fail() installs is the call without its
+        layout, whatever layout the call would have had."""
+        cdef CallInfo call
+        cdef ErrorInfo err
+        test_call(&call, seq, sig, nslots, nblocks, block_bytes)
+        memset(&err, 0, sizeof(ErrorInfo))
+        err.kind = ERR_PROTOCOL
+        self.chan.fail(&call, &err)
+
     def feed(self, bytes datagram):
         """Judge one datagram as if it had just been received."""
         self.chan.accept(<const char*>datagram, len(datagram), True)
@@ -375,3 +387,23 @@ cdef class DatagramJudge:
         st.nblocks = self.chan.cur.nblocks
         st.cursor = block + 1          # not the cursor: no draining (no network here)
         return ("wait", "ready", "gone", "fail")[self.chan.poll(&st, block, &inc)]
+
+
+def grow_refused(Py_ssize_t items, Py_ssize_t need) -> tuple:
+    """A buffer of `items` int64 grown to `need` items where that cannot be
+    allocated: (raised MemoryError, capacity after, the old contents kept)."""
+    cdef int64_t* buf = <int64_t*>malloc(items * 8)
+    cdef Py_ssize_t cap = items, i
+    cdef bint raised = False, kept = True
+    if buf == NULL:
+        raise MemoryError()
+    for i in range(items):
+        buf[i] = i
+    try:
+        grow_buffer(<void**>&buf, &cap, need, 8)
+    except MemoryError:
+        raised = True
+    for i in range(min(cap, items)):
+        kept = kept and buf[i] == i
+    free(buf)
+    return raised, cap, kept

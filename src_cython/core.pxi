@@ -218,8 +218,14 @@ cdef class Core:
                              <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)) | 1
         try:
             began = self.chan.begin(call)
+            if not began:
+                alg.bind(self.chan, call, send, recv)
+                if lossy:
+                    self.loss.fill(alg, call.seq)
         except BaseException:
-            # Tell the peers (and finish the call) before the error leaves.
+            # (No memory, or sends that never completed.)  Tell the peers
+            # and finish the call before the error leaves: the channel is
+            # left able to take the next call, or to refuse it cleanly.
             self.err.kind = ERR_PROTOCOL
             self.err.rank = self.rank
             snprintf(self.err.msg, MPL_MSG_LEN, b"rank %d could not start call %llu",
@@ -232,9 +238,6 @@ cdef class Core:
             memcpy(&self.err, &self.chan.error, sizeof(ErrorInfo))
             failed = 1
         else:
-            alg.bind(self.chan, call, send, recv)
-            if lossy:
-                self.loss.fill(alg, call.seq)
             with nogil:
                 failed = run_streams(alg, self.chan, call, lossy, &self.err)
                 for i in range(alg.nstreams):

@@ -40,6 +40,7 @@ cdef class DgramChannel(DgramEndpoint):
     cdef int out_nblocks[2]
     cdef int out_records[2]
     cdef unsigned char* published[2]
+    cdef Py_ssize_t published_cap_of[2]
     cdef int* published_blocks        # per slot, in this call
     cdef Py_ssize_t published_cap
     # inbox of the current call
@@ -51,7 +52,8 @@ cdef class DgramChannel(DgramEndpoint):
     cdef double* last_nack
     cdef double* ahead_since          # per stream: when its peer was first seen in a later call
     cdef unsigned char* ended         # per stream: END arrived
-    cdef Py_ssize_t state_cap
+    cdef Py_ssize_t caps[6]           # items in arrived, counts, sizes, last_nack,
+                                      # ahead_since, ended
     cdef int* stream_of               # peer * nslots + slot -> stream, or -1
     cdef Py_ssize_t stream_of_cap
     cdef int nstreams
@@ -114,33 +116,23 @@ cdef class DgramChannel(DgramEndpoint):
         # Datagrams that arrive now belong to this call or later: judge them
         # against the previous call, which stashes those of the next one.
         self.drain()
+        # Every step below may fail (memory, a send queue that never
+        # drains); each leaves its buffer and its recorded size in
+        # agreement, and the layout of this call is installed only at the
+        # end (fail() installs none), so that no datagram is ever placed
+        # by a layout its buffers were not sized for.
+        self.out_seq[parity] = 0        # (what it held, call seq-2, is given up)
         # This outbox held call seq-2; its sends must be done before reuse.
-        cdef Py_ssize_t had = self.outbox_cap[parity]
         self.reserve_outbox(parity, records, limit)
-        if self.outbox_cap[parity] != had or self.published[parity] == NULL:
-            free(self.published[parity])
-            self.published[parity] = <unsigned char*>calloc(self.outbox_cap[parity], 1)
-            if self.published[parity] == NULL:
-                raise MemoryError()
+        grow_buffer(<void**>&self.published[parity], &self.published_cap_of[parity], records, 1)
         memset(self.published[parity], 0, records)
-        if call.nslots > self.published_cap:
-            free(self.published_blocks)
-            self.published_blocks = <int*>malloc(call.nslots * sizeof(int))
-            if self.published_blocks == NULL:
-                self.published_cap = 0
-                raise MemoryError()
-            self.published_cap = call.nslots
+        grow_buffer(<void**>&self.published_blocks, &self.published_cap, call.nslots, sizeof(int))
         memset(self.published_blocks, 0, call.nslots * sizeof(int))
         self.out_seq[parity] = call.seq
         self.out_nblocks[parity] = call.nblocks
         self.out_records[parity] = <int>records
         cdef Py_ssize_t mapping = <Py_ssize_t>self.size * call.nslots
-        if mapping > self.stream_of_cap:
-            free(self.stream_of)
-            self.stream_of = <int*>malloc(mapping * sizeof(int))
-            if self.stream_of == NULL:
-                raise MemoryError()
-            self.stream_of_cap = mapping
+        grow_buffer(<void**>&self.stream_of, &self.stream_of_cap, mapping, sizeof(int))
         for i in range(mapping):
             self.stream_of[i] = -1
         self.nstreams = 0
@@ -152,30 +144,22 @@ cdef class DgramChannel(DgramEndpoint):
         return 0
 
     cdef int prepare(self, Stream* s) except -1:
+        """Room in the inbox for stream number nstreams, then map it: a
+        failure leaves every buffer as big as its recorded size, and the
+        stream unmapped (its datagrams are refused as unexpected)."""
         cdef CallInfo* c = &self.cur
         cdef int i = self.nstreams
         cdef Py_ssize_t blocks = <Py_ssize_t>(i + 1) * c.nblocks
+        grow_buffer(<void**>&self.inbox, &self.inbox_cap, blocks * c.block_bytes, 1, keep=False)
+        grow_buffer(<void**>&self.arrived, &self.caps[0], blocks, 1)
+        grow_buffer(<void**>&self.counts, &self.caps[1], blocks, sizeof(uint32_t))
+        grow_buffer(<void**>&self.sizes, &self.caps[2], blocks, sizeof(uint32_t))
+        grow_buffer(<void**>&self.last_nack, &self.caps[3], i + 1, sizeof(double))
+        grow_buffer(<void**>&self.ahead_since, &self.caps[4], i + 1, sizeof(double))
+        grow_buffer(<void**>&self.ended, &self.caps[5], i + 1, 1)
         self.nstreams += 1
         s.index = i
         self.stream_of[s.peer * c.nslots + s.slot] = i
-        if blocks * c.block_bytes > self.inbox_cap:
-            free(self.inbox)
-            self.inbox = <char*>malloc(max(blocks * c.block_bytes, 64))
-            if self.inbox == NULL:
-                raise MemoryError()
-            self.inbox_cap = blocks * c.block_bytes
-        if blocks > self.state_cap:
-            self.arrived = <unsigned char*>realloc(self.arrived, blocks)
-            self.counts = <uint32_t*>realloc(self.counts, blocks * sizeof(uint32_t))
-            self.sizes = <uint32_t*>realloc(self.sizes, blocks * sizeof(uint32_t))
-            if not (self.arrived and self.counts and self.sizes):
-                raise MemoryError()
-            self.state_cap = blocks
-        self.last_nack = <double*>realloc(self.last_nack, (i + 1) * sizeof(double))
-        self.ahead_since = <double*>realloc(self.ahead_since, (i + 1) * sizeof(double))
-        self.ended = <unsigned char*>realloc(self.ended, i + 1)
-        if self.last_nack == NULL or self.ahead_since == NULL or self.ended == NULL:
-            raise MemoryError()
         self.ended[i] = 0
         self.ahead_since[i] = -1.0
         memset(self.arrived + <Py_ssize_t>i * c.nblocks, 0, c.nblocks)
@@ -470,8 +454,15 @@ cdef class DgramChannel(DgramEndpoint):
     cdef void fail(self, CallInfo* call, ErrorInfo* err) noexcept nogil:
         cdef mpl_error_t e
         cdef int repeat
-        if self.cur.seq != call.seq:      # failed before begin: no layout
+        if self.cur.seq != call.seq:
+            # Failed before begin completed: the call, but no layout (its
+            # buffers may be sized for an earlier call): every DATA and END
+            # of it is refused as unexpected, none stashed for good.
             self.cur = call[0]
+            self.cur.nslots = self.cur.nblocks = 0
+            self.cur.block_bytes = 0
+            self.nstreams = 0
+            self.armed = True
         e.kind = err.kind
         e.rank = err.rank
         memcpy(e.msg, err.msg, MPL_MSG_LEN)

@@ -268,21 +268,28 @@ cdef class DgramEndpoint(Channel):
     # -- sending -----------------------------------------------------------------
     cdef int reserve_outbox(self, int parity, Py_ssize_t records, double limit) except -1:
         """Room for `records` packets in outbox `parity`, once the sends of
-        the call that used it before (call seq-2) are done."""
+        the call that used it before (call seq-2) are done.  A failure
+        leaves the outbox as it was (its memory and capacity agree)."""
+        cdef char* grown
+        cdef void* mr = NULL
+        cdef void* desc = NULL
         while self.pending[parity]:
             self.drain()
             if mpl_now() > limit:
                 raise MPILossyChannelError("channel='ud': sends of an earlier call never completed")
         if records > self.outbox_cap[parity]:
+            grown = <char*>aligned(records * self.pkt)
+            if grown == NULL:
+                raise MemoryError()
+            if mpl_dg_register(self.fab, grown, records * self.pkt, &mr, &desc, self.errbuf, 256):
+                free(grown)
+                raise MPILossyChannelError(self.errbuf.decode(errors="replace"))
             mpl_dg_deregister(self.out_mr[parity])
             free(self.outbox[parity])
-            self.outbox[parity] = <char*>aligned(records * self.pkt)
-            if self.outbox[parity] == NULL:
-                raise MemoryError()
+            self.outbox[parity] = grown
+            self.out_mr[parity] = mr
+            self.out_desc[parity] = desc
             self.outbox_cap[parity] = records
-            if mpl_dg_register(self.fab, self.outbox[parity], records * self.pkt,
-                                &self.out_mr[parity], &self.out_desc[parity], self.errbuf, 256):
-                raise MPILossyChannelError(self.errbuf.decode(errors="replace"))
         return 0
 
     cdef char* packet(self, int parity, Py_ssize_t record) noexcept nogil:
@@ -371,8 +378,8 @@ cdef class DgramEndpoint(Channel):
                               int npeers) noexcept nogil:
         """A control datagram to `npeers` peers, or to every peer when npeers < 0."""
         cdef int owner, p
-        if nbytes > <uint32_t>self.payload_max:    # cannot happen (setup): never overflow
-            return
+        if self.fab == NULL or nbytes > <uint32_t>self.payload_max:
+            return      # offline (DatagramJudge), or too large (setup makes sure it is not)
         cdef char* buf = self.control_buffer(&owner)
         if buf == NULL:
             return
@@ -439,6 +446,28 @@ cdef int agree_or_raise(MPI_Comm comm, object failure) except -1:
     if failure is not None:
         raise failure
     raise MPILossyChannelError("channel='ud' could not be set up on another rank")
+
+
+cdef int grow_buffer(void** buf, Py_ssize_t* cap, Py_ssize_t need, size_t itemsize,
+              bint keep=True) except -1:
+    """Make *buf hold at least `need` items of `itemsize` bytes (*cap items
+    now): the new buffer is allocated before the old one goes, and `keep`
+    copies what it held.  A failure raises MemoryError and leaves *buf and
+    *cap as they were, in agreement."""
+    cdef void* grown
+    if need <= cap[0] and buf[0] != NULL:
+        return 0
+    if need > PY_SSIZE_T_MAX // <Py_ssize_t>itemsize:
+        raise MemoryError()
+    grown = malloc(max(need, 1) * itemsize)
+    if grown == NULL:
+        raise MemoryError()
+    if keep and buf[0] != NULL:
+        memcpy(grown, buf[0], min(cap[0], need) * itemsize)
+    free(buf[0])
+    buf[0] = grown
+    cap[0] = need
+    return 0
 
 
 cdef bint one_host(MPI_Comm comm, int size) except -1:

@@ -9,6 +9,7 @@ from libc.math cimport isfinite, llround
 from posix.stdlib cimport posix_memalign
 from posix.unistd cimport getpid
 from cpython.exc cimport PyErr_Occurred
+from cpython.pyport cimport PY_SSIZE_T_MAX
 from cpython.buffer cimport (PyObject_GetBuffer, PyBuffer_Release, PyBUF_SIMPLE, PyBUF_WRITABLE,
                              PyBUF_ANY_CONTIGUOUS)
 

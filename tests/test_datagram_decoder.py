@@ -178,6 +178,32 @@ def test_fuzz_mutated_datagrams(src, slot, block, count, size, flips):
         assert placed == []
 
 
+def test_a_call_that_failed_to_begin_places_none_of_its_datagrams():
+    """begin() raised (no memory for the call's buffers): fail() installs the
+    call without its layout, so peers' datagrams of that call, laid out for
+    far larger buffers than this rank holds, are refused as unexpected.
+    Before: fail() installed the new layout over the old buffers and a DATA
+    for block 500 of 1000 was written far past the inbox (issue 27, item 1)."""
+    j = judge()
+    j.fail_call(SEQ + 1, 4, 1000, 8192, SIG + 1)
+    for block in (0, 2, 500, 999):
+        j.feed(datagram(seq=SEQ + 1, src=1, slot=0, block=block, sig=SIG + 1,
+                        payload=b"\x05" * 256))
+    j.feed(datagram(seq=SEQ + 1, src=2, slot=1, kind=_core.PKT_END, payload=b"", sig=SIG + 1))
+    counters = j.counters()
+    assert counters["unexpected"] == 5 and j.stashed == 0, counters
+    assert counters["duplicate"] == 0 and j.guards_intact()
+
+
+@pytest.mark.parametrize("need", [1 << 40, 1 << 62])
+def test_a_buffer_that_cannot_grow_stays_as_it_was(need):
+    """Buffers grow by allocating first: a failure leaves the old memory and
+    its recorded capacity in agreement (before: freed first, the old
+    capacity kept, a later smaller call wrote through NULL)."""
+    assert _testing.grow_refused(16, need) == (True, 16, True)
+    assert _testing.grow_refused(16, 64) == (False, 64, True)
+
+
 def test_mac_key_and_tag_sizes():
     assert _core.MAC_KEY_BYTES == len(KEY)
     with pytest.raises(ValueError):
@@ -205,7 +231,7 @@ def test_decoder_under_address_sanitizer(tmp_path):
     pkg = build_package(tmp_path, "-Db_sanitize=address", "-Db_lundef=false",
                         "-Dbuildtype=debugoptimized")
     env = importing_from(pkg, HERE, LD_PRELOAD=libasan,
-                         ASAN_OPTIONS="detect_leaks=0:abort_on_error=1", MPILOSSY_UNDER_ASAN="1")
+                         ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1", MPILOSSY_UNDER_ASAN="1")
     proc = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                         "-k", "not address_sanitizer", str(HERE / "test_datagram_decoder.py")],
                        600, env, cwd=tmp_path)
