@@ -291,6 +291,9 @@ cdef class DatagramJudge:
         c.peer_seq = <uint64_t*>calloc(size, sizeof(uint64_t))
         c.stash = <char*>aligned(STASH_PACKETS * c.pkt)
         c.replaying = <char*>aligned(STASH_PACKETS * c.pkt)
+        c.stash_cap = STASH_PACKETS
+        c.nack_call = <uint64_t*>calloc(2 * size, sizeof(uint64_t))
+        c.nack_number = <uint32_t*>calloc(2 * size, sizeof(uint32_t))
         c.free_slots = <int*>calloc(SEND_SLOTS, sizeof(int))
         c.slot_owner = <int*>calloc(SEND_SLOTS, sizeof(int))
         test_call(&c.cur, seq, sig, nslots, nblocks, block_bytes)
@@ -333,6 +336,32 @@ cdef class DatagramJudge:
         memset(&err, 0, sizeof(ErrorInfo))
         err.kind = ERR_PROTOCOL
         self.chan.fail(&call, &err)
+
+    def hold_outbox(self, uint64_t seq, int nslots, int nblocks):
+        """This rank published every record of call `seq` (nslots x nblocks,
+        empty payloads) and keeps them for NACKs, as after a call."""
+        cdef DgramChannel c = self.chan
+        cdef int parity = seq & 1
+        cdef Py_ssize_t records = <Py_ssize_t>nslots * nblocks, r
+        cdef mpl_packet_t* hdr
+        free(c.outbox[parity])
+        free(c.published[parity])
+        c.outbox[parity] = <char*>aligned(records * c.pkt)
+        c.published[parity] = <unsigned char*>malloc(records)
+        if c.outbox[parity] == NULL or c.published[parity] == NULL:
+            raise MemoryError()
+        memset(c.published[parity], 1, records)
+        for r in range(records):
+            hdr = <mpl_packet_t*>(c.outbox[parity] + r * c.pkt)
+            memset(hdr, 0, HEADER_BYTES)
+        c.outbox_cap[parity] = c.published_cap_of[parity] = records
+        c.out_seq[parity] = seq
+        c.out_nblocks[parity] = nblocks
+        c.out_records[parity] = <int>records
+
+    def set_draining(self, int depth):
+        """As if inside `depth` nested drain() calls (a send waiting for room)."""
+        self.chan.draining = depth
 
     def feed(self, bytes datagram):
         """Judge one datagram as if it had just been received."""

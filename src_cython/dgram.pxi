@@ -14,7 +14,13 @@
 # peer: that is how peers see it enter (the deadline anchor) and how
 # disagreements between ranks show.  Datagrams of the next call, sent by a
 # peer that is ahead, are stashed and replayed when this rank gets there.
-# Errors go to every peer as ERROR datagrams.  Without a deadline
+# Errors go to every peer as ERROR datagrams and, since those may be lost,
+# as an MPI message too (reliable), which a waiting rank looks for every
+# millisecond.  A DATA of this call with another call signature is a
+# disagreement as sure as a HELLO that says so (a lost HELLO hides none);
+# waiting without a deadline a rank repeats its HELLO with every NACK.  A
+# NACK carries a number that grows with each one a rank sends in a call, so
+# that a replayed NACK makes no resends.  Without a deadline
 # (timeout=None) a reader asks again (NACK) for blocks that do not come, so
 # that the result is exact even on a lossy network; with a deadline it never
 # does.  After the last block of a slot the sender sends END, twice, to the
@@ -22,7 +28,20 @@
 # missing after a short grace (early close, schedule.pxi).
 
 cdef enum:
-    STASH_PACKETS = 512
+    STASH_PACKETS = 512            # datagrams of the next call kept for it...
+    STASH_CONTROL_PER_PEER = 8     # ...and room beyond them for its HELLO, ERROR, END
+    ERROR_TAG = 0x4D45             # MPI tag of the errors told over MPI
+
+# How often a rank in a call looks for errors told over MPI (seconds).
+cdef double ERROR_PROBE_INTERVAL = 1e-3
+# How long close() waits for its error messages to leave (seconds).
+cdef double NOTE_LINGER = 1.0
+
+
+cdef struct ErrorNote:
+    # An error told over MPI: the call it fails, and why.
+    uint64_t seq
+    ErrorInfo err
 
 cdef double NACK_INTERVAL = 0.05   # seconds between repeated requests (no deadline)
 # A peer seen in a later call has sent what it will send for this one, but
@@ -63,27 +82,55 @@ cdef class DgramChannel(DgramEndpoint):
     cdef char* stash                  # datagrams that came too early
     cdef char* replaying              # the stash being replayed
     cdef int nstash
+    cdef int stash_cap                # STASH_PACKETS, and the room for control datagrams
+    # errors over MPI: the notes this rank sent that are still in flight,
+    # and an error of a call it has not begun yet
+    cdef MPI_Request* note_reqs
+    cdef ErrorNote** note_bufs
+    cdef int nnotes, notes_cap
+    cdef ErrorNote later_error
+    cdef double next_probe
+    # NACKs: per peer and call parity, the call and number of the last one
+    # answered; the numbers of this rank's own
+    cdef uint64_t* nack_call
+    cdef uint32_t* nack_number
+    cdef uint32_t nacks_sent
     cdef bint failed_call
     # counters of datagrams judged, for the whole life of the channel
     cdef uint64_t n_foreign, n_forged, n_malformed, n_stale, n_future, n_unexpected
     cdef uint64_t n_duplicate, n_mismatch, n_nacks, n_resent
+    cdef uint64_t n_nack_replayed, n_nack_deferred, n_errors_heard
 
     def __cinit__(self):
         memset(&self.cur, 0, sizeof(CallInfo))
 
     cdef int allocate_fixed(self) except -1:
         DgramEndpoint.allocate_fixed(self)
+        self.stash_cap = STASH_PACKETS + STASH_CONTROL_PER_PEER * self.size
         self.peer_seq = <uint64_t*>calloc(self.size, sizeof(uint64_t))
-        self.stash = <char*>aligned(STASH_PACKETS * self.pkt)
-        self.replaying = <char*>aligned(STASH_PACKETS * self.pkt)
-        if not (self.peer_seq and self.stash and self.replaying):
+        self.stash = <char*>aligned(self.stash_cap * self.pkt)
+        self.replaying = <char*>aligned(self.stash_cap * self.pkt)
+        self.nack_call = <uint64_t*>calloc(2 * self.size, sizeof(uint64_t))
+        self.nack_number = <uint32_t*>calloc(2 * self.size, sizeof(uint32_t))
+        if not (self.peer_seq and self.stash and self.replaying and self.nack_call
+                and self.nack_number):
             raise MemoryError()
         return 0
 
+    cdef void close(self):
+        self.finish_notes()
+        DgramEndpoint.close(self)
+
     def __dealloc__(self):
         # Close first: the endpoint's close reaps completions, which hands
-        # datagrams to accept(), and accept needs what is freed below.
-        self.close()
+        # datagrams to accept(), and accept needs what is freed below.  (Not
+        # finish_notes: the communicator may be gone by now; notes in
+        # flight, if any, are left to MPI.)
+        DgramEndpoint.close(self)
+        free(self.note_reqs)
+        free(self.note_bufs)
+        free(self.nack_call)
+        free(self.nack_number)
         free(self.peer_seq)
         free(self.stash)
         free(self.replaying)
@@ -105,7 +152,9 @@ cdef class DgramChannel(DgramEndpoint):
                 "forged": self.n_forged, "malformed": self.n_malformed, "stale": self.n_stale,
                 "future": self.n_future, "unexpected": self.n_unexpected,
                 "duplicate": self.n_duplicate, "mismatch": self.n_mismatch,
-                "nacks": self.n_nacks, "resent": self.n_resent}
+                "nacks": self.n_nacks, "resent": self.n_resent,
+                "nacks_replayed": self.n_nack_replayed, "nacks_deferred": self.n_nack_deferred,
+                "errors_heard_over_mpi": self.n_errors_heard}
 
     # -- per call ------------------------------------------------------------
     cdef int begin(self, CallInfo* call) except -1:
@@ -140,6 +189,10 @@ cdef class DgramChannel(DgramEndpoint):
         self.error.kind = ERR_NONE
         self.cur = call[0]
         self.armed = False           # until the streams are known: stash, don't place
+        self.nacks_sent = 0
+        self.hear_errors()
+        if self.later_error.seq == call.seq:       # told before this rank got here
+            self.error = self.later_error.err
         self.send_hello()
         return 0
 
@@ -208,7 +261,8 @@ cdef class DgramChannel(DgramEndpoint):
             return max(self.cur.start + self.cur.timeout, now + 1e-3)
         return now + STALL_LIMIT
 
-    cdef void send_hello(self) noexcept nogil:
+    cdef void send_hello(self, int peer=-1) noexcept nogil:
+        """This rank's HELLO of the current call, to `peer` or to every peer."""
         cdef mpl_hello_t hello
         cdef CallInfo* c = &self.cur
         hello.sig = c.sig
@@ -217,7 +271,7 @@ cdef class DgramChannel(DgramEndpoint):
         hello.op = announced_op(c)
         hello.algo = c.algo | c.coll << 4
         hello.block = <uint32_t>c.block_bytes
-        self.send_control(MPL_PKT_HELLO, c.seq, 0, 0, &hello, sizeof(mpl_hello_t), -1)
+        self.send_control(MPL_PKT_HELLO, c.seq, 0, 0, &hello, sizeof(mpl_hello_t), peer)
 
     # -- receiving -------------------------------------------------------------
     cdef void accept(self, const char* data, Py_ssize_t length, bint may_stash) noexcept nogil:
@@ -242,7 +296,8 @@ cdef class DgramChannel(DgramEndpoint):
         if hdr.seq > self.peer_seq[hdr.src]:
             self.peer_seq[hdr.src] = hdr.seq
         if (hdr.seq == cur + 1 or (hdr.seq == cur and not self.armed)) and may_stash:
-            if self.nstash < STASH_PACKETS:
+            if self.nstash < STASH_PACKETS or (hdr.kind != MPL_PKT_DATA
+                                               and self.nstash < self.stash_cap):
                 memcpy(self.stash + <Py_ssize_t>self.nstash * self.pkt, data, length)
                 self.nstash += 1
             else:
@@ -288,7 +343,19 @@ cdef class DgramChannel(DgramEndpoint):
         cdef int stream
         cdef Py_ssize_t at
         if hdr.sig != <uint32_t>c.sig:
+            # This call's data, authentic, laid out for another call: the
+            # ranks disagree, whether or not a HELLO said so.
             self.n_mismatch += 1
+            if self.error.kind == ERR_NONE:
+                self.error.kind = ERR_MISMATCH
+                self.error.rank = self.rank
+                snprintf(self.error.msg, MPL_MSG_LEN,
+                         b"ranks disagree on call %llu: rank %d sent data laid out for another "
+                         b"call (collective, count, dtype, op or algorithm); rank %d: %s of "
+                         b"%llu x %s op=%s algorithm=%s",
+                         <unsigned long long>c.seq, hdr.src, self.rank, coll_name(c.coll),
+                         <unsigned long long>c.count, dtype_name(c.dtype),
+                         op_name(announced_op(c)), algo_name(c.algo))
             return
         if (hdr.slot >= <uint32_t>c.nslots or hdr.block >= <uint32_t>c.nblocks
                 or hdr.nbytes > <uint32_t>c.block_bytes or hdr.count > <uint32_t>self.size):
@@ -335,11 +402,22 @@ cdef class DgramChannel(DgramEndpoint):
         """A reader that waits without deadline asks again for the blocks
         listed in the payload (of slot hdr.slot)."""
         cdef int parity = hdr.seq & 1, i
+        cdef int seen = hdr.src * 2 + parity
         cdef uint32_t block
         cdef Py_ssize_t record
         cdef char* buf
         if self.out_seq[parity] != hdr.seq:
             return
+        if self.nack_call[seen] == hdr.seq and hdr.block <= self.nack_number[seen]:
+            self.n_nack_replayed += 1       # answered already: a replay makes no resends
+            return
+        if self.draining > 1:
+            # Inside a send that waits for room: answering would nest sends
+            # and drains without bound.  The reader asks again.
+            self.n_nack_deferred += 1
+            return
+        self.nack_call[seen] = hdr.seq
+        self.nack_number[seen] = hdr.block
         for i in range(hdr.nbytes // 4):
             memcpy(&block, blocks + 4 * i, 4)       # (the buffer may be unaligned)
             if block >= <uint32_t>self.out_nblocks[parity]:
@@ -369,6 +447,8 @@ cdef class DgramChannel(DgramEndpoint):
                 early = self.replaying + <Py_ssize_t>k * self.pkt
                 self.accept(early, HEADER_BYTES + (<mpl_packet_t*>early).nbytes, True)
         self.drain()
+        if mpl_now() >= self.next_probe:
+            self.hear_errors()
 
     cdef int poll(self, Stream* s, int block, Incoming* inc) noexcept nogil:
         cdef CallInfo* c = &self.cur
@@ -420,7 +500,10 @@ cdef class DgramChannel(DgramEndpoint):
                     break
         if n:
             self.n_nacks += 1
-            self.send_control(MPL_PKT_NACK, c.seq, s.slot, 0, missing, 4 * n, s.peer)
+            self.nacks_sent += 1
+            self.send_control(MPL_PKT_NACK, c.seq, s.slot, self.nacks_sent, missing, 4 * n,
+                              s.peer)
+        self.send_hello(s.peer)         # (if the first was lost, a disagreement would hide)
 
     cdef bint random_access(self, Stream* s) noexcept nogil:
         return True
@@ -466,7 +549,105 @@ cdef class DgramChannel(DgramEndpoint):
         e.kind = err.kind
         e.rank = err.rank
         memcpy(e.msg, err.msg, MPL_MSG_LEN)
-        for repeat in range(2):         # datagrams get lost: say it twice
+        for repeat in range(2):         # datagrams get lost: say it twice...
             self.send_control(MPL_PKT_ERROR, call.seq, 0, 0, &e, sizeof(mpl_error_t), -1)
         if self.fab != NULL:
             mpl_dg_flush(self.fab)
+        self.tell_errors(call.seq, err)     # ...and once over MPI, which loses nothing
+
+    # -- errors over MPI ---------------------------------------------------------
+    cdef void tell_errors(self, uint64_t seq, ErrorInfo* err) noexcept nogil:
+        """Send `err` (failing call `seq`) to every peer as an MPI message;
+        the notes stay until MPI is done with them (reap_notes)."""
+        cdef int p
+        cdef ErrorNote* note
+        if self.fab == NULL:            # offline (DatagramJudge)
+            return
+        self.reap_notes()
+        for p in range(self.size):
+            if p == self.rank:
+                continue
+            if self.nnotes == self.notes_cap and not self.more_notes():
+                return                  # no memory: the datagrams will have to do
+            note = <ErrorNote*>malloc(sizeof(ErrorNote))
+            if note == NULL:
+                return
+            note.seq = seq
+            note.err = err[0]
+            if MPI_Isend(note, sizeof(ErrorNote), MPI_BYTE, p, ERROR_TAG, self.comm,
+                         &self.note_reqs[self.nnotes]) != MPI_SUCCESS:
+                free(note)
+                continue
+            self.note_bufs[self.nnotes] = note
+            self.nnotes += 1
+
+    cdef bint more_notes(self) noexcept nogil:
+        cdef int cap = 2 * self.notes_cap + self.size
+        cdef MPI_Request* reqs = <MPI_Request*>realloc(self.note_reqs, cap * sizeof(MPI_Request))
+        if reqs == NULL:
+            return False
+        self.note_reqs = reqs
+        cdef ErrorNote** bufs = <ErrorNote**>realloc(self.note_bufs, cap * sizeof(ErrorNote*))
+        if bufs == NULL:
+            return False
+        self.note_bufs = bufs
+        self.notes_cap = cap
+        return True
+
+    cdef void reap_notes(self) noexcept nogil:
+        """Free the notes MPI has sent."""
+        cdef int i = 0, flag
+        while i < self.nnotes:
+            MPI_Test(&self.note_reqs[i], &flag, MPI_STATUS_IGNORE)
+            if flag:
+                free(self.note_bufs[i])
+                self.nnotes -= 1
+                self.note_reqs[i] = self.note_reqs[self.nnotes]
+                self.note_bufs[i] = self.note_bufs[self.nnotes]
+            else:
+                i += 1
+
+    cdef void hear_errors(self) noexcept nogil:
+        """Take the errors peers told over MPI: one of this call fails it,
+        one of a later call waits for it (begin), older ones are done."""
+        cdef int flag = 1
+        cdef MPI_Status status
+        cdef ErrorNote note
+        if self.fab == NULL:
+            return
+        self.next_probe = mpl_now() + ERROR_PROBE_INTERVAL
+        self.reap_notes()
+        while True:
+            MPI_Iprobe(MPI_ANY_SOURCE, ERROR_TAG, self.comm, &flag, &status)
+            if not flag:
+                return
+            if MPI_Recv(&note, sizeof(ErrorNote), MPI_BYTE, status.MPI_SOURCE, ERROR_TAG,
+                        self.comm, MPI_STATUS_IGNORE) != MPI_SUCCESS:
+                return
+            self.n_errors_heard += 1
+            note.err.msg[MPL_MSG_LEN - 1] = 0
+            if not ERR_NONE < note.err.kind <= ERR_LAST:
+                note.err.kind = ERR_PROTOCOL
+            if note.seq == self.cur.seq:
+                if self.error.kind == ERR_NONE:
+                    self.error = note.err
+            elif note.seq > self.cur.seq and (self.later_error.seq <= self.cur.seq
+                                              or note.seq < self.later_error.seq):
+                self.later_error = note
+
+    cdef void finish_notes(self):
+        """At close: let the notes in flight leave (a bounded wait), and take
+        the ones nobody will read any more."""
+        cdef double limit = mpl_now() + NOTE_LINGER
+        cdef int i
+        if self.fab == NULL:
+            return
+        with nogil:
+            while self.nnotes and mpl_now() < limit:
+                self.reap_notes()
+                if self.nnotes:
+                    mpl_yield()
+            self.hear_errors()
+        for i in range(self.nnotes):        # never completed: MPI may still read them
+            MPI_Request_free(&self.note_reqs[i])
+        self.nnotes = 0

@@ -59,6 +59,8 @@ cdef class DgramEndpoint(Channel):
     cdef int* slot_owner
     cdef int* free_slots
     cdef int nfree
+    cdef int draining                 # drain() calls under way (it nests: drain ->
+                                      # accept -> a send waiting for room -> drain)
     # counters, for the whole life of the endpoint
     cdef uint64_t n_sent, n_received, n_truncated, n_unsent
 
@@ -403,6 +405,7 @@ cdef class DgramEndpoint(Channel):
         cdef int n, i, k, slot, owner
         if self.fab == NULL:            # offline (DatagramJudge): nothing to reap
             return
+        self.draining += 1
         n = mpl_dg_poll(self.fab, events, MAX_EVENTS)
         for i in range(n):
             k = <int><intptr_t>events[i].context
@@ -423,6 +426,7 @@ cdef class DgramEndpoint(Channel):
                     self.cbuf_busy[owner - 2] -= 1
                 self.free_slots[self.nfree] = slot
                 self.nfree += 1
+        self.draining -= 1
 
     cdef void accept(self, const char* data, Py_ssize_t length, bint may_stash) noexcept nogil:
         """Judge one received datagram (header + payload): the protocol's."""

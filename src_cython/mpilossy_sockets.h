@@ -75,6 +75,18 @@ typedef struct {
     void *user;
 } mpl_sock_send_t;
 
+/* What one sendmmsg hands over (on the heap: 70 KB, too much for a stack
+ * frame that may sit under a deep call). */
+typedef struct {
+    struct mmsghdr msgs[MPL_SOCK_BATCH];
+    struct iovec iov[MPL_SOCK_BATCH * MPL_SOCK_MAX_SEGS];
+    union {
+        char buf[CMSG_SPACE(sizeof(uint16_t))];
+        struct cmsghdr align;
+    } ctl[MPL_SOCK_BATCH];
+    size_t first[MPL_SOCK_BATCH + 1];
+} mpl_sock_batch_t;
+
 struct mpl_sock {
     int fd;
     struct sockaddr_in self;
@@ -84,6 +96,7 @@ struct mpl_sock {
     size_t rq_cap, rq_head, rq_count;
     mpl_sock_send_t *sq;           /* queued sends, in order */
     size_t sq_cap, sq_count;
+    mpl_sock_batch_t *batch;       /* the messages of a flush */
     void **done;                   /* completed sends not yet reaped, a FIFO ring */
     size_t done_cap, done_head, done_count;
     int gso;                       /* UDP_SEGMENT accepted so far */
@@ -153,8 +166,9 @@ static int mpl_sock_open(mpl_sock_t **out, const char *domain, size_t nops,
     s->rq = calloc(nops, sizeof(*s->rq));
     s->sq = calloc(nops, sizeof(*s->sq));
     s->done = calloc(nops, sizeof(*s->done));
+    s->batch = calloc(1, sizeof(*s->batch));
     s->gso = 1;
-    if (!s->rq || !s->sq || !s->done) {
+    if (!s->rq || !s->sq || !s->done || !s->batch) {
         snprintf(err, errlen, "out of memory");
         goto fail;
     }
@@ -187,6 +201,7 @@ fail:
     free(s->rq);
     free(s->sq);
     free(s->done);
+    free(s->batch);
     free(s);
     return -1;
 }
@@ -201,6 +216,7 @@ static void mpl_sock_close(mpl_sock_t *s)
     free(s->rq);
     free(s->sq);
     free(s->done);
+    free(s->batch);
     free(s);
 }
 
@@ -241,19 +257,20 @@ static int mpl_sock_recv(mpl_sock_t *s, void *buf, size_t len, void *user)
 }
 
 /* Hand the queued sends to the kernel: as many as it takes now.  Returns
- * how many datagrams left, or -1 (errno set) when none could. */
+ * how many datagrams left, or -1 (errno set) when none could.  (No
+ * recursion: where segmentation offload is refused it tries again once,
+ * without it, in a loop.) */
 static int mpl_sock_flush(mpl_sock_t *s)
 {
-    struct mmsghdr msgs[MPL_SOCK_BATCH];
-    struct iovec iov[MPL_SOCK_BATCH * MPL_SOCK_MAX_SEGS];
-    union {
-        char buf[CMSG_SPACE(sizeof(uint16_t))];
-        struct cmsghdr align;
-    } ctl[MPL_SOCK_BATCH];
-    size_t first[MPL_SOCK_BATCH + 1], i = 0, nv = 0, left = 0, k;
-    int m = 0, sent, d;
+    struct mmsghdr *msgs = s->batch->msgs;
+    struct iovec *iov = s->batch->iov;
+    size_t *first = s->batch->first, i, nv, left = 0, k;
+    int m, sent, d;
     if (!s->sq_count)
         return 0;
+again:
+    i = nv = 0;
+    m = 0;
     /* Group: a run of datagrams to one peer, all of the run's first length
      * but the last (which may be shorter), is one segmented message. */
     while (i < s->sq_count && m < MPL_SOCK_BATCH) {
@@ -278,9 +295,9 @@ static int mpl_sock_flush(mpl_sock_t *s)
         msgs[m].msg_hdr.msg_iovlen = n;
         if (n > 1) {
             struct cmsghdr *c;
-            memset(ctl[m].buf, 0, sizeof(ctl[m].buf));
-            msgs[m].msg_hdr.msg_control = ctl[m].buf;
-            msgs[m].msg_hdr.msg_controllen = sizeof(ctl[m].buf);
+            memset(s->batch->ctl[m].buf, 0, sizeof(s->batch->ctl[m].buf));
+            msgs[m].msg_hdr.msg_control = s->batch->ctl[m].buf;
+            msgs[m].msg_hdr.msg_controllen = sizeof(s->batch->ctl[m].buf);
             c = CMSG_FIRSTHDR(&msgs[m].msg_hdr);
             c->cmsg_level = SOL_UDP;
             c->cmsg_type = UDP_SEGMENT;
@@ -300,7 +317,7 @@ static int mpl_sock_flush(mpl_sock_t *s)
         if (s->gso && (errno == EIO || errno == EINVAL || errno == ENOPROTOOPT
                        || errno == EOPNOTSUPP) && first[1] - first[0] > 1) {
             s->gso = 0;            /* no segmentation offload here: one datagram per message */
-            return mpl_sock_flush(s);
+            goto again;
         }
         /* Refused for good (an ICMP error reported late, a peer gone): the
          * first message is lost, as a datagram can be. */

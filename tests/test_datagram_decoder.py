@@ -204,6 +204,45 @@ def test_a_buffer_that_cannot_grow_stays_as_it_was(need):
     assert _testing.grow_refused(16, 64) == (False, 64, True)
 
 
+def nack(number, blocks, src=1, slot=0, seq=SEQ):
+    payload = b"".join(b.to_bytes(4, "little") for b in blocks)
+    return datagram(kind=_core.PKT_NACK, src=src, slot=slot, block=number, count=0,
+                    payload=payload, seq=seq, sig=0)
+
+
+def test_a_replayed_nack_makes_no_resends():
+    """A NACK carries a number that grows with every NACK its sender sends
+    in a call: one answered already (a capture replayed on the path) is not
+    answered again.  Before: every replay resent the blocks it listed
+    (issue 27, item 11)."""
+    j = judge()
+    j.hold_outbox(SEQ, NSLOTS, NBLOCKS)
+    j.feed(nack(5, [0, 1, 2]))
+    assert j.counters()["resent"] == 3
+    for _ in range(100):
+        j.feed(nack(5, [0, 1, 2]))
+        j.feed(nack(4, [0]))
+    counters = j.counters()
+    assert counters["resent"] == 3 and counters["nacks_replayed"] == 200, counters
+    j.feed(nack(6, [2]))                        # the sender's next one is answered
+    j.feed(nack(1, [1], src=2))                 # numbers are per sender
+    assert j.counters()["resent"] == 5
+
+
+def test_a_nack_inside_a_waiting_send_waits_for_the_next_one():
+    """Answering a NACK from inside a send that waits for room (drain ->
+    accept -> answer -> send -> drain ...) would nest without bound: there
+    it is left for the sender's next NACK (issue 27, item 11)."""
+    j = judge()
+    j.hold_outbox(SEQ, NSLOTS, NBLOCKS)
+    j.set_draining(2)
+    j.feed(nack(1, [0, 1]))
+    assert j.counters()["resent"] == 0 and j.counters()["nacks_deferred"] == 1
+    j.set_draining(1)                           # a drain at the top: answered
+    j.feed(nack(2, [0, 1]))
+    assert j.counters()["resent"] == 2
+
+
 def test_mac_key_and_tag_sizes():
     assert _core.MAC_KEY_BYTES == len(KEY)
     with pytest.raises(ValueError):

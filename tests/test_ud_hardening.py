@@ -5,6 +5,9 @@ on the path cannot make a rank resend or recurse without bound.  Each test
 starts its own mpiexec (a crash must fail the test, not the suite)."""
 
 import json
+import os
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -19,9 +22,10 @@ pytestmark = [
 ]
 
 
-def launch(script, ranks, *args, timeout=120, **env):
-    proc = run_bounded([mpiexec(), "-n", str(ranks), sys.executable, str(HERE / "scripts" / script),
-                        *map(str, args)], timeout,
+def launch(script, ranks, *args, timeout=120, namespace=None, **env):
+    prefix = ["ip", "netns", "exec", namespace] if namespace else []
+    proc = run_bounded([*prefix, mpiexec(), "-n", str(ranks), sys.executable,
+                        str(HERE / "scripts" / script), *map(str, args)], timeout,
                        clean_subprocess_env(MPILOSSY_UD_PROVIDER="native", **env))
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
@@ -51,3 +55,83 @@ def test_a_call_that_cannot_start_leaves_the_channel_usable(ranks, timeout):
         assert r["before"] == 0 and r["after"] == [0, 0, 0], ranks_seen
         assert r["again"] == (0 if timeout == "none" else 1), ranks_seen
     assert len({r["seq"] for r in ranks_seen}) == 1, ranks_seen         # calls in step
+
+
+# -- HELLO and ERROR datagrams lost -------------------------------------------------
+# The kind of a datagram is the 16-bit little-endian word at byte 6 of its
+# header (mpl_packet_t): HELLO 2, ERROR 3, read by nftables as 0x0200, 0x0300.
+DROP_CONTROL = ("table inet mpilossy_control {\n chain input {\n"
+                "  type filter hook input priority 0; policy accept;\n"
+                "  meta l4proto udp @ih,48,16 { 0x0200, 0x0300 } counter drop\n }\n}\n")
+
+
+@pytest.fixture
+def control_lost():
+    """A network namespace whose loopback loses every HELLO and ERROR
+    datagram (and nothing else)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create a network namespace")
+    for tool in ("ip", "nft"):
+        if shutil.which(tool) is None:
+            pytest.skip(f"needs `{tool}` (apt-get install iproute2 nftables)")
+    name = f"mpilossy-control-{os.getpid()}"
+    subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+        subprocess.run(["ip", "netns", "exec", name, "nft", "-f", "-"], input=DROP_CONTROL,
+                       text=True, check=True)
+        yield name
+        counted = subprocess.run(["ip", "netns", "exec", name, "nft", "list", "ruleset"],
+                                 capture_output=True, text=True).stdout
+        assert "counter packets 0 " not in counted, counted      # the rule did drop
+    finally:
+        subprocess.run(["ip", "netns", "del", name], check=False)
+
+
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_errors_and_disagreements_reach_every_rank_when_their_datagrams_are_lost(
+        control_lost, ranks):
+    """Before: an error reached peers only as two ERROR datagrams and a
+    disagreement only through one HELLO; with those lost, peers waiting
+    without a deadline waited for ever (the job was killed here after 60 s),
+    and with a deadline they returned a lossy success while the culprit
+    raised.  Now errors also travel over MPI, and a DATA laid out for
+    another call is itself a disagreement."""
+    r = report(launch("ud_lost_control.py", ranks, timeout=60, namespace=control_lost),
+               "LOST_CONTROL")
+    assert r["warm"] == [0] * ranks, r
+    for case in ("error without deadline", "error with deadline"):
+        outcomes = r[case]
+        assert all(o.startswith("BufferError") and "read-only" in o for o in outcomes), (case, r)
+        assert len({o.split(": ", 1)[1] for o in outcomes}) == 1, (case, r)   # the same message
+        assert r[case + ": next call wrong"] == [0] * ranks, r
+    assert all(o.startswith("MismatchError") for o in r["mismatch without deadline"]), r
+    assert r["mismatch without deadline: next call wrong"] == [0] * ranks, r
+    assert sum(r["errors heard over MPI"]) > 0, r
+
+
+# -- a small stack -----------------------------------------------------------------
+def test_a_datagram_call_runs_on_a_thread_with_a_small_stack(tmp_path):
+    """The native transport's flush kept 70 KB of messages on the stack and
+    called itself once more where segmentation offload was refused (140 KB):
+    a call on a thread with a 64 KiB stack crashed.  Its messages are on the
+    heap now, and it loops instead of recursing (issue 27, item 11)."""
+    script = tmp_path / "small_stack.py"
+    script.write_text(
+        "import threading\nimport numpy as np\nfrom mpi4py import MPI\nimport mpilossy\n"
+        "comm = MPI.COMM_WORLD\n"
+        "lc = mpilossy.Communicator(comm, channel='ud', timeout=None)\n"
+        "x = np.ones(1 << 20, np.float32)\nok = []\n"
+        "def work():\n"
+        "    out = np.empty_like(x)\n"
+        "    for _ in range(3):\n"
+        "        lc.allreduce(x, out, algorithm='direct')\n"
+        "    ok.append(bool((out == comm.size).all()))\n"
+        "threading.stack_size(64 * 1024)\n"
+        "t = threading.Thread(target=work)\nt.start()\nt.join()\n"
+        "everyone = comm.gather(ok, root=0)\nlc.free()\n"
+        "if comm.rank == 0:\n    print('SMALL_STACK', everyone, flush=True)\n")
+    proc = run_bounded([mpiexec(), "-n", "2", sys.executable, str(script)], 60,
+                       clean_subprocess_env(MPILOSSY_UD_PROVIDER="native"))
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}"
+    assert "SMALL_STACK [[True], [True]]" in proc.stdout.splitlines(), proc.stdout
