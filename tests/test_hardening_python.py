@@ -163,3 +163,27 @@ def test_topk_ties_go_to_the_lowest_block_index(comm, lc):
     chosen = comm.allgather(_chosen(data, block))
     assert all(c == [1, 3, 5] for c in chosen), chosen      # ceil(0.07 * 40) = 3 of the ties
     np.testing.assert_array_equal(data.reshape(nblocks, block)[[1, 3, 5]], 2.0 * comm.size)
+
+
+# -- item 7: GroupAverager construction fails on every rank, or on none -----------------
+
+@pytest.mark.mpi(min_size=2)
+def test_group_averager_fails_everywhere_when_one_group_fails(comm, monkeypatch):
+    """A setting that rank 0 alone rejects fails the Communicator of rank 0's
+    group only (agreed within the group).  Every rank of the whole
+    communicator must raise the same error, where the other groups used to
+    wait for ever in the next dimension's Split (4 ranks: a 2 x 2 grid).
+    Afterwards every rank builds and averages normally."""
+    if comm.rank == 0:
+        monkeypatch.setenv("MPILOSSY_BLOCK_BYTES", "banana")
+    message = all_ranks_raise(
+        comm, lambda: mpilossy.GroupAverager(comm, group_size=2, timeout=None), ValueError)
+    messages = comm.allgather(message)
+    assert all(m == messages[0] for m in messages), messages
+    assert "MPILOSSY_BLOCK_BYTES" in message and "rank 0" in message, message
+    monkeypatch.delenv("MPILOSSY_BLOCK_BYTES", raising=False)
+    with mpilossy.GroupAverager(comm, group_size=2, timeout=None) as ga:
+        x = np.full(8, float(comm.rank))
+        for _ in range(ga.rounds_to_mix):
+            ga.average(x)
+    np.testing.assert_allclose(x, (comm.size - 1) / 2)
