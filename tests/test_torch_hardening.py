@@ -57,3 +57,72 @@ def test_a_rank_without_micro_batches_fails_the_step_everywhere(comm, wrapper, t
                                    rtol=1e-10, atol=1e-10)
         assert opt.stats.delivered == 1.0
         assert same_on_every_rank(comm, p.detach().numpy())
+
+
+# -- item 6: optimizer state and parameters that are not contiguous --------------------
+
+def conv_model(seed, channels_last):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Conv2d(48, 48, 3), torch.nn.Conv2d(48, 4, 1))
+    return model.to(memory_format=torch.channels_last) if channels_last else model
+
+
+def conv_step(model, opt, rank):
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(2, 48, 6, 6, generator=g).to(memory_format=torch.channels_last)
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+
+
+def state_values(opt):
+    """The optimizer state's tensors, flattened in logical order."""
+    state = opt.state_dict()["state"]
+    return np.concatenate([v.detach().reshape(-1).double().numpy()
+                           for k in sorted(state) for _, v in sorted(state[k].items())])
+
+
+@pytest.mark.mpi
+def test_broadcast_channels_last_adam_state(comm):
+    """Adam's state of a channels_last model is channels_last (not
+    contiguous) and large (a 48x48x3x3 kernel: 83 KB, above FUSE_BELOW): the
+    root used to pack it while the receivers, whose fresh state is
+    contiguous, broadcast it alone (MPI_ERR_TRUNCATE there, the root went
+    on).  Now every rank gets the root's values, in the root's layout."""
+    model = conv_model(comm.rank, channels_last=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    if comm.rank == 0:
+        conv_step(model, opt, 0)                # state exists on the root only
+    weight = model[0].weight
+    assert not weight.is_contiguous() and weight.numel() * 4 >= mt.broadcast.FUSE_BELOW
+    mt.broadcast_optimizer_state(opt, root_rank=0)
+    values = state_values(opt)
+    assert same_on_every_rank(comm, values) and np.abs(values).max() > 0
+    exp_avg = opt.state[weight]["exp_avg"]
+    assert exp_avg.is_contiguous(memory_format=torch.channels_last)
+    mt.broadcast_parameters(model, root_rank=0)
+    conv_step(model, opt, 1)                    # and Adam goes on alike everywhere
+    assert same_on_every_rank(comm, state_values(opt))
+
+
+@pytest.mark.mpi
+def test_broadcast_parameters_of_different_layouts(comm):
+    """The root's model is channels_last, the others' contiguous: the
+    message layout depends on shapes and dtypes alone, so every rank ends
+    with the root's values (in its own layout)."""
+    model = conv_model(comm.rank, channels_last=comm.rank == 0)
+    mt.broadcast_parameters(model, root_rank=0)
+    values = np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()])
+    assert same_on_every_rank(comm, values)
+    assert model[0].weight.is_contiguous() == (comm.rank != 0)
+
+
+@pytest.mark.mpi
+def test_broadcast_into_a_tensor_that_overlaps_itself_fails_everywhere(comm):
+    """An expanded tensor (stride 0) cannot receive a broadcast: every rank
+    raises the same BufferError before any data moves."""
+    tensors = [("ok", torch.zeros(10)), ("expanded", torch.zeros(1).expand(40000))]
+    message = all_ranks_raise(comm, lambda: mt.broadcast_parameters(tensors, root_rank=0),
+                              BufferError)
+    assert "expanded" in message and "overlaps" in message, message
+    assert same_on_every_rank(comm, message)
