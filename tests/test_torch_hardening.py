@@ -126,3 +126,105 @@ def test_broadcast_into_a_tensor_that_overlaps_itself_fails_everywhere(comm):
                               BufferError)
     assert "expanded" in message and "overlaps" in message, message
     assert same_on_every_rank(comm, message)
+
+
+# -- item 10: checkpoints of the sharded mode -----------------------------------------
+
+def sharded(comm, lc, seed=0, lr=0.05):
+    model = torch.nn.Sequential(torch.nn.Linear(16, 40), torch.nn.Tanh(), torch.nn.Linear(40, 3))
+    torch.manual_seed(seed)
+    for p in model.parameters():
+        torch.nn.init.normal_(p)
+    opt = mt.ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=lr),
+                              model.named_parameters(), lc)
+    return model, opt
+
+
+def train(model, opt, rank, steps, first=0):
+    for step in range(first, first + steps):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        x = torch.randn(8, 16, generator=g)
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+
+def values(model):
+    return np.concatenate([p.detach().reshape(-1).numpy() for p in model.parameters()])
+
+
+@pytest.mark.mpi
+def test_sharded_checkpoint_loaded_on_one_rank(comm, lc):
+    """A checkpoint of the model loaded on rank 0 alone: resynchronize()
+    used to be the advice, but the owners' chunks win and every rank ended
+    with rank 0's chunk of the checkpoint and the others' stale chunks.
+    resynchronize(root_rank=0) gives every rank rank 0's parameters."""
+    model, opt = sharded(comm, lc)
+    train(model, opt, comm.rank, 2)
+    checkpoint = {k: v.clone() for k, v in model.state_dict().items()}
+    train(model, opt, comm.rank, 2, first=2)
+    if comm.rank == 0:
+        model.load_state_dict(checkpoint)
+    opt.resynchronize(root_rank=0)
+    expected = np.concatenate([v.reshape(-1).numpy() for v in checkpoint.values()])
+    np.testing.assert_array_equal(values(model), expected)
+    assert same_on_every_rank(comm, values(model))
+    train(model, opt, comm.rank, 1, first=4)        # and training goes on alike
+    assert same_on_every_rank(comm, values(model))
+    all_ranks_raise(comm, lambda: opt.resynchronize(root_rank=comm.size), ValueError)
+
+
+@pytest.mark.mpi
+def test_sharded_state_dict_belongs_to_its_rank(comm, lc):
+    """A sharded optimizer's state_dict holds this rank's chunk: loaded on
+    another rank, or into a run of another size, it must be refused (the
+    same error on every rank), not silently applied to the wrong chunk.
+    Its own state loads back."""
+    model, opt = sharded(comm, lc)
+    train(model, opt, comm.rank, 1)
+    mine = opt.state_dict()
+    everyone = comm.allgather(mine)
+    opt.load_state_dict(everyone[comm.rank])        # its own: fine
+    if comm.size > 1:
+        message = all_ranks_raise(
+            comm, lambda: opt.load_state_dict(everyone[(comm.rank + 1) % comm.size]),
+            ValueError)
+        assert "rank" in message, message
+    solo = comm.Split(comm.rank, 0)
+    try:
+        with mpilossy.Communicator(solo, timeout=None) as alone:
+            model1, opt1 = sharded(solo, alone)
+            train(model1, opt1, comm.rank, 1)
+            single = opt1.state_dict()
+    finally:
+        solo.Free()
+    if comm.size > 1:
+        message = all_ranks_raise(comm, lambda: opt.load_state_dict(single), ValueError)
+        assert "size" in message, message
+    # A plain optimizer's state of the same structure (one tensor as long as
+    # this rank's chunk): torch would take it; it is not a chunk of this run.
+    chunk = torch.nn.Parameter(torch.zeros(opt.param_groups[0]["params"][0].numel()))
+    plain = torch.optim.Adam([chunk])
+    chunk.grad = torch.ones_like(chunk)
+    plain.step()
+    all_ranks_raise(comm, lambda: opt.load_state_dict(plain.state_dict()), ValueError)
+    train(model, opt, comm.rank, 1, first=1)        # still usable
+    assert same_on_every_rank(comm, values(model))
+
+
+# -- item 10: group averaging keeps float64 ------------------------------------------
+
+@pytest.mark.mpi
+def test_group_average_keeps_float64(comm):
+    """float64 parameters that differ below float32's resolution average
+    to the exact mean (they used to be averaged, and rounded, in float32);
+    a float32 tensor beside them stays right too."""
+    wide = torch.full((300,), 0.1 + 1e-12 * comm.rank, dtype=torch.float64)
+    narrow = torch.full((50,), float(comm.rank), dtype=torch.float32)
+    with mpilossy.GroupAverager(comm, group_size=2, timeout=None) as ga:
+        for _ in range(max(1, ga.rounds_to_mix)):
+            assert mt.group_average_parameters([("w", wide), ("n", narrow)], ga) == 1.0
+    exact = 0.1 + 1e-12 * (comm.size - 1) / 2
+    np.testing.assert_allclose(wide.numpy(), exact, rtol=1e-15, atol=0)
+    assert wide.dtype == torch.float64
+    np.testing.assert_allclose(narrow.numpy(), (comm.size - 1) / 2, rtol=1e-6)

@@ -234,11 +234,16 @@ def group_average_parameters(parameters: Any, averager: "GroupAverager",
     the average over this round's group of ranks, for local SGD or a
     decentralised mode (average every few steps, no global collective).
     Without loss, `averager.rounds_to_mix` rounds in a row give the global
-    average.  Returns the fraction of elements delivered."""
+    average.  The tensors travel in one buffer of the widest dtype among
+    them (float64 if any is, else float32: float16 exactly, and without its
+    range's overflow), so none loses precision.  Returns the fraction of
+    elements delivered."""
     named = [(n, t) for n, t in named_tensors(parameters) if t.is_floating_point()]
     check_tensors(averager.comm, named, reducible=True)
+    wide = (torch.float64 if any(t.dtype == torch.float64 for _, t in named)
+            else torch.float32)
     with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for _, t in named])
+        flat = torch.cat([t.detach().reshape(-1).to(wide) for _, t in named])
         stats = averager.average(flat.numpy(), **call_arguments)
         at = 0
         for _, tensor in named:
