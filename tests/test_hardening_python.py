@@ -5,13 +5,11 @@ construction when one group fails.  Every test is bounded and runs at any
 number of ranks."""
 
 import gc
-import math
 import time
 import weakref
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import mpilossy
 from mpilossy.compression import TopK
