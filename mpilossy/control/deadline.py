@@ -28,6 +28,12 @@ earlier ones are still pending (they queue, each with its own buffers): the
 collectives match by order, so skipping one on a rank that waits would put
 the ranks' schedules a period apart for good.
 
+A communicator freed while an agreement is still in flight (a peer late,
+or never coming) waits for it at most a second, then keeps the request and
+its buffers in a module-level list that completes them later: MPI cannot
+cancel a collective, and freeing the request or the buffers while a peer
+may still complete into them would be erroneous and unsafe.
+
 Why these numbers: a call spends 40% of its deadline in its stages after the
 anchor (docs/deadlines.md), so FACTOR = 4 gives a lossless call 1.6 times its
 recent 95th percentile, and late peers 60% of the deadline.  The agreement
