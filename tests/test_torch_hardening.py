@@ -12,6 +12,7 @@ import numpy as np  # noqa: E402
 
 import mpilossy  # noqa: E402
 import mpilossy.torch as mt  # noqa: E402
+from mpilossy import _core  # noqa: E402
 from helpers import all_ranks_raise  # noqa: E402
 from torch_helpers import same_on_every_rank  # noqa: E402
 
@@ -23,10 +24,14 @@ def micro_gradient(rank, step, i, n):
     return torch.randn(n, generator=g, dtype=torch.float64)
 
 
+CHANNELS = ["rma"] + (["ud"] if _core.HAVE_LIBFABRIC and _core.HAVE_DATAGRAM_AUTH else [])
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("wrapper", ["distributed", "sharded"])
 @pytest.mark.parametrize("timeout", [None, 2.0], ids=["no-deadline", "deadline"])
-def test_a_rank_without_micro_batches_fails_the_step_everywhere(comm, wrapper, timeout):
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_a_rank_without_micro_batches_fails_the_step_everywhere(comm, wrapper, timeout, channel):
     """The last rank's loader runs dry: no micro-batch, no weight.  The step
     raises the same ValueError on every rank (not on that rank alone, with
     its peers waiting for it or going on a call ahead), nothing is applied,
@@ -35,7 +40,7 @@ def test_a_rank_without_micro_batches_fails_the_step_everywhere(comm, wrapper, t
     p = torch.nn.Parameter(torch.zeros(n, dtype=torch.float64))
     deadline = mt.ComputeDeadline(1e9, max_micro_batches=2)
     dry = comm.size - 1
-    with mpilossy.Communicator(comm, timeout=timeout) as lc:
+    with mpilossy.Communicator(comm, channel=channel, timeout=timeout) as lc:
         wrap = mt.DistributedOptimizer if wrapper == "distributed" else mt.ShardedOptimizer
         opt = wrap(torch.optim.SGD([p], lr=1.0), [("p", p)], lc, compute_deadline=deadline)
 
