@@ -117,7 +117,7 @@ class _Spec:
 
     def __init__(self, t: torch.Tensor):
         self.shape, self.dtype = tuple(t.shape), t.dtype
-        self.stride = torch.empty_like(t).stride()
+        self.stride = torch.empty_like(t, device="meta").stride()   # (allocates nothing)
 
     def __repr__(self) -> str:
         return f"<tensor {self.shape} {self.dtype}>"
