@@ -11,13 +11,19 @@ of never.  The optimizers and the DDP hook of mpilossy.torch take these
 - ``TopK(density)``: every rank sends the same blocks of the vector, the
   ``density`` share of them with the most energy, and nothing else.  The
   ranks agree on the blocks without exchanging indices: each computes the
-  energy (sum of squares) of every block of its vector plus residual, and
-  one small reliable ``MPI_Allreduce`` takes the maximum per block.  The
-  maximum, unlike a sum, is exact and the same on every rank whatever the
-  MPI's order of reduction, so every rank selects the same blocks
-  (``np.argpartition`` on identical input).  The selected values go through
-  one lossy all-reduce; the rest stays in the residual (error feedback)
-  or is dropped (without it).
+  energy (sum of squares, in float64, where float32 squares cannot
+  overflow) of every block of its vector plus residual, and one small
+  reliable ``MPI_Allreduce`` takes the maximum per block.  The maximum,
+  unlike a sum, is exact and the same on every rank whatever the MPI's
+  order of reduction, provided no operand is NaN (``MPI_MAX`` with a NaN
+  depends on that order: MPICH gives NaN on some ranks, a number on
+  others), so a NaN energy becomes +inf before the reduction: a block with
+  a NaN or an infinity is among the first chosen (sent, not hidden).  Every
+  rank then ranks the blocks by energy, ties by block index (a stable
+  sort: one answer for identical input, whatever the NumPy build), and
+  takes the first ``ceil(density * blocks)``.  The selected values go
+  through one lossy all-reduce; the rest stays in the residual (error
+  feedback) or is dropped (without it).
 
 Both keep the lossy call's own rules: a lost block of the compressed
 payload is rescaled by the contributions that arrived, as without
@@ -151,11 +157,15 @@ class TopK(Compression):
 
     def _select(self, lc: Communicator, blocks: np.ndarray) -> np.ndarray:
         """Indices of the chosen blocks, sorted, identical on every rank."""
-        energy = np.einsum("ij,ij->i", blocks, blocks)
+        energy = np.einsum("ij,ij->i", blocks, blocks, dtype=np.float64)
+        # Every operand of the maximum a number (see the module docs): a
+        # NaN gradient is sent, not hidden, and chosen alike everywhere.
+        energy[np.isnan(energy)] = np.inf
         lc.comm.Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX)
-        energy[np.isnan(energy)] = np.inf        # a NaN gradient is sent, not hidden
         k = min(energy.size, max(1, math.ceil(self.density * energy.size)))
-        return np.sort(np.argpartition(-energy, k - 1)[:k])
+        # Most energy first, ties to the lower index: a stable sort has one
+        # answer (argpartition's choice among ties is the build's).
+        return np.sort(np.argsort(-energy, kind="stable")[:k])
 
     def _reduce(self, lc: Communicator, key: Hashable, data: np.ndarray, op: str,
                 weight: Optional[float]) -> Tuple[np.ndarray, np.ndarray, CollectiveStats]:

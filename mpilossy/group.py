@@ -21,6 +21,13 @@ from mpi4py import MPI
 
 from .call.stats import CollectiveStats
 from .communicator import Communicator
+from .errors import LaggingError, MismatchError, MPILossyError
+
+# The exceptions a failed Communicator raises, by name, for the ranks that
+# only hear of the failure (anything else becomes an MPILossyError).
+_ERRORS = {cls.__name__: cls for cls in (TypeError, ValueError, BufferError, MemoryError,
+                                         OSError, RuntimeError, MismatchError, MPILossyError,
+                                         LaggingError)}
 
 __all__ = ["GroupAverager", "grid_shape"]
 
@@ -56,7 +63,9 @@ class GroupAverager:
     """Lossy averaging in rotating groups (Moshpit SGD).
 
     ``GroupAverager(comm, group_size=2, **communicator_arguments)`` builds
-    one mpilossy Communicator per grid dimension (collective).  Each
+    one mpilossy Communicator per grid dimension (collective: if any group's
+    Communicator fails, every rank raises the same exception, naming the
+    ranks and the first one's error).  Each
     ``average(buf)`` is one round: buf becomes the lossy average of buf over
     this round's group, in place, and the round's statistics are returned.
     ``rounds_to_mix`` rounds in a row give the exact global average without
@@ -86,10 +95,36 @@ class GroupAverager:
             for k, c in enumerate(others):
                 color = color * (max(shape) + 1) + c
             sub = comm.Split(color, self.coordinates[dim])
+            failure: Optional[BaseException] = None
             try:
                 self._groups.append(Communicator(sub, **communicator_arguments))
+            except BaseException as exc:    # (Ctrl-C too: the peers must hear of it)
+                failure = exc
             finally:
                 sub.Free()          # (the Communicator keeps its own duplicate)
+            self._agree_built(dim, failure)
+
+    def _agree_built(self, dim: int, failure: Optional[BaseException]) -> None:
+        """Collective over the whole communicator: raise on every rank if the
+        Communicator of any rank's group along `dim` failed.  A Communicator
+        agrees on its failure within its group only; without this the other
+        groups would go on to the next dimension's Split (or their first
+        round) and wait for ever for ranks that have left."""
+        report = None if failure is None else (type(failure).__name__, str(failure))
+        reports = self.comm.allgather(report)
+        failed = [r for r, e in enumerate(reports) if e is not None]
+        if not failed:
+            return
+        self.free()                 # (collective within each group built so far)
+        if failure is not None and not isinstance(failure, Exception):
+            raise failure           # KeyboardInterrupt and the like: as they are
+        kind, message = reports[failed[0]]
+        error = _ERRORS.get(kind, MPILossyError)(
+            f"GroupAverager: the group along dimension {dim} of rank(s) {failed} could not "
+            f"be built: rank {failed[0]}: {message}")
+        if failure is not None:
+            raise error from failure
+        raise error
 
     @property
     def rounds_to_mix(self) -> int:

@@ -28,6 +28,12 @@ earlier ones are still pending (they queue, each with its own buffers): the
 collectives match by order, so skipping one on a rank that waits would put
 the ranks' schedules a period apart for good.
 
+A communicator freed while an agreement is still in flight (a peer late,
+or never coming) waits for it at most a second, then keeps the request and
+its buffers in a module-level list that completes them later: MPI cannot
+cancel a collective, and freeing the request or the buffers while a peer
+may still complete into them would be erroneous and unsafe.
+
 Why these numbers: a call spends 40% of its deadline in its stages after the
 anchor (docs/deadlines.md), so FACTOR = 4 gives a lossless call 1.6 times its
 recent 95th percentile, and late peers 60% of the deadline.  The agreement
@@ -37,10 +43,11 @@ stages, and losses that hit some ranks more than others bias the result.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import time
 from collections import deque
-from typing import Any, Deque, Dict, NamedTuple, Tuple
+from typing import Any, Deque, Dict, List, NamedTuple, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -80,6 +87,31 @@ class _Agreement(NamedTuple):
     due: int                    # the call at which the result applies
 
 
+# Agreements that close() could not finish (a peer had not started its
+# part yet, or never will).  MPI cannot cancel a collective, and dropping the
+# request object would free it (mpi4py's Request.__dealloc__ calls
+# MPI_Request_free, erroneous for an active collective) together with the
+# buffers that a late peer's values still land in.  They are kept here until
+# they complete (reap(), at every close() and agreement tick) or the process
+# ends.  The interpreter clears module globals before mpi4py's MPI_Finalize
+# (a Py_AtExit function), so the list holds one reference that is never
+# given back: what is still in it then is never freed, and MPI_Finalize
+# finds the buffers where the collective left them.
+_lingering: List[_Agreement] = []
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_lingering))
+
+
+def reap(limit: float = 0.0) -> int:
+    """Drive the lingering agreements (MPI_Test) for up to `limit` seconds,
+    forget those that completed; returns how many are left."""
+    end = time.monotonic() + limit
+    while True:
+        _lingering[:] = [a for a in _lingering if not a.request.Test()]
+        if not _lingering or time.monotonic() >= end:
+            return len(_lingering)
+        time.sleep(1e-4)
+
+
 class AutoDeadline:
     """The learned, agreed deadline of each kind of call on one communicator."""
 
@@ -108,6 +140,8 @@ class AutoDeadline:
         spent = 0.0
         for agreement in self.pending:
             agreement.request.Test()     # drive MPI progress: shared-memory calls make none
+        if _lingering and self.calls % PERIOD == 0:
+            reap()
         # Agreements complete in the order they were started; each applies
         # at its due call, or at the first call after it that finds it done.
         while self.pending and self.calls >= self.pending[0].due:
@@ -167,15 +201,19 @@ class AutoDeadline:
             self.durations.setdefault(key, deque(maxlen=WINDOW)).append(duration)
 
     def close(self, limit: float = 1.0) -> None:
-        """Finish the agreements in flight; give up after `limit` seconds (a
-        peer that never gets here) rather than hang."""
+        """Finish the agreements in flight; after `limit` seconds (a peer
+        that is late, or never gets here) stop waiting rather than hang, and
+        keep what is unfinished, request and buffers, in the module's
+        lingering list until it completes (never freed while active)."""
         end = time.monotonic() + limit
         while self.pending and time.monotonic() < end:
             if self.pending[0].request.Test():
                 self.pending.popleft()
             else:
                 time.sleep(1e-4)
-        self.pending.clear()    # (MPI cannot cancel a collective: left to complete)
+        _lingering.extend(self.pending)
+        self.pending.clear()
+        reap()
 
     def snapshot(self) -> dict:
         """Current deadline per kind, for logs and tests."""

@@ -19,9 +19,12 @@ if TYPE_CHECKING:
 __all__ = ["average_optimizer_state", "average_parameters", "broadcast_optimizer_state",
            "broadcast_parameters", "check_parameters", "group_average_parameters"]
 
-# Tensors smaller than this (or not contiguous) travel packed in one buffer
-# per dtype: one MPI_Bcast instead of many small ones.  Larger contiguous
-# tensors are broadcast in place, without a copy.
+# Tensors smaller than this travel packed in one buffer per dtype: one
+# MPI_Bcast instead of many small ones.  Larger ones are broadcast alone, in
+# place when contiguous.  The choice depends on size alone (shape and dtype,
+# the same on every rank), never on the layout, which may differ between
+# ranks (a channels_last root, contiguous receivers): every rank must post
+# the same messages.
 FUSE_BELOW = 64 * 1024
 
 
@@ -38,9 +41,11 @@ def check_parameters(parameters: Any, comm: CommLike = None) -> None:
 
 def bcast_tensors(comm: MPI.Intracomm, tensors: Sequence[torch.Tensor], root: int) -> None:
     """Overwrite `tensors` with root's (same shapes and dtypes everywhere,
-    checked by the caller)."""
-    small = [t for t in tensors if t.numel() * t.element_size() < FUSE_BELOW
-             or not t.is_contiguous()]
+    and none that overlaps itself, checked by the caller).  Every message
+    carries elements in logical (row-major) order, whatever each rank's
+    layout: small tensors packed (FUSE_BELOW), large ones one by one, in
+    place when contiguous, else through a contiguous copy."""
+    small = [t for t in tensors if t.numel() * t.element_size() < FUSE_BELOW]
     if small:
         flat = Flat(small)
         if comm.rank == root:
@@ -51,8 +56,31 @@ def bcast_tensors(comm: MPI.Intracomm, tensors: Sequence[torch.Tensor], root: in
             flat.unpack(small)
     fused = {id(t) for t in small}
     for t in tensors:
-        if id(t) not in fused:
+        if id(t) in fused:
+            continue
+        if t.is_contiguous():
             comm.Bcast(as_bytes(t), root)
+            continue
+        staged = t.contiguous() if comm.rank == root else torch.empty(t.shape, dtype=t.dtype)
+        comm.Bcast(as_bytes(staged), root)
+        if comm.rank != root:
+            with torch.no_grad():
+                t.copy_(staged)
+
+
+def overlap_problem(name: str, tensor: torch.Tensor) -> Optional[Exception]:
+    """Why `tensor` cannot be overwritten element by element (None if it
+    can): some of its elements share memory (an expanded tensor, stride 0),
+    or its strides do not rule that out."""
+    reach = 1
+    for stride, size in sorted((st, n) for st, n in zip(tensor.stride(), tensor.shape) if n > 1):
+        if stride < reach:
+            return BufferError(f"{name} overlaps itself in memory (strides "
+                               f"{tuple(tensor.stride())} for shape {tuple(tensor.shape)}: an "
+                               f"expanded view?); it cannot receive values: pass a tensor that "
+                               f"owns its elements (.clone())")
+        reach += (size - 1) * stride
+    return None
 
 
 def _check_root(comm: MPI.Intracomm, root_rank: Any) -> Optional[Exception]:
@@ -74,7 +102,8 @@ def broadcast_parameters(parameters: Any, root_rank: int = 0, *, comm: CommLike 
     named = named_tensors(parameters)
     problem = _check_root(comm, root_rank)
     for name, t in named:
-        problem = problem or host_problem(f"tensor {name!r}", t, reducible=False)
+        problem = (problem or host_problem(f"tensor {name!r}", t, reducible=False)
+                   or overlap_problem(f"tensor {name!r}", t))
     check_everywhere(comm, problem, [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
                      + [("root", root_rank)], "tensors")
     bcast_tensors(comm, [t for _, t in named], root_rank)
@@ -82,10 +111,13 @@ def broadcast_parameters(parameters: Any, root_rank: int = 0, *, comm: CommLike 
 
 
 class _Spec:
-    """Stands for a tensor in the pickled skeleton of a state_dict."""
+    """Stands for a tensor in the pickled skeleton of a state_dict: its
+    shape, dtype, and the strides of torch.empty_like(it) (the layout,
+    channels_last say, that the receivers' copy keeps)."""
 
     def __init__(self, t: torch.Tensor):
         self.shape, self.dtype = tuple(t.shape), t.dtype
+        self.stride = torch.empty_like(t, device="meta").stride()   # (allocates nothing)
 
     def __repr__(self) -> str:
         return f"<tensor {self.shape} {self.dtype}>"
@@ -151,7 +183,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
 def _collect_specs(value: Any, out: List[torch.Tensor]) -> None:
     """Fresh tensors for the specs of a skeleton, in order."""
     if isinstance(value, _Spec):
-        out.append(torch.empty(value.shape, dtype=value.dtype))
+        out.append(torch.empty_strided(value.shape, value.stride, dtype=value.dtype))
     elif isinstance(value, dict):
         for v in value.values():
             _collect_specs(v, out)
@@ -187,7 +219,9 @@ def average_parameters(parameters: Any, *, comm: CommLike = None) -> float:
     began = time.perf_counter()
     comm = reliable_comm(comm)
     named = named_tensors(parameters)
-    check_tensors(comm, named, reducible=False, what="tensors")
+    problem = next((p for p in (overlap_problem(f"tensor {n!r}", t) for n, t in named) if p),
+                   None)
+    check_tensors(comm, named, reducible=False, what="tensors", problem=problem)
     with torch.no_grad():
         average_tensors(comm, [t for _, t in named], 0)
     return time.perf_counter() - began
@@ -200,11 +234,16 @@ def group_average_parameters(parameters: Any, averager: "GroupAverager",
     the average over this round's group of ranks, for local SGD or a
     decentralised mode (average every few steps, no global collective).
     Without loss, `averager.rounds_to_mix` rounds in a row give the global
-    average.  Returns the fraction of elements delivered."""
+    average.  The tensors travel in one buffer of the widest dtype among
+    them (float64 if any is, else float32: float16 exactly, and without its
+    range's overflow), so none loses precision.  Returns the fraction of
+    elements delivered."""
     named = [(n, t) for n, t in named_tensors(parameters) if t.is_floating_point()]
     check_tensors(averager.comm, named, reducible=True)
+    wide = (torch.float64 if any(t.dtype == torch.float64 for _, t in named)
+            else torch.float32)
     with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1).to(torch.float32) for _, t in named])
+        flat = torch.cat([t.detach().reshape(-1).to(wide) for _, t in named])
         stats = averager.average(flat.numpy(), **call_arguments)
         at = 0
         for _, tensor in named:

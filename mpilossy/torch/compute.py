@@ -139,12 +139,41 @@ def deadline_problem(lc: Communicator, op: str, deadline: object,
     return None
 
 
+NO_MICRO_BATCH = ("compute deadline: no micro-batch ran in this step, so its gradients have "
+                  "no weight (iterate over the ComputeDeadline at least once before step(); "
+                  "a data loader that ran dry?)")
+
+
+class _NoWeight(float):
+    """The weight of a rank that ran no micro-batch in its step.  Passed to
+    the lossy call like any weight, it fails that call's check of weight=
+    (which reads it with float()) with NO_MICRO_BATCH, and the call path
+    refuses the call on every rank with that ValueError: every rank raises
+    at the same call, each counted it, and the next step runs normally.
+    Raising here instead, on this rank alone, would leave its peers waiting
+    for its contribution (or a call ahead of it, with a deadline).  Read as
+    a number without float() it is NaN, which no weight check accepts."""
+
+    def __new__(cls) -> "_NoWeight":
+        return super().__new__(cls, math.nan)
+
+    def __float__(self) -> float:
+        raise ValueError(NO_MICRO_BATCH)
+
+    def __repr__(self) -> str:
+        return f"<no weight: {NO_MICRO_BATCH}>"
+
+
 def weigh(deadline: Optional[ComputeDeadline], arrays: Iterable[np.ndarray]) -> Optional[float]:
     """Turn the summed gradients of this step's micro-batches into their mean
     (in place) and return the weight to reduce them with (None without a
-    compute deadline)."""
+    compute deadline).  A step without micro-batches gets a weight that
+    fails the lossy call on every rank (_NoWeight); pass it to the call
+    as it is."""
     if deadline is None:
         return None
+    if deadline.micro_batches < 1:
+        return _NoWeight()
     weight = deadline.weight
     if weight != 1.0:
         for arr in arrays:

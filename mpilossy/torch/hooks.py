@@ -7,8 +7,9 @@ import os
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Hashable, List, Optional, Set, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from mpi4py import MPI
@@ -42,7 +43,10 @@ class AllreduceHookState:
         same parameters, as check_parameters() does.
     compression:
         LowBit or TopK (mpilossy.torch.compression), with its own error
-        feedback per bucket; CPU gradients.
+        feedback; CPU gradients.  The residuals follow the parameters, not
+        the bucket index: DDP rebuilds its buckets after the first
+        iteration (other parameters under the same index), and each new
+        bucket's residual is assembled from its parameters' old ones.
 
     ``stats`` is the StepStats of the last complete backward pass,
     ``bucket_stats`` the CollectiveStats of each bucket's last call.
@@ -64,6 +68,11 @@ class AllreduceHookState:
         self.compression = compression
         self.bucket_stats: Dict[int, CollectiveStats] = {}
         self._recorder = Recorder()
+        # Error feedback by parameter: where each parameter's residual lives
+        # (the key of its bucket's residual in the compressor, its offset),
+        # and the keys this state made (a compressor may serve others too).
+        self._residual_of: Dict[int, Tuple[Hashable, int]] = {}
+        self._bucket_keys: Set[Hashable] = set()
         self._worker = ThreadPoolExecutor(1, "mpilossy-hook") if background else None
 
     @property
@@ -80,13 +89,44 @@ class AllreduceHookState:
             self._worker.shutdown()
             self._worker = None
 
+    def _residual_key(self, layout: List[Tuple[int, int, int]], size: int) -> Hashable:
+        """The compressor's key for a bucket of these parameters ((id,
+        offset, count) each, in the bucket's flat buffer of `size`
+        elements).  A composition not seen before gets a residual made of
+        its parameters' residuals from their previous buckets (zeros for a
+        parameter never reduced), and residuals that no parameter uses any
+        more are dropped."""
+        key = ("ddp-bucket",) + tuple(pid for pid, _, _ in layout)
+        assert self.compression is not None
+        residuals = self.compression.residuals
+        if key in residuals:
+            return key
+        fresh = np.zeros(size, np.float32)
+        for pid, offset, count in layout:
+            previous = self._residual_of.get(pid)
+            if previous is not None and previous[0] in residuals:
+                old_key, old_offset = previous
+                fresh[offset:offset + count] = residuals[old_key][old_offset:old_offset + count]
+            self._residual_of[pid] = (key, offset)
+        residuals[key] = fresh
+        self._bucket_keys.add(key)
+        used = {k for k, _ in self._residual_of.values()}
+        for stale in self._bucket_keys - used:
+            residuals.pop(stale, None)
+        self._bucket_keys &= used
+        return key
+
     def _reduce(self, tensor: torch.Tensor, index: int, last: bool,
-                future: torch.futures.Future[torch.Tensor]) -> None:
+                future: torch.futures.Future[torch.Tensor],
+                layout: Optional[List[Tuple[int, int, int]]] = None) -> None:
         try:
             if self.compression is not None:
                 if tensor.device.type != "cpu":
                     raise BufferError("compression needs CPU gradients")
-                stats = self.compression.allreduce(self.communicator, index, as_numpy(tensor),
+                key: Hashable = index
+                if layout is not None and tensor.dtype == torch.float32:
+                    key = self._residual_key(layout, tensor.numel())
+                stats = self.compression.allreduce(self.communicator, key, as_numpy(tensor),
                                                    op=self.op)
             else:
                 stats = self.communicator.allreduce(tensor, op=self.op)
@@ -118,10 +158,22 @@ def allreduce_hook(state: AllreduceHookState,
     (op="avg") of what arrived by the deadline."""
     tensor = bucket.buffer()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    layout = None
+    if state.compression is not None and state.compression.error_feedback:
+        # Where each parameter's gradient sits in the bucket: its residual
+        # follows it when DDP rebuilds the buckets.
+        base, itemsize = tensor.data_ptr(), tensor.element_size()
+        layout = [(id(p), (g.data_ptr() - base) // itemsize, g.numel())
+                  for p, g in zip(bucket.parameters(), bucket.gradients())]
+        if any(not 0 <= at <= tensor.numel() - n for _, at, n in layout):
+            # (not views of the bucket: DDP packs them in order, back to back)
+            offsets = np.cumsum([0] + [n for _, _, n in layout[:-1]])
+            layout = [(pid, int(at), n) for (pid, _, n), at in zip(layout, offsets)]
+    args = (tensor, bucket.index(), bucket.is_last(), future, layout)
     if state._worker is None:
-        state._reduce(tensor, bucket.index(), bucket.is_last(), future)
+        state._reduce(*args)
     else:
-        state._worker.submit(state._reduce, tensor, bucket.index(), bucket.is_last(), future)
+        state._worker.submit(state._reduce, *args)
     return future
 
 

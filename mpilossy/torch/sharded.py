@@ -20,14 +20,15 @@ therefore stays bounded without broadcasts.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Tuple
+import hashlib
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from mpi4py import MPI
 
 from .. import CollectiveStats, Communicator
-from ._common import (REDUCIBLE, Flat, as_bytes, as_numpy, check_tensors, lossy_communicator,
-                      optimizer_parameters, reliable_comm)
+from ._common import (REDUCIBLE, Flat, as_bytes, as_numpy, check_everywhere, check_tensors,
+                      lossy_communicator, optimizer_parameters, reliable_comm)
 from .broadcast import bcast_tensors
 from .compression import Compression, compression_problem
 from .compute import ComputeDeadline, deadline_problem, weigh
@@ -39,6 +40,7 @@ from .optimizer import (Engine, WrappedOptimizer, already_wrapped, check_setting
 __all__ = ["ShardedOptimizer"]
 
 MISSED = ("keep", "extrapolate")
+SHARD_KEY = "mpilossy_shard"     # a sharded state_dict's record of its rank and chunk
 
 
 class _ShardedExchange(Engine):
@@ -122,17 +124,50 @@ class _ShardedExchange(Engine):
             if self.trends is not None:
                 self.trends[dtype].update(self.flat.buffers[dtype], stats)
 
-    def resynchronize(self) -> None:
-        """Reliable all-gather of every owner's chunk: drift exactly 0."""
+    def resynchronize(self, root_rank: Optional[int] = None) -> None:
+        """Reliable: every owner's chunk to every rank (root_rank None: drift
+        exactly 0), or `root_rank`'s whole parameters to every rank."""
+        if root_rank is not None:
+            bcast_tensors(self.comm, list(self.flat.buffers.values()), root_rank)
         for dtype, buf in self.flat.buffers.items():
-            data = as_bytes(buf)
-            itemsize = buf.element_size()
-            bounds = [self.lc.chunk_bounds(buf.numel(), r) for r in range(self.comm.size)]
-            counts = [(hi - lo) * itemsize for lo, hi in bounds]
-            displs = [lo * itemsize for lo, _ in bounds]
-            self.comm.Allgatherv(MPI.IN_PLACE, [data, (counts, displs), MPI.BYTE])
+            if root_rank is None:
+                data = as_bytes(buf)
+                itemsize = buf.element_size()
+                bounds = [self.lc.chunk_bounds(buf.numel(), r) for r in range(self.comm.size)]
+                counts = [(hi - lo) * itemsize for lo, hi in bounds]
+                displs = [lo * itemsize for lo, _ in bounds]
+                self.comm.Allgatherv(MPI.IN_PLACE, [data, (counts, displs), MPI.BYTE])
             if self.trends is not None:
                 self.trends[dtype].exact(buf)
+
+    def shard_record(self) -> Dict[str, Any]:
+        """What a state_dict of this rank's chunk is: rank, size, the chunk
+        of each dtype's flat buffer, and a digest of the parameters' layout."""
+        layout = [(tuple(p.shape), str(p.dtype)) for p in self.params]
+        return {"rank": self.comm.rank, "size": self.comm.size,
+                "chunks": [(str(d), self.flat.buffers[d].numel(), lo, hi)
+                           for d, (lo, hi) in self.bounds.items()],
+                "parameters": hashlib.sha256(repr(layout).encode()).hexdigest()}
+
+    def shard_problem(self, state_dict: Any) -> Optional[Exception]:
+        """Why `state_dict` is not a state of this rank's chunk (None if it is)."""
+        if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get(SHARD_KEY), dict):
+            return ValueError(
+                "this state_dict does not say which rank's chunk it holds (a ShardedOptimizer's "
+                f"state_dict() has {SHARD_KEY!r}): a sharded optimizer's state covers one "
+                "rank's chunk, and loading another's would update the wrong parameters")
+        saved, mine = state_dict[SHARD_KEY], self.shard_record()
+        if saved.get("size") != mine["size"]:
+            return ValueError(f"this state_dict was saved by a run of size {saved.get('size')} "
+                              f"(ranks), this run has size {mine['size']}: the chunks differ")
+        if saved.get("rank") != mine["rank"]:
+            return ValueError(f"this state_dict holds rank {saved.get('rank')}'s chunk, not "
+                              f"rank {mine['rank']}'s: each rank loads the state it saved")
+        if saved.get("parameters") != mine["parameters"] or saved.get("chunks") != mine["chunks"]:
+            return ValueError(f"this state_dict holds rank {mine['rank']}'s chunk of other "
+                              f"parameters (chunks {saved.get('chunks')}, here "
+                              f"{mine['chunks']})")
+        return None
 
 
 class _Trend:
@@ -187,12 +222,46 @@ class _ShardedOptimizer(WrappedOptimizer):
         engine.finish()
         return loss
 
-    def resynchronize(self) -> None:
-        """Collective: give every rank every owner's chunk now (reliable).
-        Call it after changing the parameters outside the optimizer (loading
-        a checkpoint on some ranks, say): it also restarts the
-        extrapolation of missed blocks from the new values."""
-        self._mpilossy.resynchronize()
+    def resynchronize(self, root_rank: Optional[int] = None) -> None:
+        """Collective, reliable, and it restarts the extrapolation of missed
+        blocks from the new values.
+
+        - ``resynchronize()``: every owner's chunk to every rank (drift
+          exactly 0).  The owners' values win: after changing the
+          parameters on *every* rank alike (a checkpoint loaded everywhere).
+        - ``resynchronize(root_rank=r)``: rank r's whole parameters to every
+          rank: after changing them on rank r alone (a checkpoint loaded
+          there), where resynchronize() would mix r's chunk of the new
+          values with the other owners' old ones.
+
+        The optimizer state is not touched: it is per rank (state_dict())."""
+        engine = self._mpilossy
+        problem = None
+        if root_rank is not None and (isinstance(root_rank, bool) or
+                                      not isinstance(root_rank, int) or
+                                      not 0 <= root_rank < engine.comm.size):
+            problem = ValueError(f"root_rank must be None or a rank of the communicator "
+                                 f"(0..{engine.comm.size - 1}), got {root_rank!r}")
+        check_everywhere(engine.comm, problem, [root_rank], "resynchronize arguments")
+        engine.resynchronize(root_rank)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The wrapped optimizer's state of this rank's chunk, with a record
+        of the rank, the run's size and the chunks (SHARD_KEY), so that
+        load_state_dict() can refuse another rank's state."""
+        state = super().state_dict()
+        state[SHARD_KEY] = self._mpilossy.shard_record()
+        return state
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Collective: load a state that this rank saved (state_dict()) in a
+        run of the same size.  Another rank's state, one from a run of
+        another size or of other parameters, or one without the record,
+        raises the same ValueError on every rank, and nothing is loaded."""
+        engine = self._mpilossy
+        check_everywhere(engine.comm, engine.shard_problem(state_dict), (),
+                         "sharded optimizer states")
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != SHARD_KEY})
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the model's gradients (the optimizer itself holds views of
@@ -246,8 +315,12 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
         LowBit or TopK, as for DistributedOptimizer (TopK all-reduces the
         chosen blocks; each rank keeps its chunk of the result).
 
-    state_dict() holds this rank's chunk of the optimizer state.  Collective,
-    with the same checks as DistributedOptimizer.
+    state_dict() holds this rank's chunk of the optimizer state, with a
+    record of the rank and chunk; load_state_dict() (collective) refuses,
+    on every rank, a state saved by another rank or by a run of another
+    size.  A model checkpoint loaded on one rank reaches the others by
+    resynchronize(root_rank=that rank) (docs/training.md, "Checkpoints").
+    Collective, with the same checks as DistributedOptimizer.
     """
     lc = lossy_communicator(communicator)
     comm = reliable_comm(lc)
