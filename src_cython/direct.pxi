@@ -32,11 +32,21 @@
 # (count 1).  Stages: the reduction ends at half the budget, the gather at
 # the full budget.
 #
-# Weighted average (call.weight > 0): a contribution travels as w * x with
-# w (a double) after its data, where the bitmap goes in a reduced record;
-# the reducer sums the weights of what arrived per block and divides by
-# them, so every block is sum(w x) / sum(w) over its own contributors.  The
-# reducer's own w * x is made in the scratch buffer at the start.
+# Weighted average (call.weight > 0): a contribution travels as m * x, where
+# w = m * 2^e with m in [0.5, 1) (frexp), with w itself (a double) after its
+# data, where the bitmap goes in a reduced record.  The reducer keeps, per
+# block, the largest exponent E that arrived and sum(m 2^(e - E) x) and
+# sum(m 2^(e - E)): scaling by powers of two is exact, every factor is at
+# most 1, so no weight, however large or small, can overflow the data's
+# dtype or the sum of weights, nor round a contribution away that is not
+# negligible beside the others.  Every block is sum(w x) / sum(w) over its
+# own contributors.  The reducer's own m x is made in the scratch at the
+# start.
+#
+# float16: the running sums are kept in float32 (acc_dtype, kernels.pxi) in
+# the two scratch buffers, and the reduced block is rounded to float16
+# once: a sum of values near 65504 must not overflow where their average
+# would not.
 #
 # Low-bit payloads (call.qbits, float32): contributions and reduced blocks
 # travel quantised (mpilossy_quant.h: a scale per group, stochastic
@@ -73,7 +83,8 @@ cdef class Direct(Chunked):
     cdef Py_ssize_t acc_bytes      # bytes of a block's running sum (in the scratch)
     # per block of the chunk I reduce
     cdef uint32_t* count
-    cdef double* wsum                # weights summed (weighted calls)
+    cdef double* wsum                # weights summed, each times 2^-wexp (weighted calls)
+    cdef int* wexp                   # the largest weight exponent in the sum
     cdef int* pending
     cdef unsigned char* where        # where the running sum is: SUM_IN_*
     cdef unsigned char* scaled       # the running sum is already the result
@@ -81,7 +92,13 @@ cdef class Direct(Chunked):
     cdef const char** sources
     cdef int* taken                  # other streams whose block joins it
     cdef int ntaken, target
-    cdef double taken_weight         # of the arrival being taken, with the fused ones
+    cdef double taken_wsum           # wsum with the arrival being taken and the fused ones
+    cdef int taken_exp               # and its exponent
+    cdef double* factors             # each source's power of two (weighted calls)
+    cdef double own_mant             # this rank's weight = own_mant * 2^own_exp
+    cdef int own_exp
+    cdef bint wide                   # running sums in the scratch only (float32 of
+                                     # float16 or quantised data)
     cdef bint target_final
     cdef uint64_t* members           # bitmap of the running sum
     cdef char* scratch
@@ -91,8 +108,9 @@ cdef class Direct(Chunked):
     def __cinit__(self, int rank, int size):
         self.others = <int*>calloc(size, sizeof(int))
         self.sources = <const char**>calloc(FUSE_SCAN + 2, sizeof(char*))
+        self.factors = <double*>calloc(FUSE_SCAN + 2, sizeof(double))
         self.taken = <int*>calloc(size, sizeof(int))
-        if not (self.others and self.sources and self.taken):
+        if not (self.others and self.sources and self.factors and self.taken):
             raise MemoryError()
         cdef int k
         for k in range(1, size):
@@ -103,9 +121,11 @@ cdef class Direct(Chunked):
     def __dealloc__(self):
         free(self.others)
         free(self.sources)
+        free(self.factors)
         free(self.taken)
         free(self.count)
         free(self.wsum)
+        free(self.wexp)
         free(self.pending)
         free(self.where)
         free(self.scaled)
@@ -136,7 +156,7 @@ cdef class Direct(Chunked):
         self.data_bytes = round_up(<Py_ssize_t>mpl_q_bytes(call.block_elems, call.qgroup,
                                                            call.qbits) if call.qbits
                                    else call.block_elems * call.itemsize, 8)
-        self.acc_bytes = round_up(call.block_elems * call.itemsize, 8)
+        self.acc_bytes = round_up(call.block_elems * ITEMSIZE[acc_dtype(call.dtype)], 8)
         call.block_bytes = self.data_bytes + trailer
         call.nslots = self.size
         call.nstages = 2
@@ -149,22 +169,26 @@ cdef class Direct(Chunked):
         if nb > self.block_cap:
             free(self.count)
             free(self.wsum)
+            free(self.wexp)
             free(self.pending)
             free(self.where)
             free(self.scaled)
             free(self.members)
             self.count = <uint32_t*>malloc(nb * sizeof(uint32_t))
             self.wsum = <double*>malloc(nb * sizeof(double))
+            self.wexp = <int*>malloc(nb * sizeof(int))
             self.pending = <int*>malloc(nb * sizeof(int))
             self.where = <unsigned char*>malloc(nb)
             self.scaled = <unsigned char*>malloc(nb)
             self.members = <uint64_t*>malloc(<Py_ssize_t>nb * self.words * 8)
-            if not (self.count and self.wsum and self.pending and self.where and self.scaled and self.members):
+            if not (self.count and self.wsum and self.wexp and self.pending and self.where
+                    and self.scaled and self.members):
                 self.block_cap = 0
                 raise MemoryError()
             self.block_cap = nb
-        # one running sum per block; two when quantised (see location)
-        cdef Py_ssize_t need = <Py_ssize_t>nb * self.acc_bytes * (2 if c.qbits else 1)
+        # one running sum per block; two when quantised or float16 (see location)
+        self.wide = c.qbits != 0 or acc_dtype(c.dtype) != c.dtype
+        cdef Py_ssize_t need = <Py_ssize_t>nb * self.acc_bytes * (2 if self.wide else 1)
         if need > self.scratch_cap:
             free(self.scratch)
             self.scratch = <char*>malloc(need)
@@ -217,7 +241,7 @@ cdef class Direct(Chunked):
         if where == SUM_IN_SEND:
             return self.send + self.block_first(self.reduced_chunk, block) * self.call.itemsize
         if where == SUM_IN_RECORD:
-            if self.call.qbits:     # the record holds codes: a second float32 buffer
+            if self.wide:           # the record holds codes or float16: a second buffer
                 return self.scratch + <Py_ssize_t>(self.call.nblocks + block) * self.acc_bytes
             return self.chan.mine(self.reduced_chunk, block)
         return self.scratch + <Py_ssize_t>block * self.acc_bytes
@@ -250,13 +274,16 @@ cdef class Direct(Chunked):
                                    <uint64_t>stage)
 
     cdef inline void encode(self, char* record, const char* values, double s, Py_ssize_t n,
-                            uint32_t seed) noexcept nogil:
-        """record = values * s, as it travels."""
+                            uint32_t seed, bint summed=False) noexcept nogil:
+        """record = values * s, as it travels; `summed`: values are a running
+        sum (acc_dtype), else data."""
         if record == values and s == 1.0 and not self.call.qbits:
             return
         if self.call.qbits:
             mpl_quantize(<unsigned char*>record, <const float*>values, <float>s, n,
                          self.call.qgroup, self.call.qbits, seed)
+        elif summed:
+            k_narrow(self.call.dtype, s, record, values, n)
         elif s != 1.0:
             k_scale(self.call.dtype, s, record, values, n)
         else:
@@ -277,7 +304,7 @@ cdef class Direct(Chunked):
                                 Py_ssize_t n) noexcept nogil:
         """err = values - what `record` (a quantised contribution) carries of
         them: the part error feedback sends again."""
-        cdef double s = self.call.weight if self.call.weight > 0 else 1.0
+        cdef double s = self.own_mant if self.call.weight > 0 else 1.0
         cdef Py_ssize_t i
         self.decode(<char*>err, record, 1.0 / s, n)
         for i in range(n):
@@ -293,8 +320,8 @@ cdef class Direct(Chunked):
         return w if isfinite(w) and w > 0 else 0.0
 
     cdef inline double final_scale(self, uint32_t count, double wsum) noexcept nogil:
-        """What turns the sum of `count` contributions (weighing `wsum`) into
-        the result."""
+        """What turns the sum of `count` contributions (weighing `wsum`, in
+        the same powers of two as the sum) into the result."""
         if self.call.weight > 0:
             return 1.0 / wsum
         return call_scale(self.call, count, self.size)
@@ -305,15 +332,19 @@ cdef class Direct(Chunked):
         cdef int b, me = self.reduced_chunk
         cdef uint64_t* bits
         self.next_row = 0
+        self.own_mant, self.own_exp = 1.0, 0
+        if c.weight > 0:
+            self.own_mant = frexp(c.weight, &self.own_exp)
         for b in range(c.nblocks):
             self.chan.claim(me, b)          # withdrawn until reduced
             self.count[b] = 1
             self.pending[b] = self.size - 1
             self.where[b] = SUM_IN_SEND
             self.scaled[b] = 0
-            self.wsum[b] = c.weight if c.weight > 0 else 1.0
-            if c.weight > 0:
-                k_scale(c.dtype, c.weight, self.location(b, SUM_IN_SCRATCH),
+            self.wsum[b] = self.own_mant if c.weight > 0 else 1.0
+            self.wexp[b] = self.own_exp
+            if c.weight > 0 or (self.wide and not c.qbits):
+                k_widen(c.dtype, self.own_mant, self.location(b, SUM_IN_SCRATCH),
                         self.location(b, SUM_IN_SEND), self.block_len(me, b))
                 self.where[b] = SUM_IN_SCRATCH
             bits = self.members + <Py_ssize_t>b * self.words
@@ -339,8 +370,7 @@ cdef class Direct(Chunked):
             n = self.block_len(chunk, b)
             record = self.chan.claim(chunk, b)
             mine = self.send + self.block_first(chunk, b) * isz
-            self.encode(record, mine, c.weight if c.weight > 0 else 1.0, n,
-                        self.qseed(chunk, b, 0))
+            self.encode(record, mine, self.own_mant, n, self.qseed(chunk, b, 0))
             if c.residual != NULL:
                 self.keep_error(c.residual + self.block_first(chunk, b), <const float*>mine,
                                 record, n)
@@ -388,11 +418,14 @@ cdef class Direct(Chunked):
         cdef Stream* t
         cdef Incoming other
         cdef double w
+        cdef double mants[FUSE_SCAN + 2]
+        cdef int exps[FUSE_SCAN + 2]
         if inc.count != 1 or inc.nbytes != self.contribution_bytes(n):
             return False
-        self.taken_weight = self.weight_of(inc.data, n)
-        if self.taken_weight == 0:
+        w = self.weight_of(inc.data, n)
+        if w == 0:
             return False
+        mants[1] = frexp(w, &exps[1])
         self.sources[0] = self.location(block, self.where[block])
         self.sources[1] = inc.data
         self.ntaken = 0
@@ -411,7 +444,7 @@ cdef class Direct(Chunked):
             w = self.weight_of(other.data, n)
             if w == 0:
                 continue
-            self.taken_weight += w
+            mants[nsrc] = frexp(w, &exps[nsrc])
             self.sources[nsrc] = other.data
             nsrc += 1
             self.taken[self.ntaken] = i
@@ -421,28 +454,51 @@ cdef class Direct(Chunked):
             self.target = SUM_IN_SCRATCH if self.where[block] == SUM_IN_RECORD else SUM_IN_RECORD
         else:
             self.target = self.next_location(block)
+        if c.weight > 0:
+            self.weigh(block, nsrc, mants, exps)
         self.add_up(self.location(block, self.target), nsrc, n,
-                    self.final_scale(self.count[block] + nsrc - 1,
-                                     self.wsum[block] + self.taken_weight)
+                    self.final_scale(self.count[block] + nsrc - 1, self.taken_wsum)
                     if self.target_final else 1.0)
         for i in range(self.ntaken):            # read in place: still what it was?
             if not self.chan.confirm(&self.streams[self.taken[i]], block):
                 return False
         return True
 
+    cdef void weigh(self, int block, int nsrc, const double* mants,
+                    const int* exps) noexcept nogil:
+        """The powers of two of a weighted sum (see the top of this file):
+        every source's factor relative to the largest exponent so far, and
+        the sum of weights that goes with it (taken_wsum, taken_exp)."""
+        cdef int k, top = self.wexp[block]
+        for k in range(1, nsrc):
+            top = max(top, exps[k])
+        self.factors[0] = ldexp(1.0, self.wexp[block] - top)
+        self.taken_wsum = self.wsum[block] * self.factors[0]
+        for k in range(1, nsrc):
+            self.factors[k] = ldexp(1.0, exps[k] - top)
+            self.taken_wsum += mants[k] * self.factors[k]
+        self.taken_exp = top
+
     cdef inline void add_up(self, char* dst, int nsrc, Py_ssize_t n, double s) noexcept nogil:
         """dst = (sources[0] + ... + sources[nsrc - 1]) * s: the running sum
-        and arrivals, which are quantised records when the call says so."""
+        (acc_dtype) and arrivals (data, or quantised records when the call
+        says so), each times its factor in a weighted call."""
         cdef CallInfo* c = self.call
+        cdef const double* f = self.factors if c.weight > 0 else NULL
         cdef int k
         if not c.qbits:
-            k_sum(c.dtype, s, dst, self.sources, nsrc, n)
+            k_sum_into(c.dtype, s, dst, self.sources, f, nsrc, n)
             return
+        if f != NULL and f[0] != 1.0:
+            k_scale(DT_F32, f[0], dst, self.sources[0], n)
+            self.sources[0] = dst
         mpl_dequantize(<float*>dst, <const float*>self.sources[0],
-                       <const unsigned char*>self.sources[1], 1.0, n, c.qgroup, c.qbits)
+                       <const unsigned char*>self.sources[1], f[1] if f != NULL else 1.0,
+                       n, c.qgroup, c.qbits)
         for k in range(2, nsrc):
             mpl_dequantize(<float*>dst, <const float*>dst,
-                           <const unsigned char*>self.sources[k], 1.0, n, c.qgroup, c.qbits)
+                           <const unsigned char*>self.sources[k], f[k] if f != NULL else 1.0,
+                           n, c.qgroup, c.qbits)
         if s != 1.0:
             k_scale(DT_F32, s, dst, dst, n)
 
@@ -454,7 +510,9 @@ cdef class Direct(Chunked):
             self.scaled[block] = self.target_final
             self.where[block] = self.target
             self.count[block] += 1 + self.ntaken
-            self.wsum[block] += self.taken_weight
+            if self.call.weight > 0:
+                self.wsum[block] = self.taken_wsum
+                self.wexp[block] = self.taken_exp
             bits = self.members + <Py_ssize_t>block * self.words
             bits[s.peer >> 6] |= 1ull << (s.peer & 63)
             for i in range(self.ntaken):
@@ -488,7 +546,7 @@ cdef class Direct(Chunked):
             return
         bits[self.rank >> 6] |= 1ull << (self.rank & 63)
         self.decode(dst, self.chan.mine(chunk, block),
-                    1.0 / c.weight if c.weight > 0 else call_scale(c, 1, self.size), n)
+                    1.0 / self.own_mant if c.weight > 0 else call_scale(c, 1, self.size), n)
         self.add_result(1, n, False)
 
     cdef inline void contribution_done(self, int block) noexcept nogil:
@@ -509,13 +567,13 @@ cdef class Direct(Chunked):
             else self.final_scale(self.count[block], self.wsum[block])
         if c.qbits and c.coll == COLL_REDUCE_SCATTER and me == self.rank:
             # My own chunk of a reduce-scatter goes nowhere: not quantised again.
-            k_scale(c.dtype, scale, self.out(me, block), self.location(block, self.where[block]),
-                    n)
+            k_narrow(c.dtype, scale, self.out(me, block),
+                     self.location(block, self.where[block]), n)
             memcpy(self.result_entry(me, block), bits, 8 * self.words)
             self.add_result(self.count[block], n)
             return
         self.encode(record, self.location(block, self.where[block]), scale, n,
-                    self.qseed(me, block, 1))
+                    self.qseed(me, block, 1), self.where[block] != SUM_IN_SEND)
         memcpy(record + at, bits, 8 * self.words)
         if c.coll == COLL_ALLREDUCE:
             self.chan.publish(me, block, self.count[block], nbytes, self.others, self.size - 1)

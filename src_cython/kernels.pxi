@@ -196,6 +196,72 @@ cdef void k_add_scale(int dt, double s, void* dst, const void* a, const void* b,
         k_scale(dt, s, dst, dst, n)
 
 
+# -- accumulators ---------------------------------------------------------------
+# Partial sums are kept in the call's dtype, except float16's, kept in
+# float32: float16 tops out at 65504, and a sum of N values near it would
+# overflow where their average would not.  The mixed kernels below take the
+# data in the call's dtype and the accumulators in acc_dtype; for every
+# dtype but float16 they are the plain kernels.
+
+cdef inline int acc_dtype(int dt) noexcept nogil:
+    """The dtype partial sums of a call of dtype `dt` are kept in."""
+    return DT_F32 if dt == DT_F16 else dt
+
+
+cdef void _f16_mixed(int op, void* dst, const void* a, const void* b, float s,
+                     Py_ssize_t n) noexcept nogil:
+    """mpl_f16_mixed's ops (mpilossy_simd.h), F16C first, then one by one."""
+    cdef Py_ssize_t i
+    cdef float* f
+    cdef uint16_t* h
+    for i in range(<Py_ssize_t>mpl_f16_mixed(op, dst, a, b, s, n), n):
+        if op == 0:
+            (<float*>dst)[i] = mpl_h2f((<const uint16_t*>a)[i]) * s
+        elif op == 1:
+            (<uint16_t*>dst)[i] = mpl_f2h((<const float*>a)[i] * s)
+        elif op == 2:
+            (<float*>dst)[i] = mpl_h2f((<const uint16_t*>a)[i]) + (<const float*>b)[i]
+        elif op == 4:
+            (<float*>dst)[i] = (<float*>dst)[i] + mpl_h2f((<const uint16_t*>a)[i]) * s
+        else:
+            (<uint16_t*>dst)[i] = mpl_f2h((mpl_h2f((<const uint16_t*>a)[i])
+                                           + (<const float*>b)[i]) * s)
+
+
+cdef void k_widen(int dt, double s, void* dst, const void* src, Py_ssize_t n) noexcept nogil:
+    """dst (accumulators) = src (data) * s"""
+    if dt == DT_F16:
+        _f16_mixed(0, dst, src, NULL, <float>s, n)
+    else:
+        k_scale(dt, s, dst, src, n)
+
+
+cdef void k_narrow(int dt, double s, void* dst, const void* src, Py_ssize_t n) noexcept nogil:
+    """dst (data) = src (accumulators) * s"""
+    if dt == DT_F16:
+        _f16_mixed(1, dst, src, NULL, <float>s, n)
+    else:
+        k_scale(dt, s, dst, src, n)
+
+
+cdef void k_add_widened(int dt, void* dst, const void* a, const void* b,
+                        Py_ssize_t n) noexcept nogil:
+    """dst (accumulators) = a (data) + b (accumulators)"""
+    if dt == DT_F16:
+        _f16_mixed(2, dst, a, b, 1.0, n)
+    else:
+        k_add(dt, dst, a, b, n)
+
+
+cdef void k_add_narrowed(int dt, double s, void* dst, const void* a, const void* b,
+                         Py_ssize_t n) noexcept nogil:
+    """dst (data) = (a (data) + b (accumulators)) * s"""
+    if dt == DT_F16:
+        _f16_mixed(3, dst, a, b, <float>s, n)
+    else:
+        k_add_scale(dt, s, dst, a, b, n)
+
+
 cdef void k_sum(int dt, double s, void* dst, const char** srcs, int nsrc,
                 Py_ssize_t n) noexcept nogil:
     """dst = (srcs[0] + ... + srcs[nsrc-1]) * s, nsrc >= 2, tile by tile so
@@ -211,4 +277,47 @@ cdef void k_sum(int dt, double s, void* dst, const char** srcs, int nsrc,
         for k in range(2, nsrc):
             k_acc(dt, out + off * isz, srcs[k] + off * isz, m)
         k_scale(dt, s, out + off * isz, out + off * isz, m)
+        off += m
+
+
+cdef inline void _acc_scaled_float(wide_t* dst, const wide_t* src, wide_t f,
+                                   Py_ssize_t n) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(n):
+        dst[i] = dst[i] + src[i] * f
+
+
+cdef void k_acc_scaled(int dt, void* dst, const void* src, double f, Py_ssize_t n) noexcept nogil:
+    """dst (accumulators) += src (data) * f: float dtypes (weights)."""
+    if dt == DT_F16:
+        _f16_mixed(4, dst, src, NULL, <float>f, n)
+    elif f == 1.0:
+        k_acc(dt, dst, src, n)
+    elif dt == DT_F32:
+        _acc_scaled_float(<float*>dst, <const float*>src, <float>f, n)
+    else:
+        _acc_scaled_float(<double*>dst, <const double*>src, f, n)
+
+
+cdef void k_sum_into(int dt, double s, void* dst, const char** srcs, const double* factors,
+                     int nsrc, Py_ssize_t n) noexcept nogil:
+    """dst = (srcs[0] * factors[0] + ... + srcs[nsrc-1] * factors[nsrc-1]) * s,
+    where dst and srcs[0] (a running sum) are accumulators (acc_dtype) and
+    the other sources data of dtype `dt`; factors NULL: all 1.  Tile by
+    tile, each source read once; dst is none of the sources."""
+    cdef int adt = acc_dtype(dt), k
+    cdef Py_ssize_t isz = ITEMSIZE[dt], asz = ITEMSIZE[adt]
+    cdef Py_ssize_t tile = SUM_TILE_BYTES // asz, off = 0, m
+    cdef char* out = <char*>dst
+    if adt == dt and factors == NULL:
+        k_sum(dt, s, dst, srcs, nsrc, n)
+        return
+    while off < n:
+        m = min(tile, n - off)
+        k_scale(adt, factors[0] if factors != NULL else 1.0, out + off * asz,
+                srcs[0] + off * asz, m)
+        for k in range(1, nsrc):
+            k_acc_scaled(dt, out + off * asz, srcs[k] + off * isz,
+                         factors[k] if factors != NULL else 1.0, m)
+        k_scale(adt, s, out + off * asz, out + off * asz, m)
         off += m

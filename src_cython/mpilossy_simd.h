@@ -60,6 +60,44 @@ static inline size_t mpl_f16_fast(int op, uint16_t *dst, const uint16_t *a, cons
     return mpl_has_f16c() ? mpl_f16_vec(op, dst, a, b, s, n) : 0;
 }
 
+/* float16 data with float32 accumulators (sums of float16 are kept in
+ * float32: they must not overflow where the average would not).  op:
+ * 0 acc = h(a) * s (widen), 1 h = acc(a) * s (narrow),
+ * 2 acc = h(a) + acc(b), 3 h = (h(a) + acc(b)) * s, 4 acc += h(a) * s.  `dst`, `a`, `b` are
+ * float32 or float16 as the op says.  Returns the leading elements done. */
+MPL_F16C static size_t mpl_f16_mixed_vec(int op, void *dst, const void *a, const void *b,
+                                         float s, size_t n)
+{
+    size_t i = 0;
+    __m256 vs = _mm256_set1_ps(s);
+    for (; i + 8 <= n; i += 8) {
+        __m256 x;
+        if (op == 1)
+            x = _mm256_mul_ps(_mm256_loadu_ps((const float *)a + i), vs);
+        else
+            x = MPL_LOAD8((const uint16_t *)a + i);
+        if (op == 0)
+            x = _mm256_mul_ps(x, vs);
+        else if (op == 2 || op == 3)
+            x = _mm256_add_ps(x, _mm256_loadu_ps((const float *)b + i));
+        else if (op == 4)
+            x = _mm256_add_ps(_mm256_loadu_ps((const float *)dst + i), _mm256_mul_ps(x, vs));
+        if (op == 3)
+            x = _mm256_mul_ps(x, vs);
+        if (op == 1 || op == 3)
+            MPL_STORE8((uint16_t *)dst + i, x);
+        else
+            _mm256_storeu_ps((float *)dst + i, x);
+    }
+    return i;
+}
+
+static inline size_t mpl_f16_mixed(int op, void *dst, const void *a, const void *b, float s,
+                                   size_t n)
+{
+    return mpl_has_f16c() ? mpl_f16_mixed_vec(op, dst, a, b, s, n) : 0;
+}
+
 /* Streaming float32/float64 kernels: op as above.  Returns 1 if done.  One
  * body for both types; V* are the SSE2 intrinsics of the type, W its width. */
 #define MPL_STREAM_KERNEL(NAME, T, VT, W, VLOAD, VADD, VMUL, VSET1, VSTREAM)            \
@@ -96,6 +134,9 @@ MPL_STREAM_KERNEL(mpl_stream_f64, double, __m128d, 2, _mm_loadu_pd, _mm_add_pd, 
 
 static inline size_t mpl_f16_fast(int op, uint16_t *dst, const uint16_t *a, const uint16_t *b,
                                   float s, size_t n)
+{ (void)op; (void)dst; (void)a; (void)b; (void)s; (void)n; return 0; }
+static inline size_t mpl_f16_mixed(int op, void *dst, const void *a, const void *b, float s,
+                                   size_t n)
 { (void)op; (void)dst; (void)a; (void)b; (void)s; (void)n; return 0; }
 static inline int mpl_stream_f32(int op, float *dst, const float *a, const float *b, float s, size_t n)
 { (void)op; (void)dst; (void)a; (void)b; (void)s; (void)n; return 0; }

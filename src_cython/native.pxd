@@ -126,6 +126,7 @@ cdef extern from "mpilossy_transport.h" nogil:
 
 
 cdef extern from "mpilossy_simd.h" nogil:
+    size_t mpl_f16_mixed(int op, void *dst, const void *a, const void *b, float s, size_t n)
     size_t mpl_f16_fast(int op, uint16_t *dst, const uint16_t *a, const uint16_t *b,
                         float s, size_t n)
     int mpl_stream_f32(int op, float *dst, const float *a, const float *b, float s, size_t n)

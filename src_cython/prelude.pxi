@@ -5,7 +5,7 @@ from libc.stdint cimport int32_t, int64_t, intptr_t, uint16_t, uint32_t, uint64_
 from libc.stdlib cimport malloc, calloc, realloc, free
 from libc.string cimport memcpy, memset, strncmp
 from libc.stdio cimport snprintf
-from libc.math cimport isfinite, llround
+from libc.math cimport frexp, isfinite, ldexp, llround
 from posix.stdlib cimport posix_memalign
 from posix.unistd cimport getpid
 from cpython.exc cimport PyErr_Occurred

@@ -17,6 +17,9 @@
 # reads it in one more hop: reducing at the owner would always count the
 # owner's own data, the bias that rotation removes.
 #
+# Partial sums travel in acc_dtype (float32 for float16: they must not
+# overflow where the result would not); the reduced chunk in the data's.
+#
 # A rank that misses a reduced block falls back on its own partial sum of it.
 # Stages: reduce-scatter position j ends at j / (2 (size-1)) of the budget,
 # the gather at the full budget.
@@ -48,7 +51,11 @@ cdef class Ring(Chunked):
 
     cdef int layout(self, CallInfo* call) except -1:
         cdef int n = self.size, k
+        cdef Py_ssize_t wide = ITEMSIZE[acc_dtype(call.dtype)]
+        # (records hold partial sums: as many values as fit the block's bytes)
+        call.block_elems = max(1, call.block_elems * call.itemsize // wide)
         self.cut(call)
+        call.block_bytes = call.block_elems * wide
         call.nslots = n
         call.nstages = n
         for k in range(n - 1):
@@ -121,9 +128,10 @@ cdef class Ring(Chunked):
         for b in range(self.call.nblocks):
             n = self.block_len(chunk, b)
             dst = self.chan.claim(0, b)
-            memcpy(dst, self.send + self.block_first(chunk, b) * isz, n * isz)
+            k_widen(self.call.dtype, 1.0, dst, self.send + self.block_first(chunk, b) * isz, n)
             self.rs_count[b] = 1
-            self.chan.publish(0, b, 1, <uint32_t>(n * isz), &self.right, 1)
+            self.chan.publish(0, b, 1, <uint32_t>(n * ITEMSIZE[acc_dtype(self.call.dtype)]),
+                              &self.right, 1)
 
     cdef bint ready(self, Stream* s, int block) noexcept nogil:
         if not self.is_gather(s):
@@ -150,15 +158,16 @@ cdef class Ring(Chunked):
         position = s.tag
         chunk = self.chunk_at(position)
         n = self.block_len(chunk, block)
-        if inc.nbytes != n * c.itemsize or inc.count >= <uint32_t>self.size:
+        if (inc.nbytes != n * ITEMSIZE[acc_dtype(c.dtype)]
+                or inc.count >= <uint32_t>self.size):
             return False
         first = self.block_first(chunk, block)
         dst = self.chan.claim(position, block)
         if position < self.size - 1:
-            k_add(c.dtype, dst, self.send + first * c.itemsize, inc.data, n)
+            k_add_widened(c.dtype, dst, self.send + first * c.itemsize, inc.data, n)
         else:
-            k_add_scale(c.dtype, call_scale(c, inc.count + 1, self.size), dst,
-                        self.send + first * c.itemsize, inc.data, n)
+            k_add_narrowed(c.dtype, call_scale(c, inc.count + 1, self.size), dst,
+                           self.send + first * c.itemsize, inc.data, n)
         return True
 
     cdef void commit(self, Stream* s, int block, Incoming* inc) noexcept nogil:
@@ -186,8 +195,9 @@ cdef class Ring(Chunked):
                 memset(dst, 0, n * c.itemsize)
                 self.add_result(0, n, False)
                 return
-            k_scale(c.dtype, call_scale(c, self.rs_count[position * c.nblocks + block], self.size),
-                    dst, self.chan.mine(position, block), n)
+            k_narrow(c.dtype,
+                     call_scale(c, self.rs_count[position * c.nblocks + block], self.size),
+                     dst, self.chan.mine(position, block), n)
             self.add_result(self.rs_count[position * c.nblocks + block], n, False)
             return
         # The chain broke before me: it restarts with my own data.
@@ -197,7 +207,7 @@ cdef class Ring(Chunked):
         first = self.block_first(chunk, block)
         dst = self.chan.claim(position, block)
         if position < self.size - 1:
-            memcpy(dst, self.send + first * c.itemsize, n * c.itemsize)
+            k_widen(c.dtype, 1.0, dst, self.send + first * c.itemsize, n)
         else:
             k_scale(c.dtype, call_scale(c, 1, self.size), dst, self.send + first * c.itemsize, n)
         self.publish_partial(position, block, 1)
@@ -208,7 +218,8 @@ cdef class Ring(Chunked):
         cdef Py_ssize_t n = self.block_len(chunk, block)
         self.rs_count[position * c.nblocks + block] = count
         if position < self.size - 1:
-            self.chan.publish(position, block, count, <uint32_t>(n * c.itemsize), &self.right, 1)
+            self.chan.publish(position, block, count,
+                              <uint32_t>(n * ITEMSIZE[acc_dtype(c.dtype)]), &self.right, 1)
             return
         # Reducer: the chunk goes to whoever wants it, me included.
         if c.coll == COLL_ALLREDUCE:

@@ -14,6 +14,8 @@
 #
 # Stages: a child at level l is waited for until (l + 1) / (2 H) of the
 # timeout (H = number of levels), the result at depth d until (H + d) / (2 H).
+# Partial sums are kept and sent in acc_dtype (float32 for float16: they
+# must not overflow where the result would not); the result in the data's.
 
 cdef enum:
     TREE_PARTIAL = 0
@@ -60,9 +62,11 @@ cdef class Tree(Algorithm):
         while width < self.size:
             width *= self.radix
             self.levels += 1
-        call.block_elems = max(1, min(call.block_elems, call.count))
+        cdef Py_ssize_t wide = ITEMSIZE[acc_dtype(call.dtype)]
+        # (records hold partial sums: as many values as fit the block's bytes)
+        call.block_elems = max(1, min(call.block_elems * call.itemsize // wide, call.count))
         call.nblocks = <int>max(1, (call.count + call.block_elems - 1) // call.block_elems)
-        call.block_bytes = call.block_elems * call.itemsize
+        call.block_bytes = call.block_elems * wide
         call.nslots = 2
         call.nstages = max(1, 2 * self.levels)
         for s in range(call.nstages):
@@ -126,8 +130,8 @@ cdef class Tree(Algorithm):
         cdef int b
         cdef Py_ssize_t isz = self.call.itemsize
         for b in range(self.call.nblocks):
-            memcpy(self.chan.claim(TREE_PARTIAL, b), self.send + self.block_first(b) * isz,
-                   self.block_len(b) * isz)
+            k_widen(self.call.dtype, 1.0, self.chan.claim(TREE_PARTIAL, b),
+                    self.send + self.block_first(b) * isz, self.block_len(b))
             self.count[b] = 1
             self.pending[b] = self.nchildren
             if self.nchildren == 0:
@@ -140,10 +144,12 @@ cdef class Tree(Algorithm):
     cdef bint take(self, Stream* s, int block, Incoming* inc) noexcept nogil:
         cdef CallInfo* c = self.call
         cdef Py_ssize_t n = self.block_len(block)
-        if inc.count == 0 or inc.nbytes != n * c.itemsize:
+        cdef int adt = acc_dtype(c.dtype)
+        if inc.count == 0 or inc.nbytes != n * ITEMSIZE[adt if s.slot == TREE_PARTIAL
+                                                         else c.dtype]:
             return False
         if s.slot == TREE_PARTIAL:
-            k_acc(c.dtype, self.chan.mine(TREE_PARTIAL, block), inc.data, n)
+            k_acc(adt, self.chan.mine(TREE_PARTIAL, block), inc.data, n)
         else:
             memcpy(self.recv + self.block_first(block) * c.itemsize, inc.data, inc.nbytes)
             if self.nchildren:
@@ -172,9 +178,9 @@ cdef class Tree(Algorithm):
             memset(self.recv + self.block_first(block) * c.itemsize, 0, n * c.itemsize)
             self.add_result(0, n, False)
         else:
-            k_scale(c.dtype, call_scale(c, self.count[block], self.size),
-                    self.recv + self.block_first(block) * c.itemsize,
-                    self.chan.mine(TREE_PARTIAL, block), n)
+            k_narrow(c.dtype, call_scale(c, self.count[block], self.size),
+                     self.recv + self.block_first(block) * c.itemsize,
+                     self.chan.mine(TREE_PARTIAL, block), n)
             self.add_result(self.count[block], n, False)
         if self.nchildren:
             self.chan.claim(TREE_RESULT, block)
@@ -191,12 +197,12 @@ cdef class Tree(Algorithm):
         cdef Py_ssize_t n = self.block_len(block)
         cdef char* result
         if self.vrank != 0:
-            self.chan.publish(TREE_PARTIAL, block, self.count[block], <uint32_t>(n * c.itemsize),
-                              &self.parent, 1)
+            self.chan.publish(TREE_PARTIAL, block, self.count[block],
+                              <uint32_t>(n * ITEMSIZE[acc_dtype(c.dtype)]), &self.parent, 1)
             return
         result = self.chan.claim(TREE_RESULT, block)
-        k_scale(c.dtype, call_scale(c, self.count[block], self.size), result,
-                self.chan.mine(TREE_PARTIAL, block), n)
+        k_narrow(c.dtype, call_scale(c, self.count[block], self.size), result,
+                 self.chan.mine(TREE_PARTIAL, block), n)
         memcpy(self.recv + self.block_first(block) * c.itemsize, result, n * c.itemsize)
         self.publish_result(block, self.count[block])
         self.add_result(self.count[block], n)

@@ -170,3 +170,68 @@ def test_some_ranks_weighted_others_not(comm):
         out = np.empty_like(x)
         lc.allreduce(x, out, op="avg", weight=3.0)
         np.testing.assert_array_equal(out, x)
+
+
+# -- weights that do not fit the data's dtype (issue 27, item 3) ------------------
+EXTREME = {
+    # name: (dtype, rank -> weight, rank -> value): weights the data's dtype
+    # cannot hold times the data, whose sum overflows a double, or that make
+    # w * x underflow to zero while w still counts
+    "float16 w=1000": (np.float16, lambda r: 1000.0, lambda r: 100.0 + r),
+    "float32 w=1e39": (np.float32, lambda r: 1e39 * (r + 1), lambda r: 2.0 * r + 1),
+    "float64 w near max": (np.float64, lambda r: 1.5e308, lambda r: 3.0 * r - 1),
+    "float32 w=1e-300": (np.float32, lambda r: 1e-300 * (r + 1), lambda r: 1.0 + r),
+    "float64 w from 1e-300 to 1e300": (np.float64, lambda r: 10.0 ** (-300 + 200 * r),
+                                       lambda r: float(r + 1)),
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", sorted(EXTREME))
+@pytest.mark.parametrize("channel", ["rma", "ud"])
+def test_weights_of_any_size_give_the_weighted_average(comm, case, channel):
+    """Before: contributions travelled as w * x in the data's dtype and the
+    weights summed in a double, so these gave inf, nan or 0 (float16 w=1000
+    and x=100: inf where the answer is about 100)."""
+    dtype, weight, value = EXTREME[case]
+    x = np.full(5000, value(comm.rank), dtype)
+    w = weight(comm.rank)
+    ws = [weight(r) for r in range(comm.size)]
+    vs = [value(r) for r in range(comm.size)]
+    top = max(ws)
+    ref = sum((wi / top) * vi for wi, vi in zip(ws, vs)) / sum(wi / top for wi in ws)
+    with mpilossy.Communicator(comm, timeout=None, block_bytes=1024, channel=channel) as lc:
+        out = np.empty_like(x)
+        lc.allreduce(x, out, op="avg", weight=w)
+        lo, hi = lc.chunk_bounds(x.size)
+        part = np.empty(hi - lo, dtype)
+        lc.reduce_scatter(x, part, op="avg", weight=w)
+    rtol = 2e-3 if dtype == np.float16 else 1e-6
+    assert np.all(np.isfinite(out)) and np.all(np.isfinite(part)), (out[:3], part[:3])
+    np.testing.assert_allclose(out.astype(np.float64), ref, rtol=rtol)
+    np.testing.assert_allclose(part.astype(np.float64), ref, rtol=rtol)
+
+
+@pytest.mark.mpi
+def test_weights_of_any_size_under_loss_weigh_their_own_contributors(comm):
+    """Weights from 1e-200 to 1e200 under 30% loss: each block is the
+    weighted average of exactly the ranks its bitmap names."""
+    n = 1000
+    w = 10.0 ** (-200 + 150 * (comm.rank % 4))
+    x = np.full(n, float(comm.rank + 1))
+    weights = comm.allgather(w)
+    loss = mpilossy.loss.Bernoulli(0.3, seed=4)
+    with mpilossy.Communicator(comm, timeout=0.5, loss=loss, block_bytes=128) as lc:
+        for _ in range(10):
+            out = np.empty_like(x)
+            stats = lc.allreduce(x, out, op="avg", weight=w)
+            firsts, lengths = stats.contributors.blocks()
+            for b, members in enumerate(stats.contributors.members()):
+                ranks = np.flatnonzero(members)
+                if not lengths[b] or not ranks.size:
+                    continue
+                top = max(weights[r] for r in ranks)
+                want = sum(weights[r] / top * (r + 1) for r in ranks) / \
+                    sum(weights[r] / top for r in ranks)
+                got = out[firsts[b]:firsts[b] + lengths[b]]
+                np.testing.assert_allclose(got, want, rtol=1e-12)
