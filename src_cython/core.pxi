@@ -96,7 +96,8 @@ cdef class Core:
         cdef DgramChannel ud
         if self.rma is not None:
             return {"channel": "rma", "window_bytes": self.rma.capacity,
-                    "shared_memory_peers": self.shared_peers}
+                    "shared_memory_peers": self.shared_peers,
+                    "gets_outliving_their_call": self.rma.nzombies}
         ud = <DgramChannel>self.chan
         info = {"channel": "ud",
                 "provider": mpl_dg_provider(ud.fab).decode() if ud.fab != NULL else "",

@@ -346,10 +346,22 @@ cdef class RmaChannel(RmaWindow):
 
     cdef void bury(self, MPI_Request req, GetBuffers* gb) noexcept nogil:
         """Keep an unfinished get and its target buffers until it completes."""
+        cdef int cap = 2 * self.zcap + 8
+        cdef MPI_Request* reqs
+        cdef GetBuffers** bufs
         if self.nzombies == self.zcap:
-            self.zcap = 2 * self.zcap + 8
-            self.zreq = <MPI_Request*>realloc(self.zreq, self.zcap * sizeof(MPI_Request))
-            self.zbuf = <GetBuffers**>realloc(self.zbuf, self.zcap * sizeof(GetBuffers*))
+            reqs = <MPI_Request*>realloc(self.zreq, cap * sizeof(MPI_Request))
+            if reqs != NULL:
+                self.zreq = reqs
+            bufs = <GetBuffers**>realloc(self.zbuf, cap * sizeof(GetBuffers*))
+            if bufs != NULL:
+                self.zbuf = bufs
+            if reqs == NULL or bufs == NULL:
+                # No memory to keep it: MPI frees the request when the get
+                # completes, and its buffers are left to it (never freed).
+                MPI_Request_free(&req)
+                return
+            self.zcap = cap
         self.zreq[self.nzombies] = req
         self.zbuf[self.nzombies] = gb
         self.nzombies += 1
