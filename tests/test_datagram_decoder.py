@@ -252,7 +252,8 @@ def test_mac_key_and_tag_sizes():
 # -- the same tests under AddressSanitizer ---------------------------------------------
 def test_decoder_under_address_sanitizer(tmp_path):
     """Build the core with -fsanitize=address (meson's b_sanitize) and run this
-    file's decoder tests with the ASan runtime preloaded: zero reports."""
+    file's decoder tests, the quantiser's and, at 2 ranks, the weighted and
+    float16 reductions with the ASan runtime preloaded: zero reports."""
     import os
     import subprocess
     import sys
@@ -272,8 +273,16 @@ def test_decoder_under_address_sanitizer(tmp_path):
     env = importing_from(pkg, HERE, LD_PRELOAD=libasan,
                          ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1", MPILOSSY_UNDER_ASAN="1")
     proc = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-k", "not address_sanitizer", str(HERE / "test_datagram_decoder.py")],
+                        "-k", "not address_sanitizer", str(HERE / "test_datagram_decoder.py"),
+                        str(HERE / "test_quant_kernels.py")],
                        600, env, cwd=tmp_path)
     assert "AddressSanitizer" not in proc.stderr, proc.stderr[-4000:]
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "skipped" not in proc.stdout, proc.stdout[-2000:]
+    from helpers import mpiexec
+    proc = run_bounded([mpiexec(), "-n", "2", sys.executable, "-m", "pytest", "--with-mpi", "-q",
+                        "-p", "no:cacheprovider", "-m", "mpi", "-k", "any_size or float16",
+                        str(HERE / "test_weighted.py"), str(HERE / "test_float16.py")],
+                       600, env, cwd=tmp_path)
+    assert "AddressSanitizer" not in proc.stderr, proc.stderr[-4000:]
+    assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
