@@ -1,10 +1,17 @@
 """The language-model example, short: a tiny model for a few dozen steps at
 2 ranks, without and with loss.  The loss must go down and the perplexity
-must be finite (and far below the 256 of a uniform guess)."""
+must be finite (and far below the 256 of a uniform guess).  Its progress
+output: a line every 5% into a pipe or a file, a bar on a terminal (a
+pseudo-terminal in front of mpiexec)."""
 
 import json
 import math
+import os
+import re
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -60,3 +67,129 @@ def test_compute_deadline_under_stragglers(tmp_path):
     assert all(1 < c[2] < 100 for c in r["curve"]), r["curve"]
     # half the steps 4x slower: once the budget is agreed (step 10) those cut
     assert 1.0 <= r["micro_batches"] < 3.9, r
+
+
+# -- progress output -----------------------------------------------------------
+# Rank 0 shows progress on stderr: a bar where that reaches a terminal, a line
+# every 5% of the steps elsewhere (a Slurm output file, a pipe), never a bar
+# redrawn with carriage returns into a file.
+
+PROGRESS_LINE = re.compile(r"train step (\d+)/40 \((\d+)%\), elapsed \d\d:\d\d, ETA \S+, "
+                           r"loss=\d+\.\d{3}, delivered=[01]\.\d{3}")
+
+
+def example(*extra):
+    return [mpiexec(), "-n", "2", sys.executable, "-m", "mpilossy.examples.lm", *TINY,
+            "--loss", "0.1", *extra]
+
+
+def run_logged(cmd, tmp_path, where, timeout=240):
+    """cmd with stdout and stderr to pipes or to files (as sbatch does), read
+    as bytes (text mode would turn a carriage return into a newline);
+    returns (exit status, stdout, stderr)."""
+    env = clean_subprocess_env(OMP_NUM_THREADS="1")
+    with open(tmp_path / "job.out", "w+b") as out_file, \
+            open(tmp_path / "job.err", "w+b") as err_file:
+        to = subprocess.PIPE if where == "pipe" else None
+        proc = subprocess.Popen([str(c) for c in cmd], stdout=to or out_file,
+                                stderr=to or err_file, stdin=subprocess.DEVNULL, cwd=tmp_path,
+                                start_new_session=True, env=env)
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            raise AssertionError(f"timed out after {timeout} s: {cmd}") from None
+        if where != "pipe":
+            out_file.seek(0)
+            err_file.seek(0)
+            out, err = out_file.read(), err_file.read()
+    return proc.returncode, out, err
+
+
+@pytest.mark.parametrize("where", ["pipe", "file"])
+def test_progress_in_a_log_is_a_line_every_5_percent(tmp_path, where):
+    """Output to a pipe or to files: 20 plain lines for 40 steps (every 2
+    steps, the last at 100%), no carriage return anywhere, a few KB in all
+    (the bar wrote a carriage-return update every 0.1 s)."""
+    code, out, err = run_logged(example(), tmp_path, where)
+    assert code == 0, out[-2000:] + err[-3000:]
+    assert b"\r" not in err and b"\r" not in out, err[-2000:]
+    lines = [m for m in map(PROGRESS_LINE.fullmatch, err.decode().splitlines()) if m]
+    assert [int(m.group(1)) for m in lines] == list(range(2, 41, 2)), err.decode()
+    assert [int(m.group(2)) for m in lines] == list(range(5, 101, 5)), err.decode()
+    assert len(err) < 4000, err.decode()       # about 80 bytes a line
+    assert b"val perplexity" in out and b"train step" not in out, out
+
+
+def test_progress_on_a_terminal_is_a_bar(tmp_path):
+    """mpiexec on a pseudo-terminal: the rank writes into a pipe of the
+    launcher, which copies it to the terminal; the example sees through that
+    and draws tqdm's bar (carriage-return updates), not lines."""
+    import pty
+    import select
+    import tty
+
+    master, slave = pty.openpty()
+    tty.setraw(slave)           # no newline translation: a \r is tqdm's own
+    proc = subprocess.Popen([str(c) for c in example()], stdin=slave, stdout=slave, stderr=slave,
+                            cwd=tmp_path, start_new_session=True,
+                            env=clean_subprocess_env(OMP_NUM_THREADS="1", TERM="xterm"))
+    os.close(slave)
+    chunks, deadline = [], time.monotonic() + 240
+    try:
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 1.0)
+            if not ready:
+                if proc.poll() is not None:
+                    break
+                continue
+            try:
+                data = os.read(master, 65536)
+            except OSError:     # EIO: every writer closed the terminal
+                break
+            if not data:
+                break
+            chunks.append(data)
+        else:
+            raise AssertionError("timed out after 240 s")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        os.close(master)
+    text = b"".join(chunks).decode(errors="replace")
+    assert proc.returncode == 0, text[-3000:]
+    assert "val perplexity" in text, text[-3000:]
+    assert text.count("\rtrain:") >= 2 and "40/40" in text, text[-3000:]
+    assert not PROGRESS_LINE.search(text), text[-3000:]
+
+
+def test_progress_choice(tmp_path):
+    """The choice itself: a terminal gives a bar, a file, a pipe and
+    /dev/null give lines (this process has no launcher above it), an
+    explicit mode wins, and a bad one is refused."""
+    import pty
+
+    from mpilossy.examples.lm.progress import choose, progress
+
+    master, slave = pty.openpty()
+    with open(slave, "w") as terminal, open(tmp_path / "log", "w") as log, \
+            open(os.devnull, "w") as null:
+        read_end, write_end = os.pipe()
+        with open(write_end, "w") as pipe:
+            assert choose("auto", terminal) == "bar"
+            assert [choose("auto", f) for f in (log, pipe, null)] == ["lines"] * 3
+            assert choose("bar", log) == "bar" and choose("lines", terminal) == "lines"
+            assert choose("none", terminal) == "none"
+            with pytest.raises(ValueError, match="progress must be one of"):
+                choose("tty", log)
+            # 7 steps at every 5%: a line each step, the last at the end only once
+            shown = progress(7, "train", "step", "lines", log)
+            for _ in range(7):
+                shown.update()
+            shown.close()
+        os.close(read_end)
+    os.close(master)
+    lines = (tmp_path / "log").read_text().splitlines()
+    assert [line.split()[2] for line in lines] == [f"{n}/7" for n in range(1, 8)], lines

@@ -13,6 +13,7 @@ from typing import List, Optional
 
 from mpi4py import MPI
 
+from .progress import MODES
 from .train import Config, train
 
 
@@ -88,7 +89,12 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--optimizer", choices=["adamw", "sgd"], default=d.optimizer,
                     help="AdamW, or SGD with momentum 0.9 (give it its own --lr)")
-    ap.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ap.add_argument("--progress", choices=MODES, default="auto",
+                    help="progress on rank 0's stderr: a bar, a line every 5%% of the steps "
+                    "(for job logs), none, or auto: a bar where the output reaches a "
+                    "terminal (also through mpiexec), lines elsewhere")
+    ap.add_argument("--no-progress", dest="progress", action="store_const", const="none",
+                    help="the same as --progress none")
     ap.add_argument("--json", help="write the results to this file (rank 0)")
     return ap
 
@@ -112,7 +118,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  seed=args.seed, val_windows=args.val_windows,
                  measure_every=args.measure_every, threads=args.threads)
     comm = MPI.COMM_WORLD
-    result = train(cfg, comm, progress=not args.no_progress)
+    result = train(cfg, comm, progress=args.progress)
     if comm.rank == 0:
         r = result
         how = cfg.reduce if cfg.reduce == "mpi" else (

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple
 
+from .progress import track
+
 GE = "gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1"    # bursts of ~5 blocks, ~9% lost
 
 SEEDS = {"paired": list(range(8)), "explore": [0, 1, 2], "scale": [0, 1, 2],
@@ -210,12 +212,7 @@ def run_rows(rows: List[Row], seeds: Optional[List[int]], runs: Path, extra: Lis
     todo = [(row, seed) for row in rows for seed in (seeds or SEEDS[row.tier])
             if not (runs / f"{row.name}-s{seed}.json").exists()]
     todo.sort(key=lambda item: item[1])
-    try:
-        from tqdm import tqdm
-        todo_iter = tqdm(todo, desc="runs", unit="run")
-    except ImportError:
-        todo_iter = todo
-    for row, seed in todo_iter:
+    for row, seed in track(todo, "sweep", "run"):
         target = runs / f"{row.name}-s{seed}.json"
         partial = target.with_suffix(".tmp")
         cmd = command(row, seed, extra) + ["--json", str(partial)]

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -22,6 +22,8 @@ import mpilossy.torch as mt
 
 from . import corpus as corpus_mod
 from .model import TinyGPT
+from .progress import MODES as PROGRESS_MODES
+from .progress import progress as progress_display
 
 __all__ = ["Config", "train"]
 
@@ -163,10 +165,16 @@ def gradient(p: torch.Tensor) -> torch.Tensor:
     return p.grad
 
 
-def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = True) -> Dict[str, Any]:
-    """Train; collective.  Returns the results (the same dict on every rank)."""
+def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
+          progress: Union[bool, str] = True) -> Dict[str, Any]:
+    """Train; collective.  Returns the results (the same dict on every rank).
+    `progress` (rank 0, on stderr): "auto" or True (a bar on a terminal, a
+    line every 5% elsewhere), "bar", "lines", or "none" or False."""
     if cfg.reduce not in ("mpilossy", "mpi"):
         raise ValueError(f"reduce must be 'mpilossy' or 'mpi', got {cfg.reduce!r}")
+    if not isinstance(progress, bool) and progress not in PROGRESS_MODES:
+        raise ValueError(f"progress must be True, False or one of {', '.join(PROGRESS_MODES)}, "
+                         f"got {progress!r}")
     if cfg.mode not in ("replicated", "sharded"):
         raise ValueError(f"mode must be 'replicated' or 'sharded', got {cfg.mode!r}")
     if cfg.mode == "sharded" and (cfg.phase_aware or cfg.algorithm not in ("auto", "direct")):
@@ -239,10 +247,8 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
         drift_control = wrapped.drift_control
     assert drift_control is not None        # (measure_every is always given)
 
-    bar = None
-    if progress and rank == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=cfg.steps, desc="train", unit="step", dynamic_ncols=True)
+    mode = "none" if rank != 0 or progress is False else "auto" if progress is True else progress
+    bar = progress_display(cfg.steps, "train", "step", mode)
     delivered: List[float] = []
     comm_seconds = 0.0
     losses: List[float] = []
@@ -293,14 +299,12 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD, progress: bool = Tr
             ppl_now = comm.bcast(perplexity(model, val) if rank == 0 else None)
             curve.append((step + 1, pause - train_began - paused, ppl_now))
             paused += time.perf_counter() - pause
-        if bar is not None:
-            bar.update(1)
-            if step % 10 == 0:
-                bar.set_postfix(loss=f"{losses[-1]:.3f}",
-                                delivered=f"{np.mean(delivered[-10:]) if delivered else 1.0:.3f}")
+        # the last 10 steps' mean training loss and delivered fraction
+        bar.set_postfix(refresh=False, loss=f"{np.mean(losses[-10:]):.3f}",
+                        delivered=f"{np.mean(delivered[-10:]) if delivered else 1.0:.3f}")
+        bar.update(1)
     train_seconds = time.perf_counter() - train_began - paused
-    if bar is not None:
-        bar.close()
+    bar.close()
 
     # Drift of the models as trained: the measurement of the last step was
     # taken before that step's broadcast, if it had one.
