@@ -17,6 +17,7 @@ import pytest
 
 from cluster_helpers import JOBS, cluster_fixture
 from helpers import is_singleton
+from mpilossy import _core
 
 pytestmark = [pytest.mark.skipif(not is_singleton(), reason="starts its own Slurm: runs at size 1"),
               pytest.mark.timeout(180)]
@@ -44,6 +45,13 @@ def test_every_template_has_a_header_and_the_parameters():
         assert re.search(r"^#SBATCH --error=\S*%j\S*$", text, re.M), t.name
         assert "module load" in text and "MPILOSSY_VENV" in text, t.name
         assert 'srun --mpi="$SRUN_MPI"' in text and "mpiexec -n" in text, t.name
+        # the channel, and the datagram channel's transport, named in the header
+        assert re.search(r"^#   CHANNEL +\S", head, re.M), t.name
+        assert "MPILOSSY_UD_PROVIDER" in head and "native" in head, t.name
+
+
+needs_ud = pytest.mark.skipif(not _core.HAVE_DATAGRAM_AUTH,
+                              reason="channel='ud' not built (OpenSSL headers missing)")
 
 
 @pytest.mark.parametrize("launcher", ["srun", "mpiexec"])
@@ -56,6 +64,45 @@ def test_smoke(slurm, tmp_path, launcher):
     assert len(re.findall(r"rank \d on \S+: 3 peers through shared memory, 0 through MPI_Rget",
                           out)) == 4, out
     assert out.rstrip().endswith("SMOKE OK"), out
+    # python -m mpilossy info ran first, on every rank
+    assert "== python -m mpilossy info" in out and "channel rma: built" in out, out
+    assert len(re.findall(r"^  [0-3]: \S+ pid \d+", out, re.M)) == 4, out
+
+
+# How the emulated cluster (scripts/cluster.py) runs a job across nodes, on one
+# node: MPICH over TCP (libfabric's tcp provider) and no shared memory between
+# ranks, mpilossy's datagrams through its own UDP sockets.
+ETHERNET = dict(MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp", MPIR_CVAR_NOLOCAL="1",
+                MPILOSSY_UD_PROVIDER="native")
+
+
+@needs_ud
+@pytest.mark.parametrize("launcher", ["srun", "mpiexec-over-tcp"])
+def test_smoke_datagram_channel(slurm, tmp_path, launcher):
+    """CHANNEL=rma,ud checks both channels; MPILOSSY_UD_PROVIDER (and under
+    mpiexec-over-tcp the MPI's own variables, FI_PROVIDER=tcp among them,
+    which the datagram channel must not take for its own) reach every rank,
+    whose line names the transport, interface and address it used."""
+    env = dict(CHANNEL="rma,ud", MPILOSSY_UD_PROVIDER="native")
+    if launcher != "srun":
+        env.update(ETHERNET, LAUNCHER="mpiexec")
+    job, code, out, err = submit(slurm, tmp_path, "smoke.sbatch", **env)
+    assert code == 0, out + err
+    assert "channel: rma,ud; MPILOSSY_UD_PROVIDER=native" in out, out
+    shm = "3 peers through shared memory, 0" if launcher == "srun" else \
+        "0 peers through shared memory, 3"
+    assert len(re.findall(rf"^rank \d on \S+: {shm} through MPI_Rget", out, re.M)) == 4, out
+    ud = re.findall(r"^rank (\d) on \S+: ud through native on lo \(127\.0\.0\.1:(\d+)\), "
+                    r"\d+ bytes per datagram; slowest lossy call", out, re.M)
+    assert sorted(r for r, _ in ud) == ["0", "1", "2", "3"], out
+    assert len({port for _, port in ud}) == 4, out          # one socket per rank
+    assert out.rstrip().endswith("SMOKE OK"), out
+
+
+def test_smoke_refuses_an_unknown_channel(slurm, tmp_path):
+    job, code, out, err = submit(slurm, tmp_path, "smoke.sbatch", CHANNEL="rma,tcp")
+    assert code == 2, out + err
+    assert "CHANNEL must list rma and/or ud, not 'rma,tcp'" in err, err
 
 
 def test_smoke_sees_the_network_path(slurm, tmp_path):
@@ -96,34 +143,73 @@ def test_bench(slurm, tmp_path):
     assert "loss bernoulli:0.05" in tables[2]
 
 
+@needs_ud
+def test_bench_datagram_channel(slurm, tmp_path):
+    """CHANNEL=ud: the fabric lines name the datagram transport of every rank
+    and both runs measure channel ud (lossless: exact)."""
+    job, code, out, err = submit(slurm, tmp_path, "bench.sbatch", CHANNEL="ud",
+                                 MPILOSSY_UD_PROVIDER="native", BENCH_SIZES="4K,256K",
+                                 BENCH_ALGOS="direct", BENCH_ITERS="3", BENCH_WARMUP="1",
+                                 BENCH_TIMEOUT="0.1", BENCH_LOSS="bernoulli:0.05")
+    assert code == 0, out + err
+    assert len(re.findall(r"^fabric: rank \d on \S+: ud through native on lo \(127\.0\.0\.1:\d+\)$",
+                          out, re.M)) == 4, out
+    assert "through shared memory" not in out, out
+    for kind in ("lossless", "lossy"):
+        doc = json.loads((tmp_path / f"mpilossy-bench-{job}-{kind}.json").read_text())
+        assert {(r["size"], r["channel"]) for r in doc["rows"]} == {(4096, "ud"), (262144, "ud")}
+        for r in doc["rows"]:
+            assert (r["wrong"] == 0 and r["delivered"] == 1.0) if kind == "lossless" \
+                else 0 < r["delivered"] <= 1.0, r
+
+
 # A tiny model for a few steps: the job's plumbing, not the learning
 # (tests/test_example_lm.py checks that).
 TINY = ("--width 32 --layers 1 --heads 2 --context 32 --batch 8 --val-windows 32 "
         "--lr 1e-2 --warmup 2 --measure-every 5 --broadcast-every 5")
 
 
-def test_train(slurm, tmp_path):
+@pytest.mark.parametrize("channel", ["default", "ud"])
+def test_train(slurm, tmp_path, channel):
     """The language-model example on 4 tasks under the training settings:
-    deadline and loss reach the example, MPILOSSY_TRACE every rank (one trace
-    file per rank), and the results folder holds the JSON and the summary."""
+    deadline, loss and channel reach the example, MPILOSSY_TRACE every rank
+    (one trace file per rank), the results folder holds the JSON and the
+    summary, which name the fabric used, and the .err file holds one plain
+    progress line per 5% of the steps, no carriage-return redraws."""
     pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
     pytest.importorskip("tqdm", reason="tqdm is not installed")
-    job, code, out, err = submit(slurm, tmp_path, "train.sbatch", TRAIN_STEPS="10",
-                                 TRAIN_TIMEOUT="0.1", TRAIN_LOSS="bernoulli:0.05",
-                                 TRAIN_ARGS=TINY)
+    env = dict(TRAIN_STEPS="10", TRAIN_TIMEOUT="0.1", TRAIN_LOSS="bernoulli:0.05",
+               TRAIN_ARGS=TINY)
+    if channel == "ud":
+        if not _core.HAVE_DATAGRAM_AUTH:
+            pytest.skip("channel='ud' not built (OpenSSL headers missing)")
+        env.update(CHANNEL="ud", MPILOSSY_UD_PROVIDER="native")
+    job, code, out, err = submit(slurm, tmp_path, "train.sbatch", **env)
     assert code == 0, out + err
+    # progress: 10 steps, a line each 5% (so every step), in the .err file only
+    assert "\r" not in err and "\r" not in out, err[-2000:]
+    steps = re.findall(r"^train step (\d+)/10 \(\d+%\), elapsed \S+, ETA \S+, loss=\S+, "
+                       r"delivered=\S+$", err, re.M)
+    assert steps == [str(n) for n in range(1, 11)], err
+    assert "train step" not in out, out
     assert f"job {job}: 4 tasks on 1 node(s)" in out, out
     assert "python -m mpilossy.examples.lm --steps 10 --timeout 0.1" in out, out
     results = tmp_path / f"mpilossy-train-{job}"
     r = json.loads((results / "result.json").read_text())
     assert r["ranks"] == 4, r
     assert r["config"]["steps"] == 10 and r["config"]["timeout"] == 0.1, r["config"]
+    used = "ud" if channel == "ud" else "rma"
+    assert r["config"]["channel"] == used, r["config"]
+    assert [f["channel"] for f in r["fabric"]] == [used] * 4, r["fabric"]
     assert r["config"]["loss"] == "bernoulli:0.05" and r["config"]["width"] == 32, r["config"]
     assert all(math.isfinite(p) and p > 1 for p in r["val_perplexity_ranks"]), r
     assert 0 < r["delivered"] < 1.0, r                  # the loss was injected
     summary = (results / "summary.txt").read_text()
     assert "ranks 4" in summary and "loss bernoulli:0.05" in summary, summary
     assert re.search(r"^val perplexity +\d+\.\d+", summary, re.M), summary
+    fabric = ("ud, 4 ranks on 1 node(s): datagrams through native on lo" if channel == "ud"
+              else "rma, 4 ranks on 1 node(s): 3 of 3 peers through shared memory")
+    assert re.search(rf"^channel +{re.escape(fabric)}", summary, re.M), summary
     assert f"results: {results}/result.json" in out, out
     traces = results / "trace"
     files = sorted(p.name for p in traces.iterdir())

@@ -26,6 +26,19 @@ def loss_spec(text: str) -> str:
     return f"bernoulli:p={p}" if p > 0 else ""
 
 
+def fabric_line(ranks: List[dict]) -> str:
+    """The channel and fabric of the run, from every rank's fabric()."""
+    nodes = len({f["host"] for f in ranks})
+    first = ranks[0]
+    where = f"{first['channel']}, {len(ranks)} ranks on {nodes} node(s): "
+    if first["channel"] == "ud":
+        return where + f"datagrams through {first['provider']} on {first['domain']} (rank 0)"
+    shared = sorted({f["shared_memory_peers"] for f in ranks})
+    counts = "/".join(map(str, shared))
+    return where + f"{counts} of {len(ranks) - 1} peers through shared memory, " \
+        "the rest through MPI_Rget"
+
+
 def parser() -> argparse.ArgumentParser:
     d = Config()
     ap = argparse.ArgumentParser(prog="python -m mpilossy.examples.lm", description=__doc__,
@@ -132,6 +145,8 @@ def main(argv: Optional[List[str]] = None) -> int:
               f"{min(r['val_perplexity_ranks']):.4f}..{max(r['val_perplexity_ranks']):.4f})")
         print(f"drift           {r['final_drift']:.2e} at the end, {r['max_drift']:.2e} at most")
         print(f"delivered       {r['delivered']:.4f}")
+        if "fabric" in r:
+            print(f"channel         {fabric_line(r['fabric'])}")
         print(f"time            {r['wall_seconds']:.1f} s ({r['comm_seconds']:.1f} s in gradient "
               f"communication, {1e3 * r['step_seconds']:.1f} ms per training step)")
         if cfg.micro_batches > 1:

@@ -339,5 +339,18 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                                  "repaired_steps": tolerance.repaired,
                                  "critical_ended": tolerance.critical_ended}
     if lc is not None:
+        result["fabric"] = comm.allgather(fabric(lc))
         lc.free()
     return result
+
+
+def fabric(lc: mpilossy.Communicator) -> Dict[str, Any]:
+    """What this rank's gradients travel through: its host, the channel,
+    the peers it reads through shared memory, and for "ud" the datagram
+    provider, interface or device, and address."""
+    mine: Dict[str, Any] = {"host": MPI.Get_processor_name(), "channel": lc.channel,
+                            "shared_memory_peers": lc.shared_memory_peers}
+    if lc.channel == "ud":
+        info = lc.channel_info()
+        mine.update({k: info[k] for k in ("provider", "domain", "address")})
+    return mine
