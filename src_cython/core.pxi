@@ -114,6 +114,13 @@ cdef class Core:
             raise MPILossyChannelError("channel='rma' has no datagram key")
         return (<char*>(<DgramChannel>self.chan).key)[:MPL_MAC_KEY_BYTES]
 
+    def set_send_rate(self, double rate, double burst):
+        """channel='ud': pace this rank's datagrams at `rate` bytes per
+        second on the wire (0: unpaced), at most `burst` bytes at once."""
+        if self.rma is not None:
+            raise MPILossyChannelError("channel='rma' is not paced")
+        (<DgramChannel>self.chan).set_rate(rate, burst)
+
     def configure_loss(self, dict spec):
         self.loss.configure(spec)
 

@@ -530,9 +530,22 @@ cdef class DgramChannel(DgramEndpoint):
         self.service()
 
     cdef void end(self, CallInfo* call, bint failed) noexcept nogil:
+        cdef double limit
         self.drain()
-        if self.fab != NULL:
-            mpl_dg_flush(self.fab)      # nothing of this call may wait for the next
+        if self.fab == NULL:
+            return
+        mpl_dg_flush(self.fab)          # nothing of this call may wait for the next...
+        # ...and paced datagrams leave at the port's rate: peers wait for
+        # them, until the call's end (or the stall limit without deadline).
+        if mpl_dg_queued(self.fab):
+            limit = call.start + call.timeout if call.timeout >= 0 else mpl_now() + STALL_LIMIT
+            while mpl_dg_queued(self.fab) and mpl_now() < limit:
+                self.drain()
+                mpl_dg_flush(self.fab)
+            if mpl_dg_queued(self.fab):
+                self.n_unsent += mpl_dg_queued(self.fab)
+                mpl_dg_discard_queued(self.fab)
+                self.drain()            # (their slots back)
 
     cdef void fail(self, CallInfo* call, ErrorInfo* err) noexcept nogil:
         cdef mpl_error_t e

@@ -34,6 +34,7 @@ cdef class DgramEndpoint(Channel):
     cdef char local_addr[256]         # this endpoint's address (udp: a sockaddr)
     cdef size_t local_len
     cdef int socket_bytes             # udp: kernel receive buffer in effect
+    cdef double pace_rate             # bytes per second on the wire; 0: unpaced
     # sizes
     cdef Py_ssize_t prefix            # bytes the provider reserves before a message
     cdef Py_ssize_t payload_max       # payload bytes per datagram: the largest block
@@ -237,6 +238,13 @@ cdef class DgramEndpoint(Channel):
         free(self.outbox[0])
         free(self.outbox[1])
 
+    def set_rate(self, double rate, double burst):
+        """Pace the datagrams this rank sends: `rate` bytes per second on
+        the wire (0: unpaced), at most `burst` bytes at once."""
+        if self.fab != NULL:
+            mpl_dg_set_rate(self.fab, rate, burst)
+        self.pace_rate = rate
+
     cdef Py_ssize_t max_block_bytes(self) noexcept nogil:
         return self.payload_max
 
@@ -252,7 +260,8 @@ cdef class DgramEndpoint(Channel):
         cdef long queue = -1
         if self.fab != NULL:
             queue = mpl_udp_drops(self.local_addr, self.local_len)
-        return {"queue_drops": queue, "socket_bytes": self.socket_bytes, "sent": self.n_sent,
+        return {"queue_drops": queue, "socket_bytes": self.socket_bytes,
+                "pace_bytes_per_s": self.pace_rate, "sent": self.n_sent,
                 "received": self.n_received, "truncated": self.n_truncated,
                 "unsent": self.n_unsent, **self.transport_costs()}
 

@@ -24,6 +24,8 @@
 #include <string.h>
 #include <errno.h>
 
+#include "mpilossy_pace.h"
+
 /* One completed operation (shared with mpilossy_fabric.h). */
 #ifndef MPL_EVENT_DEFINED
 #define MPL_EVENT_DEFINED
@@ -97,6 +99,7 @@ struct mpl_sock {
     mpl_sock_send_t *sq;           /* queued sends, in order */
     size_t sq_cap, sq_count;
     mpl_sock_batch_t *batch;       /* the messages of a flush */
+    mpl_pace_t pace;               /* how fast datagrams may leave (mpilossy_pace.h) */
     void **done;                   /* completed sends not yet reaped, a FIFO ring */
     size_t done_cap, done_head, done_count;
     int gso;                       /* UDP_SEGMENT accepted so far */
@@ -264,20 +267,29 @@ static int mpl_sock_flush(mpl_sock_t *s)
 {
     struct mmsghdr *msgs = s->batch->msgs;
     struct iovec *iov = s->batch->iov;
-    size_t *first = s->batch->first, i, nv, left = 0, k;
+    size_t *first = s->batch->first, i, nv, left = 0, k, ready = s->sq_count;
     int m, sent, d;
     if (!s->sq_count)
         return 0;
+    if (s->pace.rate > 0) {
+        /* Paced: as many from the head of the queue as the tokens allow. */
+        for (ready = 0; ready < s->sq_count && mpl_pace_take(&s->pace, s->sq[ready].len); ready++)
+            ;
+        if (!ready) {
+            errno = EAGAIN;
+            return -1;
+        }
+    }
 again:
     i = nv = 0;
     m = 0;
     /* Group: a run of datagrams to one peer, all of the run's first length
      * but the last (which may be shorter), is one segmented message. */
-    while (i < s->sq_count && m < MPL_SOCK_BATCH) {
+    while (i < ready && m < MPL_SOCK_BATCH) {
         const mpl_sock_send_t *q = &s->sq[i];
         size_t n = 1, bytes = q->len;
         if (s->gso)
-            while (i + n < s->sq_count && n < MPL_SOCK_MAX_SEGS
+            while (i + n < ready && n < MPL_SOCK_MAX_SEGS
                    && s->sq[i + n].peer == q->peer && s->sq[i + n].len <= q->len
                    && s->sq[i + n - 1].len == q->len && bytes + s->sq[i + n].len <= MPL_SOCK_MAX_GSO) {
                 bytes += s->sq[i + n].len;
@@ -330,6 +342,9 @@ again:
             s->done_count++;
         }
     left = first[sent];
+    if (s->pace.rate > 0)               /* the tokens of what did not leave come back */
+        for (k = left; k < ready; k++)
+            s->pace.tokens += mpl_pace_cost(s->sq[k].len);
     s->sent += left;
     if (left > s->largest_batch)
         s->largest_batch = left;
@@ -419,6 +434,21 @@ static int mpl_sock_poll(mpl_sock_t *s, mpl_fab_event_t *events, int max)
 }
 
 static size_t mpl_sock_max_msg(const mpl_sock_t *s) { return s->max_msg; }
+static size_t mpl_sock_queued(const mpl_sock_t *s) { return s->sq_count; }
+
+/* Give up the queued sends (paced ones that missed their call's end): they
+ * complete unsent, counted as refused. */
+static void mpl_sock_discard(mpl_sock_t *s)
+{
+    size_t k;
+    for (k = 0; k < s->sq_count; k++) {
+        s->done[(s->done_head + s->done_count) % s->done_cap] = s->sq[k].user;
+        s->done_count++;
+    }
+    s->send_errors += s->sq_count;
+    s->sq_count = 0;
+}
+static mpl_pace_t *mpl_sock_pace(mpl_sock_t *s) { return &s->pace; }
 static const char *mpl_sock_domain_name(const mpl_sock_t *s) { return s->domain; }
 
 /* Send and receive system calls, datagrams sent and received, sends
@@ -517,6 +547,9 @@ static int mpl_sock_recv(mpl_sock_t *s, void *b, size_t l, void *u) { (void)s; (
 static int mpl_sock_send(mpl_sock_t *s, int p, const void *b, size_t l, void *u) { (void)s; (void)p; (void)b; (void)l; (void)u; return -1; }
 static int mpl_sock_poll(mpl_sock_t *s, mpl_fab_event_t *e, int m) { (void)s; (void)e; (void)m; return -1; }
 static size_t mpl_sock_max_msg(const mpl_sock_t *s) { (void)s; return 0; }
+static size_t mpl_sock_queued(const mpl_sock_t *s) { (void)s; return 0; }
+static void mpl_sock_discard(mpl_sock_t *s) { (void)s; }
+static mpl_pace_t *mpl_sock_pace(mpl_sock_t *s) { static mpl_pace_t none; (void)s; return &none; }
 static const char *mpl_sock_domain_name(const mpl_sock_t *s) { (void)s; return ""; }
 static void mpl_sock_costs(const mpl_sock_t *s, uint64_t out[MPL_DG_COSTS]) { (void)s; memset(out, 0, MPL_DG_COSTS * sizeof(uint64_t)); }
 static void mpl_sock_flush_all(mpl_sock_t *s) { (void)s; }

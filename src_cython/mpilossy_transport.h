@@ -14,6 +14,7 @@
 typedef struct {
     mpl_fab_t *fab;          /* exactly one of the two is set */
     mpl_sock_t *sock;
+    mpl_pace_t pace;         /* libfabric's pacing (the native transport paces its flushes) */
 } mpl_dg_t;
 
 static int mpl_dg_is_native(const char *provider)
@@ -88,9 +89,15 @@ static int mpl_dg_recv(mpl_dg_t *d, void *buf, size_t len, void *desc, size_t sl
 static int mpl_dg_send(mpl_dg_t *d, int peer, const void *buf, size_t len, void *desc,
                        size_t slot, void *user)
 {
+    int rc;
     if (d->sock)
         return mpl_sock_send(d->sock, peer, buf, len, user) ? MPL_FAB_EAGAIN : 0;
-    return mpl_fab_send(d->fab, peer, buf, len, desc, slot, user);
+    if (!mpl_pace_take(&d->pace, len))
+        return MPL_FAB_EAGAIN;
+    rc = mpl_fab_send(d->fab, peer, buf, len, desc, slot, user);
+    if (rc && d->pace.rate > 0)         /* not sent: its tokens come back */
+        d->pace.tokens += mpl_pace_cost(len);
+    return rc;
 }
 
 static int mpl_dg_poll(mpl_dg_t *d, mpl_fab_event_t *events, int max)
@@ -105,6 +112,27 @@ static void mpl_dg_flush(mpl_dg_t *d)
 {
     if (d && d->sock)
         mpl_sock_flush_all(d->sock);
+}
+
+/* Pace the datagrams this endpoint sends: `rate` bytes per second on the
+ * wire (0: unpaced), at most `burst` bytes at once. */
+static void mpl_dg_set_rate(mpl_dg_t *d, double rate, double burst)
+{
+    mpl_pace_set(d->sock ? mpl_sock_pace(d->sock) : &d->pace, rate, burst);
+}
+
+/* Datagrams queued that have not left yet (native transport; libfabric's
+ * leave when posted). */
+static size_t mpl_dg_queued(const mpl_dg_t *d)
+{
+    return d && d->sock ? mpl_sock_queued(d->sock) : 0;
+}
+
+/* Give up the sends still queued (see mpl_sock_discard). */
+static void mpl_dg_discard_queued(mpl_dg_t *d)
+{
+    if (d && d->sock)
+        mpl_sock_discard(d->sock);
 }
 
 static const char *mpl_dg_strerror(const mpl_dg_t *d, int rc)

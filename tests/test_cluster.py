@@ -75,7 +75,7 @@ def test_bench_across_a_dropping_switch(tmp_path):
     assert row["mpi_p50_us"] > 0 and row["p50_us"] > 0, row
     # 50 ms deadline: no call past it by more than scheduling on 2 cores.
     assert row["max_us"] < 50e3 + 200e3, row
-    assert ours() == before
+    assert ours() <= before, ours() - before
 
 
 @needs_ud
@@ -87,7 +87,7 @@ def test_lossy_link_is_the_loopback_mode(tmp_path):
                     "--iters", "4")
     assert row["switch_drops"] > 0 and row["kernel"]["Udp.OutDatagrams"] > 0, row
     assert row["max_us"] < 50e3 + 200e3, row
-    assert ours() == before
+    assert ours() <= before, ours() - before
 
 
 def test_switch_port_overflows_under_incast():
@@ -195,7 +195,7 @@ def test_sigterm_removes_everything():
             proc.kill()
             proc.wait()
     assert proc.returncode != 0
-    assert ours() == before
+    assert ours() <= before, ours() - before
     assert not alive(job), job
 
 
@@ -232,4 +232,4 @@ def test_sigkilled_run_is_cleaned_up_by_the_next():
                 except subprocess.TimeoutExpired:
                     p.kill()
                     p.communicate()
-    assert ours() == before
+    assert ours() <= before, ours() - before

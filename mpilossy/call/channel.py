@@ -12,10 +12,17 @@ from ..errors import MPILossyError
 from ..loss import to_spec as loss_spec
 from .config import Config
 
-__all__ = ["open_core", "HARDWARE_DATAGRAMS"]
+__all__ = ["open_core", "HARDWARE_DATAGRAMS", "PACE_SHARE", "PACE_BURST"]
 
 # Datagram providers that mean real datagram hardware (where "auto" picks ud).
 HARDWARE_DATAGRAMS = ("verbs", "efa")
+# Pacing (MPILOSSY_UD_RATE, docs/ud.md): the ranks of a node send at this
+# share of their port's rate together (room for MPI's own traffic and the
+# headers the port counts and the pacer cannot see), each in bursts of at
+# most PACE_BURST bytes: a few frames, so that the bursts of every sender of
+# an all-to-all fit a shallow switch queue together.
+PACE_SHARE = 0.95
+PACE_BURST = 16384
 
 
 def open_core(comm: MPI.Intracomm, config: Config) -> Tuple[Core, str]:
@@ -37,6 +44,8 @@ def open_core(comm: MPI.Intracomm, config: Config) -> Tuple[Core, str]:
         core.configure_loss(loss_spec(config.loss))
     except BaseException as exc:
         error = exc
+    if channel == "ud":                  # (every rank: the node split is collective)
+        pace(comm, core, config.ud_rate)
     # The channels agree on their own failures; this catches the rest, so
     # that no rank returns a communicator whose peers raised.
     outcomes = comm.allgather(None if error is None else f"{type(error).__name__}: {error}")
@@ -50,6 +59,16 @@ def open_core(comm: MPI.Intracomm, config: Config) -> Tuple[Core, str]:
             f"rank {r}: {why}" for r, why in broken))
     assert core is not None
     return core, channel
+
+
+def pace(comm: MPI.Intracomm, core: Optional[Core], node_rate: float) -> None:
+    """Collective: pace every rank's datagrams at its share of its node's
+    port rate (`node_rate`, bits per second)."""
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    ranks_here = node.Get_size()
+    node.Free()
+    if core is not None and node_rate > 0:
+        core.set_send_rate(PACE_SHARE * node_rate / 8 / ranks_here, PACE_BURST)
 
 
 def auto_channel(comm: MPI.Intracomm, provider: str) -> str:

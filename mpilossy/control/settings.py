@@ -86,6 +86,26 @@ def _text(text: str) -> str:
     return text
 
 
+_RATE_UNITS = {"": 1, "bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, "tbit": 1e12,
+               "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
+
+
+def parse_rate(text: str) -> float:
+    """A rate in bits per second: '1gbit', '800mbit', '10g', '2.5e9'; 'none'
+    or '0' is 0 (unpaced).  Raises ValueError."""
+    value = text.strip().lower()
+    if value in ("none", "0", ""):
+        return 0.0
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = value[len(number):]
+    if unit not in _RATE_UNITS:
+        raise ValueError(f"unknown unit {unit!r}")
+    rate = float(number) * _RATE_UNITS[unit]
+    if not math.isfinite(rate) or rate < 0:
+        raise ValueError
+    return rate
+
+
 @dataclass(frozen=True)
 class Variable:
     """One environment variable: its setting's name, default, parser, what it
@@ -123,6 +143,10 @@ VARIABLES: Tuple[Variable, ...] = (
              "largest datagram payload of channel='ud'"),
     Variable("MPILOSSY_UD_RECV_BUFFERS", "ud_recv_buffers", 512, _int_at_least(16),
              "an integer >= 16", "receives kept posted by channel='ud'"),
+    Variable("MPILOSSY_UD_RATE", "ud_rate", 0.0, parse_rate,
+             "a rate: '1gbit', '800mbit', '10g', bits per second, or 'none'",
+             "the rate of a node's port: channel='ud' paces each rank's datagrams to its share "
+             "of it (docs/ud.md)"),
     Variable("MPILOSSY_UD_SOCKET_BYTES", "ud_socket_bytes", 32 << 20, _int_at_least(0),
              "an integer >= 0", "kernel receive buffer of the udp provider"),
     Variable("MPILOSSY_AUTO_FLOOR", "auto_floor", 1e-3, _seconds(), "seconds > 0",
