@@ -312,6 +312,7 @@ class Cluster:
         self.loopback = loopback
         self.state = STATE_ROOT / self.cid
         self.control = self.state / "control"
+        self.meet = self.state / "meet"         # where bench ranks line up (MPILOSSY_BENCH_MEET)
         self.switch_ns = f"{self.cid}-sw"
         self.node_ns = [f"{self.cid}-n{i + 1}" for i in range(nodes)]
         self.names = [f"node{i + 1}" for i in range(nodes)]
@@ -448,6 +449,7 @@ class Cluster:
                                                hosts=self.state / "hosts"))
         self.wrapper.chmod(0o755)
         self.control.mkdir()
+        self.meet.mkdir()
 
     def _sysctl(self, ns: str, values: Dict[str, str]) -> None:
         script = "".join(f"[ -e /proc/sys/{k} ] && echo {v} > /proc/sys/{k}\n"
@@ -619,7 +621,9 @@ class Cluster:
         env.update(MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp,udp",
                    FI_TCP_IFACE="lo" if self.loopback else "eth0",
                    MPILOSSY_UD_PROVIDER=provider, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   CLUSTER_CONTROL=str(self.control))
+                   CLUSTER_CONTROL=str(self.control),
+                   # the bench lines its ranks up through files, off the network
+                   MPILOSSY_BENCH_MEET=str(self.meet))
         if self.loopback:
             env["MPIR_CVAR_NOLOCAL"] = "1"
         env.update(extra or {})
@@ -788,7 +792,9 @@ def under(cluster: Cluster, share: float, bursts: bool, args: argparse.Namespace
     if bursts:
         cluster.start_bursts(args.burst_ms / 1e3, args.burst_every_ms / 1e3)
     try:
-        return cluster.run(cmd, ppn=args.ppn, timeout=args.limit, provider=args.provider)
+        pace = args.rate if args.pace == "port" else args.pace
+        return cluster.run(cmd, ppn=args.ppn, timeout=args.limit, provider=args.provider,
+                           env={"MPILOSSY_UD_RATE": pace})
     finally:
         cluster.clear()
 
@@ -813,7 +819,7 @@ def bench(cluster: Cluster, args: argparse.Namespace) -> List[Dict[str, Any]]:
                                      f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
                 after = cluster.counters()
                 for row in json.loads(out.read_text())["tail"]:
-                    row.update(condition=name, drop=share, bursts=bursts,
+                    row.update(condition=name, drop=share, bursts=bursts, pace=args.pace,
                                kernel=delta(after["kernel"], before["kernel"]),
                                switch_drops=after["switch_drops"]["dropped"]
                                - before["switch_drops"]["dropped"],
@@ -860,6 +866,7 @@ def train(cluster: Cluster, args: argparse.Namespace) -> List[Dict[str, Any]]:
                                          f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
                     res = json.loads(out.read_text())
                     row = {"condition": name, "drop": share, "bursts": bursts, "seed": seed,
+                           "pace": args.pace,
                            "reduce": reduce, **{k: res[k] for k in (
                                "val_perplexity", "delivered", "train_seconds", "comm_seconds",
                                "wall_seconds")}}
@@ -941,6 +948,9 @@ def parser() -> argparse.ArgumentParser:
         p.add_argument("--limit", type=float, default=1200,
                        help="seconds per job before it is killed")
         p.add_argument("--json", help="write every row here")
+        p.add_argument("--pace", default="none", metavar="RATE",
+                       help="MPILOSSY_UD_RATE of the job: pace mpilossy's datagrams to a node "
+                            "port of this rate (docs/ud.md); 'port': the port rate (--rate)")
         if what == "bench":
             p.add_argument("--sizes", default="1M:0.1,16M:2",
                            help="SIZE:DEADLINE pairs (mpilossy's deadline in seconds)")

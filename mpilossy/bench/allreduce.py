@@ -355,12 +355,16 @@ def _aligner(comm: MPI.Comm, s: Dict[str, Any]) -> Iterator[Callable[[], None]]:
     traffic on the link, and now and then holds one rank back by a TCP
     retransmission timeout, which the next lossy call would count as a
     straggler; instead the ranks meet through files in the host's memory
-    (/dev/shm), off the network."""
+    (/dev/shm), off the network.  MPILOSSY_BENCH_MEET names a folder that
+    every rank sees where they are on several hosts (the emulated cluster's
+    nodes share the machine's files)."""
+    shared = os.environ.get("MPILOSSY_BENCH_MEET")
     one_host = len(set(comm.allgather(MPI.Get_processor_name()))) == 1
-    if s["kind"] != "link" or not one_host:
+    if s["kind"] != "link" or not (one_host or shared):
         yield comm.Barrier
         return
-    base = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
+    base = (Path(shared) if shared else
+            Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir()))
     folder = base / comm.bcast(f"mpilossy-bench-{os.getpid()}-{time.time_ns()}", root=0)
     if comm.rank == 0:
         folder.mkdir()
