@@ -478,6 +478,7 @@ cdef class DgramChannel(DgramEndpoint):
         """Replay what arrived early for this call, then reap completions."""
         cdef int k, n
         cdef char* early
+        cdef double now
         if not self.armed:
             # The streams are known now (bind ran): swap the stash out and
             # judge its datagrams again; those of the next call stash anew.
@@ -491,9 +492,10 @@ cdef class DgramChannel(DgramEndpoint):
                 early = self.replaying + <Py_ssize_t>k * self.pkt
                 self.accept(early, HEADER_BYTES + (<mpl_packet_t*>early).nbytes, True)
         self.drain()
-        if mpl_now() >= self.next_probe:
+        now = mpl_now()
+        if now >= self.next_probe:
             self.hear_errors()
-        if 0 <= self.next_end_repeat <= mpl_now() and not self.past_cap():
+        if 0 <= self.next_end_repeat <= now and not self.past_cap():
             self.repeat_ends()
 
     cdef int poll(self, Stream* s, int block, Incoming* inc) noexcept nogil:
