@@ -324,8 +324,12 @@ again:
     sent = sendmmsg(s->fd, msgs, (unsigned)m, MSG_DONTWAIT);
     s->send_calls++;
     if (sent < 0) {
-        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS || errno == EINTR)
+        if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS || errno == EINTR) {
+            if (s->pace.rate > 0)       /* nothing left: every token comes back */
+                for (k = 0; k < ready; k++)
+                    s->pace.tokens += mpl_pace_cost(s->sq[k].len);
             return -1;
+        }
         if (s->gso && (errno == EIO || errno == EINVAL || errno == ENOPROTOOPT
                        || errno == EOPNOTSUPP) && first[1] - first[0] > 1) {
             s->gso = 0;            /* no segmentation offload here: one datagram per message */

@@ -22,7 +22,7 @@ out = np.empty_like(x)
 lossy_times, delivered = [], []
 with mpilossy.Communicator(comm, channel="ud", timeout=TIMEOUT, block_bytes=4096,
                            loss="bernoulli:p=0.1,seed=5") as lc:
-    for call in range(30):
+    for call in range(20):
         comm.Barrier()
         stats = lc.allreduce(x, out, op="avg", algorithm="direct")
         delivered.append(stats.delivered)
