@@ -50,18 +50,24 @@ static inline void mpl_pace_refill(mpl_pace_t *p)
 
 static inline double mpl_pace_cost(size_t len) { return (double)(len + MPL_PACE_HEADERS); }
 
-/* May a datagram of `len` bytes leave now?  Takes its tokens if so.  (A
- * datagram larger than the whole bucket leaves when the bucket is full.) */
-static inline int mpl_pace_take(mpl_pace_t *p, size_t len)
+/* May a datagram of `len` bytes leave on the tokens in hand?  Takes them if
+ * so.  (A datagram larger than the whole bucket leaves when it is full.) */
+static inline int mpl_pace_spend(mpl_pace_t *p, size_t len)
 {
     double cost = mpl_pace_cost(len);
-    if (p->rate <= 0)
-        return 1;
-    mpl_pace_refill(p);
     if (p->tokens < cost && p->tokens < p->burst)
         return 0;
     p->tokens -= cost;
     return 1;
+}
+
+/* The same, with the tokens earned until now: one datagram at a time. */
+static inline int mpl_pace_take(mpl_pace_t *p, size_t len)
+{
+    if (p->rate <= 0)
+        return 1;
+    mpl_pace_refill(p);
+    return mpl_pace_spend(p, len);
 }
 
 #endif /* MPILOSSY_PACE_H */

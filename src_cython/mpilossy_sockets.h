@@ -272,8 +272,10 @@ static int mpl_sock_flush(mpl_sock_t *s)
     if (!s->sq_count)
         return 0;
     if (s->pace.rate > 0) {
-        /* Paced: as many from the head of the queue as the tokens allow. */
-        for (ready = 0; ready < s->sq_count && mpl_pace_take(&s->pace, s->sq[ready].len); ready++)
+        /* Paced: as many from the head of the queue as the tokens allow
+         * (one clock read per flush, not per datagram). */
+        mpl_pace_refill(&s->pace);
+        for (ready = 0; ready < s->sq_count && mpl_pace_spend(&s->pace, s->sq[ready].len); ready++)
             ;
         if (!ready) {
             errno = EAGAIN;
