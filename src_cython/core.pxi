@@ -121,6 +121,14 @@ cdef class Core:
             raise MPILossyChannelError("channel='rma' is not paced")
         (<DgramChannel>self.chan).set_rate(rate, burst)
 
+    def set_offload(self, bint on) -> bool:
+        """channel='ud', native transport: segmentation and receive offload
+        on or off (on by default where the kernel has them); whether
+        receive offload is on."""
+        if self.rma is not None:
+            raise MPILossyChannelError("channel='rma' has no datagram offload")
+        return (<DgramChannel>self.chan).set_offload(on)
+
     def configure_loss(self, dict spec):
         self.loss.configure(spec)
 

@@ -255,6 +255,11 @@ cdef class DgramEndpoint(Channel):
             return f"{a[4]}.{a[5]}.{a[6]}.{a[7]}:{(a[2] << 8) | a[3]}"
         return self.local_addr[:self.local_len].hex()
 
+    def set_offload(self, bint on) -> bool:
+        """Segmentation and receive offload (native transport) on or off;
+        whether receive offload is on."""
+        return self.fab != NULL and mpl_dg_set_offload(self.fab, on) == 1
+
     def counters(self) -> dict:
         """What the endpoint sent and received (and the transport's costs)."""
         cdef long queue = -1
@@ -268,13 +273,14 @@ cdef class DgramEndpoint(Channel):
     def transport_costs(self) -> dict:
         """The native transport's system calls and datagrams (empty for
         libfabric, which does not count them)."""
-        cdef uint64_t c[6]
+        cdef uint64_t c[8]
         if self.fab == NULL or not mpl_dg_is_native(mpl_dg_provider(self.fab)):
             return {}
         mpl_dg_costs(self.fab, c)
         return {"send_calls": c[0], "recv_calls": c[1], "transport_sent": c[2],
                 "transport_received": c[3], "send_refused": c[4],
-                "largest_send_batch": c[5]}
+                "largest_send_batch": c[5], "received_messages": c[6],
+                "receive_offload": bool(c[7])}
 
     # -- sending -----------------------------------------------------------------
     cdef int reserve_outbox(self, int parity, Py_ssize_t records, double limit) except -1:

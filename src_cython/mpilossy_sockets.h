@@ -6,7 +6,12 @@
  * sendmmsg per flush, a run of equal-sized datagrams to one peer as one
  * message with UDP segmentation offload (UDP_SEGMENT, Linux >= 4.18; the
  * kernel or the NIC cuts it into datagrams after the stack was crossed
- * once).  Receives are taken by recvmmsg straight into the posted buffers.
+ * once).  Receives are taken by recvmmsg straight into the posted buffers;
+ * where the kernel has UDP receive offload (UDP_GRO, Linux >= 5.0) they
+ * land instead in a few 64 KiB buffers, each holding up to 64 datagrams of
+ * one sender that the kernel merged (or a segmented message that was never
+ * cut, on loopback), and are split into the posted buffers: one copy per
+ * datagram, in place of the kernel's receive path per datagram.
  * A send completes when the kernel has taken its bytes, a receive when a
  * datagram is in its buffer; a datagram that did not fit completes with
  * length 0 (counted as truncated by the channel).
@@ -39,7 +44,7 @@ typedef struct {
 typedef struct mpl_sock mpl_sock_t;
 
 /* How many figures mpl_sock_costs reports. */
-#define MPL_DG_COSTS 6
+#define MPL_DG_COSTS 8
 
 #ifdef __linux__
 /* sendmmsg/recvmmsg need _GNU_SOURCE, which Python.h (pyconfig.h) defines first. */
@@ -58,11 +63,16 @@ typedef struct mpl_sock mpl_sock_t;
 #ifndef UDP_SEGMENT
 #define UDP_SEGMENT 103
 #endif
+#ifndef UDP_GRO
+#define UDP_GRO 104
+#endif
 
 #define MPL_SOCK_BATCH 64          /* messages per sendmmsg/recvmmsg */
 #define MPL_SOCK_MAX_SEGS 64       /* datagrams per segmented message (kernel limit) */
 #define MPL_SOCK_MAX_GSO 65000     /* bytes per segmented message (< 64 KiB IP) */
 #define MPL_SOCK_HOLD 8            /* polls that may pass before queued sends leave */
+#define MPL_SOCK_LANDINGS 8        /* merged messages one recvmmsg takes (UDP_GRO) */
+#define MPL_SOCK_LANDING 65536     /* bytes of one: the largest UDP payload fits */
 
 typedef struct {
     void *buf;
@@ -89,6 +99,20 @@ typedef struct {
     size_t first[MPL_SOCK_BATCH + 1];
 } mpl_sock_batch_t;
 
+/* Where merged messages land (UDP_GRO), and how far they are split. */
+typedef struct {
+    char data[MPL_SOCK_LANDINGS][MPL_SOCK_LANDING];
+    size_t len[MPL_SOCK_LANDINGS];     /* bytes of message i */
+    size_t seg[MPL_SOCK_LANDINGS];     /* its datagrams' size (the last may be shorter) */
+    union {
+        char buf[CMSG_SPACE(sizeof(int))];
+        struct cmsghdr align;
+    } ctl[MPL_SOCK_LANDINGS];
+    int count;                         /* messages landed */
+    int next;                          /* the one being split */
+    size_t off;                        /* its bytes already handed out */
+} mpl_sock_landing_t;
+
 struct mpl_sock {
     int fd;
     struct sockaddr_in self;
@@ -103,12 +127,15 @@ struct mpl_sock {
     void **done;                   /* completed sends not yet reaped, a FIFO ring */
     size_t done_cap, done_head, done_count;
     int gso;                       /* UDP_SEGMENT accepted so far */
+    int gro;                       /* UDP_GRO on: receives land in `landing` */
+    mpl_sock_landing_t *landing;
     int held;                      /* polls since queued sends last left */
     size_t max_msg;                /* largest datagram that needs no IP fragments */
     char domain[IF_NAMESIZE];
     /* what it cost: system calls and datagrams */
     uint64_t send_calls, recv_calls, sent, received, send_errors;
     uint64_t largest_batch;        /* most datagrams one sendmmsg handed over */
+    uint64_t recv_messages;        /* what recvmmsg returned (merged: several datagrams each) */
 };
 
 static int mpl_sock_fail(char *err, size_t errlen, const char *what)
@@ -148,6 +175,27 @@ static int mpl_sock_interface(const char *name, struct in_addr *addr, char *chos
     snprintf(chosen, IF_NAMESIZE, "%s", pick->ifa_name);
     freeifaddrs(all);
     return 0;
+}
+
+/* Segmentation and receive offload on (1) or off (0): UDP_SEGMENT where
+ * the kernel accepts it (tried again on the next send), UDP_GRO where the
+ * kernel has it and its landing buffers could be allocated (datagrams that
+ * landed before it was turned off are still handed out).  Returns 1 when
+ * receive offload is on afterwards. */
+static int mpl_sock_set_offload(mpl_sock_t *s, int on)
+{
+    int flag = on ? 1 : 0;
+    s->gso = flag;
+    if (on && !s->landing)
+        s->landing = calloc(1, sizeof(*s->landing));
+    s->gro = 0;
+    if (s->landing && !setsockopt(s->fd, IPPROTO_UDP, UDP_GRO, &flag, sizeof(flag)))
+        s->gro = flag;
+    if (!s->gro && s->landing && s->landing->next >= s->landing->count) {
+        free(s->landing);
+        s->landing = NULL;
+    }
+    return s->gro;
 }
 
 /* Open a socket on interface `domain` (NULL: see mpl_sock_interface), for
@@ -196,6 +244,7 @@ static int mpl_sock_open(mpl_sock_t **out, const char *domain, size_t nops,
     s->max_msg = 65507;
     if (ioctl(s->fd, SIOCGIFMTU, &ifr) == 0 && ifr.ifr_mtu > 28 && ifr.ifr_mtu - 28 < 65507)
         s->max_msg = (size_t)ifr.ifr_mtu - 28;
+    mpl_sock_set_offload(s, 1);
     *out = s;
     return 0;
 fail:
@@ -215,6 +264,7 @@ static void mpl_sock_close(mpl_sock_t *s)
         return;
     if (s->fd >= 0)
         close(s->fd);
+    free(s->landing);
     free(s->peers);
     free(s->rq);
     free(s->sq);
@@ -384,6 +434,78 @@ static int mpl_sock_send(mpl_sock_t *s, int peer, const void *buf, size_t len, v
     return 0;
 }
 
+/* Hand out landed datagrams into posted buffers, from events[total] on;
+ * returns the new total.  A datagram larger than its buffer completes with
+ * length 0, as a truncated receive does. */
+static int mpl_sock_split(mpl_sock_t *s, mpl_fab_event_t *events, int total, int max)
+{
+    mpl_sock_landing_t *L = s->landing;
+    while (L && L->next < L->count && total < max && s->rq_count) {
+        int i = L->next;
+        size_t n = L->len[i] - L->off;
+        mpl_sock_post_t *p = &s->rq[s->rq_head];
+        if (n > L->seg[i])
+            n = L->seg[i];
+        if (n && n <= p->len)
+            memcpy(p->buf, L->data[i] + L->off, n);
+        events[total].context = p->user;
+        events[total].is_recv = 1;
+        events[total].len = n <= p->len ? n : 0;
+        s->rq_head = (s->rq_head + 1) % s->rq_cap;
+        s->rq_count--;
+        s->received++;
+        total++;
+        L->off += n;
+        if (!n || L->off >= L->len[i]) {
+            L->next++;
+            L->off = 0;
+        }
+    }
+    return total;
+}
+
+/* Receive up to `want` messages into the landing buffers (UDP_GRO): each
+ * is one datagram or several of one size from one sender.  Returns how
+ * many, or <= 0 when none were waiting. */
+static int mpl_sock_land(mpl_sock_t *s, int want)
+{
+    mpl_sock_landing_t *L = s->landing;
+    struct mmsghdr msgs[MPL_SOCK_LANDINGS];
+    struct iovec iov[MPL_SOCK_LANDINGS];
+    struct cmsghdr *c;
+    int i, got;
+    for (i = 0; i < want; i++) {
+        iov[i].iov_base = L->data[i];
+        iov[i].iov_len = MPL_SOCK_LANDING;
+        memset(&msgs[i], 0, sizeof(msgs[i]));
+        msgs[i].msg_hdr.msg_iov = &iov[i];
+        msgs[i].msg_hdr.msg_iovlen = 1;
+        msgs[i].msg_hdr.msg_control = L->ctl[i].buf;
+        msgs[i].msg_hdr.msg_controllen = sizeof(L->ctl[i].buf);
+    }
+    got = recvmmsg(s->fd, msgs, (unsigned)want, MSG_DONTWAIT, NULL);
+    s->recv_calls++;
+    if (got <= 0)
+        return got;
+    for (i = 0; i < got; i++) {
+        /* (cut: cannot happen below 64 KiB; handed out as one truncated datagram) */
+        L->len[i] = (msgs[i].msg_hdr.msg_flags & MSG_TRUNC) ? 0 : msgs[i].msg_len;
+        L->seg[i] = L->len[i];
+        for (c = CMSG_FIRSTHDR(&msgs[i].msg_hdr); c; c = CMSG_NXTHDR(&msgs[i].msg_hdr, c))
+            if (c->cmsg_level == IPPROTO_UDP && c->cmsg_type == UDP_GRO) {
+                int seg;
+                memcpy(&seg, CMSG_DATA(c), sizeof(seg));
+                if (seg > 0 && (size_t)seg < L->len[i])
+                    L->seg[i] = (size_t)seg;
+            }
+    }
+    L->count = got;
+    L->next = 0;
+    L->off = 0;
+    s->recv_messages += (uint64_t)got;
+    return got;
+}
+
 /* Reap up to `max` completions: datagrams received, then sends the kernel
  * took.  The queued sends are flushed when nothing more arrived (the rank
  * waits), a batch is full, or they were held over MPL_SOCK_HOLD polls:
@@ -393,10 +515,26 @@ static int mpl_sock_poll(mpl_sock_t *s, mpl_fab_event_t *events, int max)
 {
     struct mmsghdr msgs[MPL_SOCK_BATCH];
     struct iovec iov[MPL_SOCK_BATCH];
-    int total = 0, n, got, i, arrived = 0;
+    int total = 0, n, got, i, arrived = 0, more = 1;
     while (total < max && s->rq_count) {
+        if (s->landing && s->landing->next < s->landing->count) {
+            total = mpl_sock_split(s, events, total, max);
+            continue;
+        }
+        if (!more)
+            break;
         n = max - total;
         if ((size_t)n > s->rq_count) n = (int)s->rq_count;
+        if (s->gro) {
+            /* (a message holds at least one datagram: no more than needed) */
+            if (n > MPL_SOCK_LANDINGS) n = MPL_SOCK_LANDINGS;
+            got = mpl_sock_land(s, n);
+            if (got <= 0)
+                break;
+            arrived += got;
+            more = got == n;
+            continue;
+        }
         if (n > MPL_SOCK_BATCH) n = MPL_SOCK_BATCH;
         for (i = 0; i < n; i++) {
             mpl_sock_post_t *p = &s->rq[(s->rq_head + (size_t)i) % s->rq_cap];
@@ -420,9 +558,9 @@ static int mpl_sock_poll(mpl_sock_t *s, mpl_fab_event_t *events, int max)
             total++;
         }
         s->received += (uint64_t)got;
+        s->recv_messages += (uint64_t)got;
         arrived += got;
-        if (got < n)
-            break;
+        more = got == n;
     }
     /* (held: a steady stream of arrivals, a flood of garbage included,
      * must not keep this rank's own datagrams from leaving) */
@@ -458,7 +596,9 @@ static mpl_pace_t *mpl_sock_pace(mpl_sock_t *s) { return &s->pace; }
 static const char *mpl_sock_domain_name(const mpl_sock_t *s) { return s->domain; }
 
 /* Send and receive system calls, datagrams sent and received, sends
- * refused, the largest batch one send call carried. */
+ * refused, the largest batch one send call carried, messages received
+ * (fewer than datagrams where the kernel merged them), and whether
+ * receive offload is on. */
 static void mpl_sock_costs(const mpl_sock_t *s, uint64_t out[MPL_DG_COSTS])
 {
     out[0] = s->send_calls;
@@ -467,6 +607,8 @@ static void mpl_sock_costs(const mpl_sock_t *s, uint64_t out[MPL_DG_COSTS])
     out[3] = s->received;
     out[4] = s->send_errors;
     out[5] = s->largest_batch;
+    out[6] = s->recv_messages;
+    out[7] = (uint64_t)s->gro;
 }
 
 /* The UDP socket of this process bound to `addr` (libfabric's udp provider
@@ -559,6 +701,7 @@ static mpl_pace_t *mpl_sock_pace(mpl_sock_t *s) { static mpl_pace_t none; (void)
 static const char *mpl_sock_domain_name(const mpl_sock_t *s) { (void)s; return ""; }
 static void mpl_sock_costs(const mpl_sock_t *s, uint64_t out[MPL_DG_COSTS]) { (void)s; memset(out, 0, MPL_DG_COSTS * sizeof(uint64_t)); }
 static void mpl_sock_flush_all(mpl_sock_t *s) { (void)s; }
+static int mpl_sock_set_offload(mpl_sock_t *s, int on) { (void)s; (void)on; return 0; }
 static int mpl_udp_tune(const void *addr, size_t addrlen, int bytes) { (void)addr; (void)addrlen; (void)bytes; return -1; }
 static long mpl_udp_drops(const void *addr, size_t addrlen) { (void)addr; (void)addrlen; return -1; }
 

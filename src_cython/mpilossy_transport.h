@@ -121,6 +121,13 @@ static void mpl_dg_set_rate(mpl_dg_t *d, double rate, double burst)
     mpl_pace_set(d->sock ? mpl_sock_pace(d->sock) : &d->pace, rate, burst);
 }
 
+/* Segmentation and receive offload of the native transport on or off
+ * (libfabric: nothing to do).  Returns 1 when receive offload is on. */
+static int mpl_dg_set_offload(mpl_dg_t *d, int on)
+{
+    return d && d->sock ? mpl_sock_set_offload(d->sock, on) : 0;
+}
+
 /* Datagrams queued that have not left yet (native transport; libfabric's
  * leave when posted). */
 static size_t mpl_dg_queued(const mpl_dg_t *d)
@@ -159,7 +166,7 @@ static size_t mpl_dg_max_msg(const mpl_dg_t *d)
 
 /* System calls and datagrams of the native transport (zeros for libfabric,
  * which does not say): send calls, receive calls, sent, received, refused,
- * largest send batch. */
+ * largest send batch, messages received, receive offload on. */
 static void mpl_dg_costs(const mpl_dg_t *d, uint64_t out[MPL_DG_COSTS])
 {
     if (d && d->sock)

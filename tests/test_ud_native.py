@@ -64,3 +64,40 @@ def test_an_unknown_interface_is_refused_on_every_rank(comm, monkeypatch):
     message = all_ranks_raise(comm, lambda: mpilossy.Communicator(comm, channel="ud"),
                               mpilossy.MPILossyError)
     assert "no-such-interface0" in message, message
+
+
+@pytest.mark.mpi(min_size=2)
+def test_receive_offload_merges_and_splits_datagrams(comm, udc):
+    """UDP_GRO: the kernel hands over several datagrams of one sender in one
+    message (on loopback, a segmented message is never cut at all), and the
+    transport splits them into its posted buffers: fewer messages than
+    datagrams, the same exact result."""
+    info = udc.channel_info()
+    if not info["receive_offload"]:
+        pytest.skip("the kernel refused UDP_GRO (Linux >= 5.0 has it)")
+    x = small_ints(1 << 20, comm.rank, np.float32)
+    out = np.empty_like(x)
+    before = udc.channel_info()
+    for algorithm in ("direct", "ring", "tree"):
+        udc.allreduce(x, out, algorithm=algorithm)
+        np.testing.assert_array_equal(out, mpi_sum(comm, x))
+    after = udc.channel_info()
+    datagrams = after["transport_received"] - before["transport_received"]
+    messages = after["received_messages"] - before["received_messages"]
+    merged = comm.allreduce(datagrams - messages)
+    assert 0 < messages <= datagrams
+    assert merged > 0, (datagrams, messages)
+
+
+@pytest.mark.mpi
+def test_offload_can_be_turned_off(comm, monkeypatch):
+    """MPILOSSY_UD_OFFLOAD=0: one datagram per message each way, exact."""
+    monkeypatch.setenv("MPILOSSY_UD_OFFLOAD", "0")
+    x = small_ints(1 << 18, comm.rank, np.float32)
+    out = np.empty_like(x)
+    with mpilossy.Communicator(comm, channel="ud", timeout=None) as lc:
+        lc.allreduce(x, out)
+        np.testing.assert_array_equal(out, mpi_sum(comm, x))
+        info = lc.channel_info()
+    assert info["receive_offload"] is False
+    assert info["received_messages"] == info["transport_received"]

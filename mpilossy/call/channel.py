@@ -42,6 +42,8 @@ def open_core(comm: MPI.Intracomm, config: Config) -> Tuple[Core, str]:
                     socket_bytes=config.ud_socket_bytes, spin=config.spin,
                     early_close=config.early_close)
         core.configure_loss(loss_spec(config.loss))
+        if channel == "ud" and not config.ud_offload:
+            core.set_offload(False)
     except BaseException as exc:
         error = exc
     if channel == "ud":                  # (every rank: the node split is collective)

@@ -155,6 +155,7 @@ class Config:
     ud_recv_buffers: int = setting(env="ud_recv_buffers", argument=False)
     ud_socket_bytes: int = setting(env="ud_socket_bytes", argument=False)
     ud_rate: float = setting(env="ud_rate", argument=False)        # bits/s, per node
+    ud_offload: bool = setting(env="ud_offload", argument=False)
     tree_max_bytes: Optional[int] = setting(env="tree_max_bytes", argument=False)
     auto_floor: float = setting(env="auto_floor", argument=False)
     auto_cap: float = setting(env="auto_cap", argument=False)

@@ -147,6 +147,9 @@ VARIABLES: Tuple[Variable, ...] = (
              "a rate: '1gbit', '800mbit', '10g', bits per second, or 'none'",
              "the rate of a node's port: channel='ud' paces each rank's datagrams to its share "
              "of it (docs/ud.md)"),
+    Variable("MPILOSSY_UD_OFFLOAD", "ud_offload", True, _switch, "0 or 1",
+             "segmentation (UDP_SEGMENT) and receive offload (UDP_GRO) of the native "
+             "datagram transport, where the kernel has them"),
     Variable("MPILOSSY_UD_SOCKET_BYTES", "ud_socket_bytes", 32 << 20, _int_at_least(0),
              "an integer >= 0", "kernel receive buffer of the udp provider"),
     Variable("MPILOSSY_AUTO_FLOOR", "auto_floor", 1e-3, _seconds(), "seconds > 0",
