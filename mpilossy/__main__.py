@@ -71,6 +71,12 @@ def _datagram_channel() -> str:
     return f"built; providers: {native}, " + ", ".join(sorted(set(providers)))
 
 
+def _erasure_codes() -> str:
+    if _core.HAVE_ISAL:
+        return "m = 1 (XOR) and m >= 2 (Intel ISA-L)"
+    return "m = 1 (XOR) only; m >= 2 needs Intel ISA-L (install libisal-dev and rebuild)"
+
+
 def report(comm: MPI.Comm) -> Optional[List[str]]:
     """The report's lines on rank 0 (None elsewhere).  Collective."""
     ranks = comm.gather(_rank_line(), root=0)
@@ -88,6 +94,7 @@ def report(comm: MPI.Comm) -> Optional[List[str]]:
         f"MPI standard {'.'.join(map(str, MPI.Get_version()))}, {comm.Get_size()} rank(s)",
         "channel rma: built (MPI one-sided windows)",
         f"channel ud: {_datagram_channel()}",
+        f"erasure codes: {_erasure_codes()}",
         "settings (variable = value [source]):",
     ]
     width = max(len(name) for name, _, _ in env.rows())

@@ -7,6 +7,8 @@
 #                     them the build leaves it out and tests/test_ud.py skips
 #   libssl-dev        OpenSSL libcrypto headers: the datagrams' keyed MAC
 #                     (without them channel="ud" and its decoder tests skip)
+#   libisal-dev       Intel ISA-L: erasure codes with m >= 2 parity blocks
+#                     (without it m = 1 only, and those kernel tests skip)
 #   nftables, iproute2  real kernel drops in tests/test_ud.py (network namespace);
 #                     scripts/cluster.py, the emulated cluster (namespaces,
 #                     bridge, tbf, drops on the switch: tests/test_cluster.py,
@@ -17,7 +19,7 @@
 # Never fails: where the packages cannot be installed, those tests skip and
 # say why.
 set -uo pipefail
-PACKAGES=(slurm-wlm munge libpmix-dev libfabric-dev libssl-dev nftables iproute2 ethtool shellcheck)
+PACKAGES=(slurm-wlm munge libpmix-dev libfabric-dev libssl-dev libisal-dev nftables iproute2 ethtool shellcheck)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

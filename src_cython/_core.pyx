@@ -67,6 +67,7 @@ ERRORS = {
 VERSION = MPILOSSY_VERSION.decode()
 HAVE_LIBFABRIC = bool(MPL_HAVE_LIBFABRIC)
 HAVE_DATAGRAM_AUTH = bool(MPL_HAVE_MAC)    # OpenSSL: channel="ud" needs it too
+HAVE_ISAL = bool(MPL_HAVE_ISAL)            # erasure codes with m >= 2
 MAC_KEY_BYTES = MPL_MAC_KEY_BYTES
 
 

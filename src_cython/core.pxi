@@ -399,3 +399,59 @@ def buffer_address(obj) -> int:
     cdef size_t address = <size_t>view.buf
     PyBuffer_Release(&view)
     return address
+
+
+# -- erasure codes (mpilossy_fec.h) ---------------------------------------------
+def fec_check(int k, int m):
+    """None when (k, m) is a code this build has, else the reason."""
+    cdef const char* why = mpl_fec_check(k, m)
+    return None if why == NULL else why.decode()
+
+
+cdef Py_ssize_t fec_rows(object buf, Py_buffer* view, int rows, bint writable) except -1:
+    """Bytes per row of `buf` cut into `rows` equal rows."""
+    PyObject_GetBuffer(buf, view, PyBUF_SIMPLE | (PyBUF_WRITABLE if writable else 0))
+    if view.len % rows:
+        PyBuffer_Release(view)
+        raise ValueError(f"a buffer of {view.len} bytes is not {rows} equal blocks")
+    return view.len // rows
+
+
+def fec_kernel(str name, blocks, int k, int m, present=None) -> int:
+    """The erasure-code kernels on a buffer of k + m equal blocks (data rows,
+    then parity rows), outside the GIL.  'encode': write the parity rows
+    from the data rows; returns m.  'decode': rebuild the data rows that
+    `present` (k + m bytes, 0: lost) marks lost, from those present;
+    returns how many were rebuilt.  Raises ValueError for a code this build
+    does not have and for a group with fewer than k rows present."""
+    cdef mpl_fec_t code
+    cdef Py_buffer vb, vp
+    cdef unsigned char* rows[MPL_FEC_MAX_K + MPL_FEC_MAX_M]
+    cdef Py_ssize_t length
+    cdef int i, got = 0
+    cdef int which = {"encode": 0, "decode": 1}[name]
+    if mpl_fec_init(&code, k, m):
+        raise ValueError(f"redundancy=({k}, {m}): {fec_check(k, m)}")
+    length = fec_rows(blocks, &vb, k + m, True)
+    try:
+        for i in range(k + m):
+            rows[i] = <unsigned char*>vb.buf + i * length
+        if which == 0:
+            with nogil:
+                mpl_fec_encode(&code, rows, rows + k, <size_t>length)
+            return m
+        if present is None:
+            raise ValueError("decode needs `present`")
+        PyObject_GetBuffer(present, &vp, PyBUF_SIMPLE)
+        try:
+            if vp.len != k + m:
+                raise ValueError(f"present must have k + m = {k + m} bytes")
+            with nogil:
+                got = mpl_fec_decode(&code, rows, <const unsigned char*>vp.buf, <size_t>length)
+        finally:
+            PyBuffer_Release(&vp)
+        if got < 0:
+            raise ValueError(f"fewer than k = {k} of the {k + m} blocks are present")
+        return got
+    finally:
+        PyBuffer_Release(&vb)

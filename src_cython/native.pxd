@@ -145,3 +145,18 @@ cdef extern from "mpilossy_quant.h" nogil:
                                size_t group, int bits, uint32_t seed)
     void mpl_dequantize(float *dst, const float *acc, const unsigned char *src, float s,
                         size_t n, size_t group, int bits)
+
+
+cdef extern from "mpilossy_fec.h" nogil:
+    enum: MPL_HAVE_ISAL
+    enum: MPL_FEC_MAX_K
+    enum: MPL_FEC_MAX_M
+    ctypedef struct mpl_fec_t:
+        int k
+        int m
+    const char* mpl_fec_check(int k, int m)
+    int mpl_fec_init(mpl_fec_t *c, int k, int m)
+    void mpl_fec_encode(const mpl_fec_t *c, unsigned char *const *data,
+                        unsigned char **parity, size_t len)
+    int mpl_fec_decode(const mpl_fec_t *c, unsigned char **blocks,
+                       const unsigned char *present, size_t len)

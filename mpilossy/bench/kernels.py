@@ -15,7 +15,12 @@ the same payload.
 `--quant` measures the low-bit payload kernels (compression="int8"/"int4"):
 quantise (read 4 bytes per value, write the codes and scales) and
 dequantise-add (read the codes and 4 bytes, write 4), in float32 values per
-second and GB/s of float32 data, against np.copyto of the float32 data."""
+second and GB/s of float32 data, against np.copyto of the float32 data.
+
+`--fec` measures the erasure-code kernels of redundancy=(k, m): encode (the
+m parity blocks of a group of k data blocks) and decode (rebuild two lost
+data blocks, one where m = 1), in GB/s of the group's data bytes on one
+core, against np.copyto of those bytes.  m >= 2 needs Intel ISA-L."""
 
 from __future__ import annotations
 
@@ -112,6 +117,37 @@ def print_quant_cost(sizes: list, repeat: int, group: int = 64) -> None:
         print(" ".join(line))
 
 
+FEC_CODES = ((4, 1), (8, 1), (16, 1), (4, 2), (8, 2), (16, 2), (16, 4))
+
+
+def print_fec_cost(sizes: list, repeat: int) -> None:
+    """Erasure-code kernels (redundancy=(k, m)): encode the m parity blocks of
+    k data blocks, and rebuild min(m, 2) lost data blocks; GB/s of the
+    group's data bytes, one core, against np.copyto of the same bytes."""
+    print(f"# erasure-code kernels, best of {repeat}: GB/s of data bytes (k blocks), "
+          "and / np.copyto of them")
+    print("#      bytes    k  m   copy GB/s   encode GB/s   /copy   decode GB/s   /copy   lost")
+    for size in sizes:
+        for k, m in FEC_CODES:
+            if _core.fec_check(k, m) is not None:
+                print(f"{size:12d} {k:4d} {m:2d}   not built: {_core.fec_check(k, m)}")
+                continue
+            length = max(64, size // k)
+            group = np.random.default_rng(k + m).integers(0, 256, (k + m) * length, np.uint8)
+            data = group[:k * length]
+            dst = np.empty_like(data)
+            copy = best_of(lambda: np.copyto(dst, data), repeat)
+            encode = best_of(lambda: _core.fec_kernel("encode", group, k, m), repeat)
+            lost = min(m, 2)
+            present = np.ones(k + m, np.uint8)
+            present[:lost] = 0          # the first data blocks lost (rebuilt in place)
+            decode = best_of(lambda: _core.fec_kernel("decode", group, k, m, present), repeat)
+            nbytes = k * length
+            print(f"{nbytes:12d} {k:4d} {m:2d} {nbytes / copy / 1e9:11.1f} "
+                  f"{nbytes / encode / 1e9:13.1f} {copy / encode:7.2f} "
+                  f"{nbytes / decode / 1e9:13.1f} {copy / decode:7.2f} {lost:6d}")
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="256K,4M,64M")
     p.add_argument("-d", "--dtype", default="float32")
@@ -120,6 +156,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also the cost of authenticating datagrams (channel='ud')")
     p.add_argument("--quant", action="store_true",
                    help="also the low-bit payload kernels (compression='int8'/'int4')")
+    p.add_argument("--fec", action="store_true",
+                   help="also the erasure-code kernels (encode and rebuild, k data and "
+                        "m parity blocks per group)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,6 +166,8 @@ def run(args: argparse.Namespace) -> int:
         print_mac_cost()
     if args.quant:
         print_quant_cost(parse_sizes(args.sizes), args.repeat)
+    if args.fec:
+        print_fec_cost(parse_sizes(args.sizes), args.repeat)
     print(f"# reduction kernels vs np.copyto, {args.dtype}, best of {args.repeat}")
     print("#      bytes   copy GB/s    add GB/s  eff   acc GB/s  eff  scale GB/s  eff "
           " add_scale GB/s  eff")

@@ -1,0 +1,173 @@
+/* Erasure codes for lossy streams: m parity blocks per group of k data
+ * blocks, so that a receiver that lost up to m of the k + m rebuilds them
+ * without a round trip.
+ *
+ * m = 1 is XOR, here.  m >= 2 is a Reed-Solomon code over GF(2^8) with a
+ * Cauchy generator (every k of the k + m rows are independent), through
+ * Intel ISA-L's table-driven SIMD kernels where mpilossy was built with its
+ * headers (MPILOSSY_HAVE_ISAL); without them only m = 1 is available.
+ *
+ * Blocks of a group are `len` bytes each (a shorter last block is padded
+ * with zeros by the caller).  Data blocks are rows 0..k-1 of the code,
+ * parity blocks rows k..k+m-1. */
+#ifndef MPILOSSY_FEC_H
+#define MPILOSSY_FEC_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+#ifdef MPILOSSY_HAVE_ISAL
+#include <isa-l/erasure_code.h>
+#define MPL_HAVE_ISAL 1
+#else
+#define MPL_HAVE_ISAL 0
+#endif
+
+#define MPL_FEC_MAX_K 64       /* data blocks per group */
+#define MPL_FEC_MAX_M 8        /* parity blocks per group (and m < k) */
+#define MPL_FEC_STRIP 4096     /* bytes XORed per pass: the sources stay in L1 */
+
+/* 0 when (k, m) is a code this build has, else a reason. */
+static const char *mpl_fec_check(int k, int m)
+{
+    if (k < 2 || k > MPL_FEC_MAX_K)
+        return "k must be in 2..64";
+    if (m < 1 || m > MPL_FEC_MAX_M || m >= k)
+        return "m must be in 1..8 and less than k";
+    if (m >= 2 && !MPL_HAVE_ISAL)
+        return "m >= 2 needs Intel ISA-L (mpilossy was built without its headers: "
+               "install libisal-dev and rebuild)";
+    return 0;
+}
+
+/* dst ^= src over n bytes (the compiler vectorises the word loop). */
+static inline void mpl_xor_into(unsigned char *restrict dst, const unsigned char *restrict src,
+                                size_t n)
+{
+    size_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        uint64_t a[4], b[4];
+        memcpy(a, dst + i, 32);
+        memcpy(b, src + i, 32);
+        a[0] ^= b[0]; a[1] ^= b[1]; a[2] ^= b[2]; a[3] ^= b[3];
+        memcpy(dst + i, a, 32);
+    }
+    for (; i < n; i++)
+        dst[i] ^= src[i];
+}
+
+/* out = XOR of the n blocks src[0..n-1], strip by strip.  Encodes the
+ * parity of m = 1 (the k data blocks) and rebuilds its one lost block (the
+ * k - 1 data blocks left and the parity). */
+static void mpl_fec_xor(unsigned char *out, unsigned char *const *src, int n, size_t len)
+{
+    size_t at, strip;
+    int i;
+    for (at = 0; at < len; at += strip) {
+        strip = len - at < MPL_FEC_STRIP ? len - at : MPL_FEC_STRIP;
+        memcpy(out + at, src[0] + at, strip);
+        for (i = 1; i < n; i++)
+            mpl_xor_into(out + at, src[i] + at, strip);
+    }
+}
+
+/* A code: the generator matrix and the tables that encode with it. */
+typedef struct {
+    int k, m;
+#if MPL_HAVE_ISAL
+    unsigned char matrix[(MPL_FEC_MAX_K + MPL_FEC_MAX_M) * MPL_FEC_MAX_K];
+    unsigned char tables[32 * MPL_FEC_MAX_K * MPL_FEC_MAX_M];
+#endif
+} mpl_fec_t;
+
+/* Set up code (k, m); 0, or -1 when mpl_fec_check refuses it. */
+static int mpl_fec_init(mpl_fec_t *c, int k, int m)
+{
+    if (mpl_fec_check(k, m))
+        return -1;
+    c->k = k;
+    c->m = m;
+#if MPL_HAVE_ISAL
+    if (m >= 2) {
+        gf_gen_cauchy1_matrix(c->matrix, k + m, k);
+        ec_init_tables(k, m, c->matrix + k * k, c->tables);
+    }
+#endif
+    return 0;
+}
+
+/* parity[0..m-1] from data[0..k-1], `len` bytes each. */
+static void mpl_fec_encode(const mpl_fec_t *c, unsigned char *const *data,
+                           unsigned char **parity, size_t len)
+{
+    if (c->m == 1) {
+        mpl_fec_xor(parity[0], data, c->k, len);
+        return;
+    }
+#if MPL_HAVE_ISAL
+    ec_encode_data((int)len, c->k, c->m, (unsigned char *)c->tables,
+                   (unsigned char **)data, parity);
+#endif
+}
+
+/* Rebuild the lost data blocks of a group.  blocks[0..k+m-1]: every row's
+ * memory; present[i]: row i arrived.  The rows of lost data blocks are
+ * written; nothing else is.  Returns how many data blocks were rebuilt (0
+ * when none was lost), or -1 when fewer than k rows arrived. */
+static int mpl_fec_decode(const mpl_fec_t *c, unsigned char **blocks,
+                          const unsigned char *present, size_t len)
+{
+    int k = c->k, m = c->m, n = k + m, lost[MPL_FEC_MAX_M], nlost = 0, have = 0, i;
+    unsigned char *rows[MPL_FEC_MAX_K];
+    for (i = 0; i < n; i++)
+        have += present[i] != 0;
+    for (i = 0; i < k; i++)
+        if (!present[i]) {
+            if (nlost == m)
+                return -1;
+            lost[nlost++] = i;
+        }
+    if (!nlost)
+        return 0;
+    if (have < k)
+        return -1;
+    if (m == 1) {
+        /* the parity XOR the k - 1 others: the one lost */
+        int r = 0;
+        for (i = 0; i < n; i++)
+            if (present[i])
+                rows[r++] = blocks[i];
+        mpl_fec_xor(blocks[lost[0]], rows, k, len);
+        return 1;
+    }
+#if MPL_HAVE_ISAL
+    {
+        /* The first k rows that arrived, S, satisfy rows(S) = G_S * data;
+         * data = G_S^-1 * rows(S), of which the lost rows are wanted. */
+        unsigned char sub[MPL_FEC_MAX_K * MPL_FEC_MAX_K], inv[MPL_FEC_MAX_K * MPL_FEC_MAX_K];
+        unsigned char want[MPL_FEC_MAX_M * MPL_FEC_MAX_K];
+        unsigned char tables[32 * MPL_FEC_MAX_K * MPL_FEC_MAX_M];
+        unsigned char *out[MPL_FEC_MAX_M];
+        int r = 0, j;
+        for (i = 0; i < n && r < k; i++)
+            if (present[i]) {
+                memcpy(sub + r * k, c->matrix + i * k, (size_t)k);
+                rows[r++] = blocks[i];
+            }
+        if (gf_invert_matrix(sub, inv, k))
+            return -1;              /* (cannot happen: a Cauchy code's k rows are independent) */
+        for (j = 0; j < nlost; j++) {
+            memcpy(want + j * k, inv + lost[j] * k, (size_t)k);
+            out[j] = blocks[lost[j]];
+        }
+        ec_init_tables(k, nlost, want, tables);
+        ec_encode_data((int)len, k, nlost, tables, rows, out);
+        return nlost;
+    }
+#else
+    return -1;
+#endif
+}
+
+#endif /* MPILOSSY_FEC_H */
