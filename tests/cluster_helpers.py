@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import random
 import re
 import shutil
 import signal
@@ -161,6 +162,12 @@ SlurmctldPidFile={r}/slurmctld.pid
 SlurmdPidFile={r}/slurmd.pid
 SlurmctldDebug=info
 SlurmdDebug=info
+# Job ids from a random start: MPICH names a job's shared-memory segments
+# after its PMI job, and a segment that a killed earlier run left in
+# /dev/shm must not be joined by a new job of the same id (every test
+# cluster would otherwise count from 1; seen: MPI_Init hanging or failing
+# with "Message truncated" after a run was killed).
+FirstJobId={random.randint(1000, 999_999)}
 # no cgroups in a container: track processes by parentage, no binding plugin
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
