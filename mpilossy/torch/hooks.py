@@ -177,35 +177,38 @@ def allreduce_hook(state: AllreduceHookState,
     return future
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Intracomm] = None,
                        timeout: Optional[timedelta] = None) -> None:
     """Start torch.distributed under mpiexec: rank and world size from MPI,
     MASTER_ADDR/MASTER_PORT from rank 0's environment if it sets them, else
     127.0.0.1 (when all ranks share rank 0's host; rank 0's host name
-    otherwise) and a free port chosen by rank 0.  Collective; does nothing
-    if a process group already exists."""
+    otherwise) and a port rank 0's store was given by the kernel.
+    Collective; does nothing if a process group already exists."""
     reliable = reliable_comm(comm)
     if dist.is_initialized():
         return
     host = MPI.Get_processor_name()
     hosts = reliable.allgather(host)
+    wait = timeout if timeout is not None else timedelta(minutes=5)
+    store = None
     choice = None
     if reliable.rank == 0:
         same_host = all(h == host for h in hosts)
-        choice = (os.environ.get("MASTER_ADDR") or ("127.0.0.1" if same_host
-                                                    else socket.gethostname()),
-                  os.environ.get("MASTER_PORT") or str(_free_port()))
+        addr = os.environ.get("MASTER_ADDR") or ("127.0.0.1" if same_host
+                                                 else socket.gethostname())
+        # Rank 0's store listens first, on MASTER_PORT or on a port the
+        # kernel picks (choosing a free port and binding it later lost the
+        # port to another process now and then, and the peers then waited).
+        store = dist.TCPStore(addr, int(os.environ.get("MASTER_PORT") or 0), reliable.size,
+                              is_master=True, timeout=wait, wait_for_workers=False)
+        choice = (addr, str(store.port))
     addr, port = reliable.bcast(choice, 0)
+    if store is None:
+        store = dist.TCPStore(addr, int(port), reliable.size, is_master=False, timeout=wait)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
     # (only when given: torch's own default otherwise)
     kwargs: Dict[str, Any] = {} if timeout is None else {"timeout": timeout}
-    dist.init_process_group(backend, init_method=f"tcp://{addr}:{port}", rank=reliable.rank,
+    dist.init_process_group(backend, store=store, rank=reliable.rank,
                             world_size=reliable.size, **kwargs)
 
 
