@@ -58,6 +58,10 @@ class Communicator:
     - compression ("int8", "int4": float32 on the direct algorithm travels
       quantised, one scale per compression_group values, rounded
       stochastically; a per-call compression= overrides it).
+    - redundancy (None, or (k, m): with every k blocks of a stream m parity
+      blocks, from which a reader rebuilds up to m lost blocks of the group
+      without a round trip; m = 1 is XOR, m >= 2 Reed-Solomon through
+      Intel ISA-L; docs/redundancy.md; a per-call redundancy= overrides it).
 
     Construction and free() are collective over `comm`.
     """
@@ -67,7 +71,8 @@ class Communicator:
                  algorithm: str = "auto", block_bytes: Optional[int] = None,
                  capacity: int = DEFAULT_CAPACITY, tree_radix: Optional[int] = None,
                  scaling: str = "unbiased", rotate: bool = True,
-                 compression: Optional[str] = None, compression_group: int = 64) -> None:
+                 compression: Optional[str] = None, compression_group: int = 64,
+                 redundancy: Optional[Tuple[int, int]] = None) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -78,7 +83,7 @@ class Communicator:
         arguments = dict(channel=channel, timeout=timeout, loss=loss, algorithm=algorithm,
                          block_bytes=block_bytes, capacity=capacity, tree_radix=tree_radix,
                          scaling=scaling, rotate=rotate, compression=compression,
-                         compression_group=compression_group)
+                         compression_group=compression_group, redundancy=redundancy)
         try:
             config, env = agree(self._comm, arguments)
             rank = self._comm.Get_rank()
@@ -209,7 +214,8 @@ class Communicator:
                   algorithm: Optional[str] = None, timeout: Any = UNSET,
                   weight: Optional[float] = None,
                   compression: Optional[str] = UNSET,
-                  residual: Optional[np.ndarray] = None) -> CollectiveStats:
+                  residual: Optional[np.ndarray] = None,
+                  redundancy: Optional[Tuple[int, int]] = UNSET) -> CollectiveStats:
         """Lossy all-reduce of `sendbuf` into `recvbuf` (in place without recvbuf).
 
         With op="avg" the result is sum / count; with op="sum" it is
@@ -228,32 +234,39 @@ class Communicator:
         feedback: receives what quantisation took from this rank's
         contribution (sendbuf minus what travelled), zeros where nothing
         was quantised (this rank's own chunk, an uncompressed call).
+
+        redundancy: None or (k, m) for this call (default: the
+        communicator's); every rank passes the same.
         """
         return self._run(ALLREDUCE, sendbuf, recvbuf, op, algorithm, timeout, weight,
-                         compression, residual)
+                         compression, residual, redundancy)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, *, op: str = "sum",
                        algorithm: str = "auto", timeout: Any = UNSET,
                        weight: Optional[float] = None,
                        compression: Optional[str] = UNSET,
-                       residual: Optional[np.ndarray] = None) -> CollectiveStats:
+                       residual: Optional[np.ndarray] = None,
+                       redundancy: Optional[Tuple[int, int]] = UNSET) -> CollectiveStats:
         """Lossy reduce-scatter: `recvbuf` receives this rank's chunk
         (chunk_bounds) of the reduction of every rank's `sendbuf`, scaled as
         in allreduce.  algorithm: "ring", "direct" or "auto" (as allreduce
         chooses above the tree's sizes); unbiased like allreduce.  weight,
-        compression, residual: as in allreduce."""
+        compression, residual, redundancy: as in allreduce."""
         return self._run(REDUCE_SCATTER, sendbuf, recvbuf, op, algorithm, timeout, weight,
-                         compression, residual)
+                         compression, residual, redundancy)
 
-    def allgather(self, sendbuf: Any, recvbuf: Any, *, timeout: Any = UNSET) -> CollectiveStats:
+    def allgather(self, sendbuf: Any, recvbuf: Any, *, timeout: Any = UNSET,
+                  redundancy: Optional[Tuple[int, int]] = UNSET) -> CollectiveStats:
         """Lossy all-gather: chunk r (chunk_bounds) of `recvbuf` receives rank
         r's `sendbuf`.  A chunk (block) that does not arrive in time keeps
         the previous contents of `recvbuf`.  `sendbuf` may be this rank's
-        own chunk of `recvbuf` (in place)."""
-        return self._run(ALLGATHER, sendbuf, recvbuf, "sum", "auto", timeout, None, UNSET, None)
+        own chunk of `recvbuf` (in place).  redundancy: as in allreduce."""
+        return self._run(ALLGATHER, sendbuf, recvbuf, "sum", "auto", timeout, None, UNSET, None,
+                         redundancy)
 
     def _run(self, collective: int, sendbuf: Any, recvbuf: Any, op: Any, algorithm: Any,
-             timeout: Any, weight: Any, compression: Any, residual: Any) -> CollectiveStats:
+             timeout: Any, weight: Any, compression: Any, residual: Any,
+             redundancy: Any = UNSET) -> CollectiveStats:
         """One call: buffers, spec, core, statistics.  Every rank counts
         every call, whatever fails, so that the call numbers (and the auto
         deadline's schedule) stay the same on every rank."""
@@ -262,7 +275,7 @@ class Communicator:
             spent = self._auto.tick(asks_for_auto(timeout, self._config))
             bufs = self._buffers.take(collective, sendbuf, recvbuf)
             spec = self._calls.resolve(collective, bufs.send, bufs.recv, op, algorithm, timeout,
-                                       weight, compression, residual, spent)
+                                       weight, compression, residual, spent, redundancy)
         except BaseException as exc:
             error = refuse(core, collective, exc, self._rank,
                            failure_bound(self._config.core_timeout, self._auto.cap))
@@ -273,7 +286,7 @@ class Communicator:
             spec.residual[...] = 0       # (the core writes the blocks it quantised)
         result = core.collective(bufs.send, bufs.recv, collective, spec.dtype, spec.op,
                                  spec.algorithm, spec.budget, spec.weight, spec.qbits,
-                                 spec.qgroup, spec.residual)
+                                 spec.qgroup, spec.residual, *spec.redundancy)
         bufs.finish(ok=not result.err_kind)
         self._auto.observe(spec.kind, result)
         if self._trace is not None:

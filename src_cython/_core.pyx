@@ -12,6 +12,7 @@ One module, one concern per included file (the layout of mpi4py's MPI.pyx):
   dgram_endpoint.pxi  its endpoint: transport, buffers, sending, reaping
   dgram.pxi      its protocol (HELLO, DATA, END, ERROR, NACK)
   schedule.pxi   the engine: streams, deadlines, the polling loop
+  coding.pxi     redundancy: parity records of groups of blocks, rebuilding
   ring.pxi       ring all-reduce and reduce-scatter
   tree.pxi       k-nomial tree all-reduce
   direct.pxi     direct (one-hop) all-reduce and reduce-scatter
@@ -33,6 +34,7 @@ include "dgram_wire.pxi"
 include "dgram_endpoint.pxi"
 include "dgram.pxi"
 include "schedule.pxi"
+include "coding.pxi"
 include "ring.pxi"
 include "tree.pxi"
 include "direct.pxi"

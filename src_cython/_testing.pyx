@@ -30,8 +30,8 @@ cdef void test_call(CallInfo* call, uint64_t seq, uint64_t sig, int nslots, int 
     call.seq = seq
     call.sig = sig
     call.nslots = nslots
-    call.nblocks = nblocks
-    call.block_bytes = block_bytes
+    call.nblocks = call.records = nblocks
+    call.block_bytes = call.record_bytes = block_bytes
     call.timeout = 1.0
     call.start = mpl_now()
 

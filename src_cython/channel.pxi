@@ -72,6 +72,7 @@ cdef inline const char* coll_name(uint32_t i) noexcept nogil:
         return COLL_NAMES[i]
     return b"?"
 
+
 cdef struct ErrorInfo:
     int kind
     int rank          # rank that detected the error first
@@ -96,9 +97,14 @@ cdef struct CallInfo:
     Py_ssize_t count      # elements of the whole vector
     Py_ssize_t itemsize
     int nslots            # records a rank publishes per block index
-    int nblocks           # blocks per slot
+    int nblocks           # data blocks per slot
     Py_ssize_t block_elems
     Py_ssize_t block_bytes
+    int fec_k             # redundancy: data blocks per group of a slot (0: none)
+    int fec_m             # parity records per group
+    int ngroups           # groups per slot: ceil(nblocks / fec_k)
+    int records           # records a slot holds: nblocks data, then ngroups * fec_m parity
+    Py_ssize_t record_bytes   # largest record payload: block_bytes (+ 8 with redundancy)
     Py_ssize_t max_block  # largest record payload the channel moves as one unit
     double start
     double timeout        # < 0: no deadline
@@ -144,6 +150,11 @@ cdef struct Stream:
     int gblock            # (one-sided network path) the block its gets are for
     double hdr_at         # when the header get in flight was issued
     double miss_at        # when the header get of the last "not there" was issued
+    # Redundancy (engine, coding.pxi): the stream's groups, row by row.
+    char* rows            # ngroups * (fec_k + fec_m) rows of record_bytes
+    unsigned char* have   # per row: in hand (arrived and kept, rebuilt, or padding)
+    unsigned char* rebuilt    # per data block: its row holds it, rebuilt
+    Py_ssize_t rows_cap, have_cap, rebuilt_cap
 
 
 # Deadlines.  `start + timeout` is the hard cap of a call.  Inside it, stage
@@ -184,6 +195,40 @@ cdef inline uint32_t announced_op(const CallInfo* call) noexcept nogil:
     """The op as peers see it: a weighted average is an op of its own (for
     the mismatch message; the signature tells them apart already)."""
     return 2 if call.weight > 0 else <uint32_t>call.op
+
+
+cdef inline uint32_t announced_layout(const CallInfo* call) noexcept nogil:
+    """Algorithm, collective and redundancy in one word, as peers see them."""
+    return (<uint32_t>call.algo | <uint32_t>call.coll << 4 | <uint32_t>call.fec_k << 8
+            | <uint32_t>call.fec_m << 16)
+
+
+cdef void describe_call(char* out, size_t size, uint32_t layout, uint64_t count,
+                        uint32_t dtype, uint32_t op) noexcept nogil:
+    """"allreduce of 10 x float32 op=sum algorithm=ring redundancy=(8, 2)"
+    from a peer's announced (untrusted) fields."""
+    cdef int n = snprintf(out, size, b"%s of %llu x %s op=%s algorithm=%s",
+                          coll_name((layout >> 4) & 15), <unsigned long long>count,
+                          dtype_name(dtype), op_name(op), algo_name(layout & 15))
+    if (layout >> 8) & 255 and 0 <= n < <int>size:
+        snprintf(out + n, size - n, b" redundancy=(%u, %u)", (layout >> 8) & 255,
+                 (layout >> 16) & 255)
+
+
+cdef void describe_mismatch(ErrorInfo* err, const CallInfo* call, int me, int peer,
+                            uint32_t layout, uint64_t count, uint32_t dtype,
+                            uint32_t op) noexcept nogil:
+    """The error of ranks that disagree on a call: the peer's announcement
+    against this rank's call."""
+    cdef char theirs[160]
+    cdef char mine[160]
+    describe_call(theirs, 160, layout, count, dtype, op)
+    describe_call(mine, 160, announced_layout(call), <uint64_t>call.count,
+                  <uint32_t>call.dtype, announced_op(call))
+    err.kind = ERR_MISMATCH
+    err.rank = me
+    snprintf(err.msg, MPL_MSG_LEN, b"ranks disagree on call %llu: rank %d: %s; rank %d: %s",
+             <unsigned long long>call.seq, peer, theirs, me, mine)
 
 
 cdef inline double call_scale(const CallInfo* call, uint32_t count, int nranks) noexcept nogil:

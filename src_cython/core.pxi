@@ -17,6 +17,7 @@ CallResult = namedtuple("CallResult", [
     "timing",                                 # (start, anchor, end), monotonic clock
     "agreed",
     "contributors",                           # direct / all-gather: the core's bitmaps
+    "rebuilt",                                # blocks rebuilt from parity (redundancy)
 ])
 
 
@@ -138,21 +139,26 @@ cdef class Core:
             self.chan.close()
 
     def collective(self, sendbuf, recvbuf, int coll, int dtype, int op, int algo, double timeout,
-                   double weight=0.0, int qbits=0, Py_ssize_t qgroup=0, residual=None):
+                   double weight=0.0, int qbits=0, Py_ssize_t qgroup=0, residual=None,
+                   int fec_k=0, int fec_m=0):
         """Run one collective call (COLL_*) on buffers the Python layer has
         validated.  `timeout` < 0 waits for everything; `weight` > 0: this
         rank's weight in a weighted average (direct algorithm, op avg);
         `qbits` 8 or 4: float32 payloads quantised in groups of `qgroup`
         (direct algorithm); `residual` (float32, as long as the send buffer,
         zeros on entry) receives what quantisation took from each sent
-        block of this rank's contribution.  Returns
+        block of this rank's contribution.  `fec_k`, `fec_m`: redundancy,
+        m parity records per group of k blocks (0: none).  Returns
         (err_kind, err_rank, err_msg, delivered, elapsed, deadline_hit,
         fallback_fraction, min_contributors, seq, lost_blocks, timing, agreed,
-        contributors) with timing = (start, anchor, end) on the monotonic clock
+        contributors, rebuilt) with timing = (start, anchor, end) on the monotonic clock
         and contributors (direct only, else None) = (bitmap bytes, entries,
         nblocks, block_elems, words)."""
         cdef Py_buffer sb, rb, eb
         cdef float* err = NULL
+        if fec_k and mpl_fec_check(fec_k, fec_m) != NULL:
+            raise ValueError(f"redundancy=({fec_k}, {fec_m}): "
+                             f"{mpl_fec_check(fec_k, fec_m).decode()}")
         PyObject_GetBuffer(sendbuf, &sb, PyBUF_SIMPLE)
         try:
             PyObject_GetBuffer(recvbuf, &rb, PyBUF_SIMPLE | PyBUF_WRITABLE)
@@ -172,7 +178,8 @@ cdef class Core:
                 raise ValueError("residual: float32, as long as the send buffer")
             return self.run(<char*>sb.buf, <char*>rb.buf,
                             rb.len if coll == COLL_ALLGATHER else sb.len,
-                            coll, dtype, op, algo, timeout, weight, qbits, qgroup, err)
+                            coll, dtype, op, algo, timeout, weight, qbits, qgroup, err,
+                            fec_k, fec_m)
         finally:
             if err != NULL:
                 PyBuffer_Release(&eb)
@@ -181,7 +188,7 @@ cdef class Core:
 
     cdef object run(self, char* send, char* recv, Py_ssize_t nbytes, int coll, int dtype,
                    int op, int algo, double timeout, double weight, int qbits,
-                   Py_ssize_t qgroup, float* residual=NULL):
+                   Py_ssize_t qgroup, float* residual=NULL, int fec_k=0, int fec_m=0):
         """`nbytes`: the whole vector (the send buffer of an all-reduce or a
         reduce-scatter, the receive buffer of an all-gather)."""
         cdef CallInfo* call = &self.call
@@ -215,6 +222,8 @@ cdef class Core:
         call.qbits = qbits
         call.qgroup = qgroup
         call.residual = residual if qbits else NULL
+        call.fec_k = fec_k
+        call.fec_m = fec_m if fec_k else 0
         pause = self.loss.delay(call.seq, self.rank)
         with nogil:
             mpl_sleep(pause)
@@ -222,15 +231,23 @@ cdef class Core:
         if self.size == 1:
             k_scale(dtype, 1.0, recv, send, call.count)    # every collective is a copy
             return CallResult(ERR_NONE, -1, "", 1.0, mpl_now() - t0, False, 0.0, 1, call.seq, (0, 0, 0, 0),
-                    (call.start, call.start, mpl_now()), 1.0, None)
-        call.max_block = self.chan.max_block_bytes()
+                    (call.start, call.start, mpl_now()), 1.0, None, 0)
+        # (a parity record is a block and its 8-byte trailer: blocks shrink to fit)
+        call.max_block = self.chan.max_block_bytes() - (8 if call.fec_k else 0)
         call.block_elems = max(1, min(self.block_bytes, call.max_block) // call.itemsize)
         alg.layout(call)
+        call.records = call.nblocks
+        call.record_bytes = call.block_bytes
+        if call.fec_k:
+            call.ngroups = (call.nblocks + call.fec_k - 1) // call.fec_k
+            call.records += call.ngroups * call.fec_m
+            call.record_bytes += 8
         call.sig = mpl_hash4(<uint64_t>call.count,
                              <uint64_t>dtype | <uint64_t>op << 8 | <uint64_t>algo << 16
                              | <uint64_t>self.tree.radix << 24 | <uint64_t>coll << 40
                              | <uint64_t>(weight > 0) << 48 | <uint64_t>qbits << 52,
-                             <uint64_t>call.block_elems ^ (<uint64_t>qgroup << 40),
+                             <uint64_t>call.block_elems ^ (<uint64_t>qgroup << 40)
+                             ^ (<uint64_t>call.fec_k << 24) ^ (<uint64_t>call.fec_m << 32),
                              <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)) | 1
         try:
             began = self.chan.begin(call)
@@ -266,14 +283,14 @@ cdef class Core:
         if failed:
             return CallResult(self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
                     0.0, finished - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
-                    (call.start, -1.0, finished), 0.0, None)
+                    (call.start, -1.0, finished), 0.0, None, 0)
         return CallResult(ERR_NONE, -1, "", alg.delivered(), finished - t0, alg.deadline_hit,
                 alg.fallback_elems / <double>alg.result_elems if alg.result_elems else 0.0,
                 alg.min_count, call.seq,
                 (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
                 (call.start, call.anchor, finished), alg.agreed(),
                 (<Chunked>alg).contributors()
-                if alg is self.direct or alg is self.gather else None)
+                if alg is self.direct or alg is self.gather else None, alg.rebuilt_blocks)
 
     def fail(self, int kind, str message, double timeout):
         """This rank cannot take part in the next call (bad input): count the
@@ -294,7 +311,7 @@ cdef class Core:
                 self.chan.fail(call, &self.err)
                 self.chan.end(call, True)
         return CallResult(kind, self.rank, message, 0.0, 0.0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
-                (call.start, -1.0, call.start), 0.0, None)
+                (call.start, -1.0, call.start), 0.0, None, 0)
 
 
 cdef int raise_pending() except -1:

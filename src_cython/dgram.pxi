@@ -62,7 +62,7 @@ cdef class DgramChannel(DgramEndpoint):
                                       # copy, since the core reuses its CallInfo
     # what each outbox holds (by call parity), for answering NACKs
     cdef uint64_t out_seq[2]
-    cdef int out_nblocks[2]
+    cdef int out_slot_records[2]
     cdef int out_records[2]
     cdef unsigned char* published[2]
     cdef Py_ssize_t published_cap_of[2]
@@ -172,7 +172,7 @@ cdef class DgramChannel(DgramEndpoint):
     # -- per call ------------------------------------------------------------
     cdef int begin(self, CallInfo* call) except -1:
         cdef int parity = call.seq & 1
-        cdef Py_ssize_t records = <Py_ssize_t>call.nslots * call.nblocks
+        cdef Py_ssize_t records = <Py_ssize_t>call.nslots * call.records
         cdef double limit = mpl_now() + (min(call.timeout, STALL_LIMIT) if call.timeout >= 0
                                          else STALL_LIMIT)
         # Datagrams that arrive now belong to this call or later: judge them
@@ -196,7 +196,7 @@ cdef class DgramChannel(DgramEndpoint):
         grow_buffer(<void**>&self.end_nreaders, &self.end_caps[1], call.nslots, sizeof(int))
         memset(self.end_nreaders, 0, call.nslots * sizeof(int))
         self.out_seq[parity] = call.seq
-        self.out_nblocks[parity] = call.nblocks
+        self.out_slot_records[parity] = call.records
         self.out_records[parity] = <int>records
         cdef Py_ssize_t mapping = <Py_ssize_t>self.size * call.nslots
         grow_buffer(<void**>&self.stream_of, &self.stream_of_cap, mapping, sizeof(int))
@@ -220,8 +220,8 @@ cdef class DgramChannel(DgramEndpoint):
         stream unmapped (its datagrams are refused as unexpected)."""
         cdef CallInfo* c = &self.cur
         cdef int i = self.nstreams
-        cdef Py_ssize_t blocks = <Py_ssize_t>(i + 1) * c.nblocks
-        grow_buffer(<void**>&self.inbox, &self.inbox_cap, blocks * c.block_bytes, 1, keep=False)
+        cdef Py_ssize_t blocks = <Py_ssize_t>(i + 1) * c.records
+        grow_buffer(<void**>&self.inbox, &self.inbox_cap, blocks * c.record_bytes, 1, keep=False)
         grow_buffer(<void**>&self.arrived, &self.caps[0], blocks, 1)
         grow_buffer(<void**>&self.counts, &self.caps[1], blocks, sizeof(uint32_t))
         grow_buffer(<void**>&self.sizes, &self.caps[2], blocks, sizeof(uint32_t))
@@ -233,7 +233,7 @@ cdef class DgramChannel(DgramEndpoint):
         self.stream_of[s.peer * c.nslots + s.slot] = i
         self.ended[i] = 0
         self.ahead_since[i] = -1.0
-        memset(self.arrived + <Py_ssize_t>i * c.nblocks, 0, c.nblocks)
+        memset(self.arrived + <Py_ssize_t>i * c.records, 0, c.records)
         self.last_nack[i] = mpl_now()
         return 0
 
@@ -242,13 +242,13 @@ cdef class DgramChannel(DgramEndpoint):
 
     cdef char* mine(self, int slot, int block) noexcept nogil:
         cdef int parity = self.cur.seq & 1
-        return (self.packet(parity, <Py_ssize_t>slot * self.cur.nblocks + block)
+        return (self.packet(parity, <Py_ssize_t>slot * self.cur.records + block)
                 + self.prefix + HEADER_BYTES)
 
     cdef void publish(self, int slot, int block, uint32_t count, uint32_t nbytes,
                       const int* dests, int ndests) noexcept nogil:
         cdef int parity = self.cur.seq & 1, i
-        cdef Py_ssize_t record = <Py_ssize_t>slot * self.cur.nblocks + block
+        cdef Py_ssize_t record = <Py_ssize_t>slot * self.cur.records + block
         cdef char* buf = self.packet(parity, record)
         cdef mpl_packet_t* hdr = <mpl_packet_t*>(buf + self.prefix)
         self.fill_header(hdr, MPL_PKT_DATA, self.cur.seq, slot, block, count, nbytes)
@@ -263,7 +263,7 @@ cdef class DgramChannel(DgramEndpoint):
         for i in range(ndests):
             self.send(dests[i], buf, self.prefix + HEADER_BYTES + nbytes, parity)
         self.published_blocks[slot] += 1
-        if self.published_blocks[slot] == self.cur.nblocks and ndests:
+        if self.published_blocks[slot] == self.cur.records and ndests:
             for i in range(2):          # datagrams get lost: say it twice
                 self.send_control_to(MPL_PKT_END, self.cur.seq, slot, 0, NULL, 0, dests, ndests)
             if self.end_nreaders == NULL:
@@ -313,8 +313,8 @@ cdef class DgramChannel(DgramEndpoint):
         hello.count = c.count
         hello.dtype = c.dtype
         hello.op = announced_op(c)
-        hello.algo = c.algo | c.coll << 4
-        hello.block = <uint32_t>c.block_bytes
+        hello.algo = announced_layout(c)
+        hello.block = <uint32_t>c.record_bytes
         self.send_control(MPL_PKT_HELLO, c.seq, 0, 0, &hello, sizeof(mpl_hello_t), peer)
 
     # -- receiving -------------------------------------------------------------
@@ -395,25 +395,26 @@ cdef class DgramChannel(DgramEndpoint):
                 self.error.rank = self.rank
                 snprintf(self.error.msg, MPL_MSG_LEN,
                          b"ranks disagree on call %llu: rank %d sent data laid out for another "
-                         b"call (collective, count, dtype, op or algorithm); rank %d: %s of "
-                         b"%llu x %s op=%s algorithm=%s",
-                         <unsigned long long>c.seq, hdr.src, self.rank, coll_name(c.coll),
-                         <unsigned long long>c.count, dtype_name(c.dtype),
-                         op_name(announced_op(c)), algo_name(c.algo))
+                         b"call (collective, count, dtype, op, algorithm, block size or "
+                         b"redundancy); rank %d: ",
+                         <unsigned long long>c.seq, hdr.src, self.rank)
+                describe_call(self.error.msg + strlen(self.error.msg),
+                              MPL_MSG_LEN - strlen(self.error.msg), announced_layout(c),
+                              <uint64_t>c.count, <uint32_t>c.dtype, announced_op(c))
             return
-        if (hdr.slot >= <uint32_t>c.nslots or hdr.block >= <uint32_t>c.nblocks
-                or hdr.nbytes > <uint32_t>c.block_bytes or hdr.count > <uint32_t>self.size):
+        if (hdr.slot >= <uint32_t>c.nslots or hdr.block >= <uint32_t>c.records
+                or hdr.nbytes > <uint32_t>c.record_bytes or hdr.count > <uint32_t>self.size):
             self.n_unexpected += 1
             return
         stream = self.stream_of[hdr.src * c.nslots + hdr.slot]
         if stream < 0:
             self.n_unexpected += 1
             return
-        at = <Py_ssize_t>stream * c.nblocks + hdr.block
+        at = <Py_ssize_t>stream * c.records + hdr.block
         if self.arrived[at]:
             self.n_duplicate += 1
             return
-        memcpy(self.inbox + at * c.block_bytes, payload, hdr.nbytes)
+        memcpy(self.inbox + at * c.record_bytes, payload, hdr.nbytes)
         self.counts[at] = hdr.count
         self.sizes[at] = hdr.nbytes
         self.arrived[at] = 1
@@ -422,16 +423,8 @@ cdef class DgramChannel(DgramEndpoint):
         cdef CallInfo* c = &self.cur
         if hello.sig == c.sig or self.error.kind:
             return
-        self.error.kind = ERR_MISMATCH
-        self.error.rank = self.rank
-        snprintf(self.error.msg, MPL_MSG_LEN,
-                 b"ranks disagree on call %llu: rank %d: %s of %llu x %s op=%s algorithm=%s; "
-                 b"rank %d: %s of %llu x %s op=%s algorithm=%s",
-                 <unsigned long long>c.seq, hdr.src, coll_name(hello.algo >> 4),
-                 <unsigned long long>hello.count, dtype_name(hello.dtype),
-                 op_name(hello.op), algo_name(hello.algo & 15),
-                 self.rank, coll_name(c.coll), <unsigned long long>c.count,
-                 dtype_name(c.dtype), op_name(announced_op(c)), algo_name(c.algo))
+        describe_mismatch(&self.error, c, self.rank, hdr.src, hello.algo, hello.count,
+                          hello.dtype, hello.op)
 
     cdef void take_error(self, const mpl_error_t* e) noexcept nogil:
         if self.error.kind == ERR_NONE:
@@ -464,9 +457,9 @@ cdef class DgramChannel(DgramEndpoint):
         self.nack_number[seen] = hdr.block
         for i in range(hdr.nbytes // 4):
             memcpy(&block, blocks + 4 * i, 4)       # (the buffer may be unaligned)
-            if block >= <uint32_t>self.out_nblocks[parity]:
+            if block >= <uint32_t>self.out_slot_records[parity]:
                 continue
-            record = <Py_ssize_t>hdr.slot * self.out_nblocks[parity] + block
+            record = <Py_ssize_t>hdr.slot * self.out_slot_records[parity] + block
             if record >= self.out_records[parity] or not self.published[parity][record]:
                 continue    # not written yet: it will be sent when it is
             buf = self.packet(parity, record)
@@ -500,7 +493,7 @@ cdef class DgramChannel(DgramEndpoint):
 
     cdef int poll(self, Stream* s, int block, Incoming* inc) noexcept nogil:
         cdef CallInfo* c = &self.cur
-        cdef Py_ssize_t at = <Py_ssize_t>s.index * c.nblocks + block
+        cdef Py_ssize_t at = <Py_ssize_t>s.index * c.records + block
         cdef double now
         if not self.arrived[at] and block == s.cursor and not self.past_cap():
             # Drain for the cursor only: a look-ahead over many missing
@@ -511,7 +504,7 @@ cdef class DgramChannel(DgramEndpoint):
         if self.error.kind != ERR_NONE:
             return POLL_FAIL
         if self.arrived[at]:
-            inc.data = self.inbox + at * c.block_bytes
+            inc.data = self.inbox + at * c.record_bytes
             inc.count = self.counts[at]
             inc.nbytes = self.sizes[at]
             return POLL_READY
@@ -539,7 +532,7 @@ cdef class DgramChannel(DgramEndpoint):
         cdef CallInfo* c = &self.cur
         cdef uint32_t missing[512]
         cdef int n = 0, b, cap = <int>min(512, self.payload_max // 4)
-        cdef Py_ssize_t base = <Py_ssize_t>s.index * c.nblocks
+        cdef Py_ssize_t base = <Py_ssize_t>s.index * c.records
         for b in range(s.cursor, s.nblocks):
             if not self.arrived[base + b] and not s.done[b]:
                 missing[n] = b
@@ -603,8 +596,8 @@ cdef class DgramChannel(DgramEndpoint):
             # buffers may be sized for an earlier call): every DATA and END
             # of it is refused as unexpected, none stashed for good.
             self.cur = call[0]
-            self.cur.nslots = self.cur.nblocks = 0
-            self.cur.block_bytes = 0
+            self.cur.nslots = self.cur.nblocks = self.cur.records = 0
+            self.cur.block_bytes = self.cur.record_bytes = 0
             self.nstreams = 0
             self.armed = True
         e.kind = err.kind

@@ -376,7 +376,7 @@ cdef class Direct(Chunked):
                                 record, n)
             if c.weight > 0:
                 memcpy(record + round_up(self.payload_bytes(n), 8), &c.weight, 8)
-            self.chan.publish(chunk, b, 1, <uint32_t>self.contribution_bytes(n), &reducer, 1)
+            self.emit(chunk, b, 1, <uint32_t>self.contribution_bytes(n), &reducer, 1)
         return True
 
     cdef bint ready(self, Stream* s, int block) noexcept nogil:
@@ -462,6 +462,15 @@ cdef class Direct(Chunked):
         for i in range(self.ntaken):            # read in place: still what it was?
             if not self.chan.confirm(&self.streams[self.taken[i]], block):
                 return False
+        if c.fec_k:
+            # The engine keeps what arrives for rebuilding the rest of its
+            # group; these blocks bypass it.  (A producer does not rewrite a
+            # published record within the call: the copy is what was confirmed.)
+            for i in range(self.ntaken):
+                other.data = self.sources[2 + i]
+                other.count = 1
+                other.nbytes = <uint32_t>self.contribution_bytes(n)
+                fec_keep(c, &self.streams[self.taken[i]], block, &other)
         return True
 
     cdef void weigh(self, int block, int nsrc, const double* mants,
@@ -518,6 +527,8 @@ cdef class Direct(Chunked):
             for i in range(self.ntaken):
                 t = &self.streams[self.taken[i]]
                 t.done[block] = 1
+                if self.call.fec_k:
+                    t.have[fec_row(self.call, block)] = 1
                 bits[t.peer >> 6] |= 1ull << (t.peer & 63)
             self.pending[block] -= self.ntaken
             self.contribution_done(block)
@@ -576,9 +587,9 @@ cdef class Direct(Chunked):
                     self.qseed(me, block, 1), self.where[block] != SUM_IN_SEND)
         memcpy(record + at, bits, 8 * self.words)
         if c.coll == COLL_ALLREDUCE:
-            self.chan.publish(me, block, self.count[block], nbytes, self.others, self.size - 1)
+            self.emit(me, block, self.count[block], nbytes, self.others, self.size - 1)
         elif me != self.rank:
-            self.chan.publish(me, block, self.count[block], nbytes, &me, 1)
+            self.emit(me, block, self.count[block], nbytes, &me, 1)
         if self.wanted(me):
             self.decode(self.out(me, block), record, 1.0, n)
             memcpy(self.result_entry(me, block), bits, 8 * self.words)

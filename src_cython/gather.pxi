@@ -49,7 +49,7 @@ cdef class Gather(Chunked):
             n = self.block_len(me, b)
             memcpy(self.chan.claim(0, b), self.send + (self.block_first(me, b) - self.chunk_lo[me])
                    * c.itemsize, n * c.itemsize)
-            self.chan.publish(0, b, 1, <uint32_t>(n * c.itemsize), self.others, self.size - 1)
+            self.emit(0, b, 1, <uint32_t>(n * c.itemsize), self.others, self.size - 1)
             self.arrived(me, b)
             self.add_result(self.size, n)
 

@@ -16,6 +16,25 @@ cdef struct LossParams:
     uint64_t straggler_seed
 
 
+cdef inline int wire_record(const CallInfo* c, int at) noexcept nogil:
+    """The record sent `at`-th on a stream: data blocks in order, with
+    redundancy the m parity records of each group right after its data (the
+    last group may hold fewer than k data blocks)."""
+    cdef int k = c.fec_k, m = c.fec_m, n, group, full, data
+    if not k:
+        return at
+    n = k + m
+    full = (c.ngroups - 1) * n
+    if at < full:
+        group = at // n
+        at = at % n
+        return group * k + at if at < k else c.nblocks + group * m + (at - k)
+    group = c.ngroups - 1
+    at -= full
+    data = c.nblocks - group * k
+    return group * k + at if at < data else c.nblocks + group * m + (at - data)
+
+
 cdef class LossState:
     cdef LossParams params
     cdef unsigned char* bad        # Gilbert-Elliott state of each incoming link
@@ -51,19 +70,22 @@ cdef class LossState:
         return self.params.bernoulli or self.params.gilbert
 
     cdef void fill(self, Algorithm alg, uint64_t seq) noexcept nogil:
-        """Mark the blocks that this call loses, stream by stream, block by
-        block, in plan order (the order a Gilbert-Elliott link walks), and
+        """Mark the blocks that this call loses, stream by stream, record by
+        record in the order they are sent (the order a Gilbert-Elliott link
+        walks: with redundancy, each group's parity after its data), and
         each stream's end mark: it is lost when both of the two datagrams
         that carry it on the datagram channel would be."""
-        cdef int i, b
+        cdef int i, b, at
         cdef Stream* s
+        cdef CallInfo* c = alg.call
         cdef uint64_t link, index = 0
         cdef bint bad
         cdef double loss
         for i in range(alg.nstreams):
             s = &alg.streams[i]
             link = (<uint64_t>s.peer << 32) | <uint64_t>alg.rank
-            for b in range(s.nblocks):
+            for at in range(c.records):
+                b = wire_record(c, at)
                 index += 1
                 if self.params.bernoulli and mpl_unit(mpl_hash4(
                         self.params.bernoulli_seed, seq, link, index)) < self.params.p:

@@ -3,7 +3,7 @@
 
 from libc.stdint cimport int32_t, int64_t, intptr_t, uint16_t, uint32_t, uint64_t
 from libc.stdlib cimport malloc, calloc, realloc, free
-from libc.string cimport memcpy, memset, strncmp
+from libc.string cimport memcpy, memset, strlen, strncmp
 from libc.stdio cimport snprintf
 from libc.math cimport frexp, isfinite, ldexp, llround
 from posix.stdlib cimport posix_memalign

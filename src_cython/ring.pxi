@@ -130,7 +130,7 @@ cdef class Ring(Chunked):
             dst = self.chan.claim(0, b)
             k_widen(self.call.dtype, 1.0, dst, self.send + self.block_first(chunk, b) * isz, n)
             self.rs_count[b] = 1
-            self.chan.publish(0, b, 1, <uint32_t>(n * ITEMSIZE[acc_dtype(self.call.dtype)]),
+            self.emit(0, b, 1, <uint32_t>(n * ITEMSIZE[acc_dtype(self.call.dtype)]),
                               &self.right, 1)
 
     cdef bint ready(self, Stream* s, int block) noexcept nogil:
@@ -218,15 +218,15 @@ cdef class Ring(Chunked):
         cdef Py_ssize_t n = self.block_len(chunk, block)
         self.rs_count[position * c.nblocks + block] = count
         if position < self.size - 1:
-            self.chan.publish(position, block, count,
+            self.emit(position, block, count,
                               <uint32_t>(n * ITEMSIZE[acc_dtype(c.dtype)]), &self.right, 1)
             return
         # Reducer: the chunk goes to whoever wants it, me included.
         if c.coll == COLL_ALLREDUCE:
-            self.chan.publish(position, block, count, <uint32_t>(n * c.itemsize),
+            self.emit(position, block, count, <uint32_t>(n * c.itemsize),
                               self.others, self.size - 1)
         elif chunk != self.rank:
-            self.chan.publish(position, block, count, <uint32_t>(n * c.itemsize), &chunk, 1)
+            self.emit(position, block, count, <uint32_t>(n * c.itemsize), &chunk, 1)
         if self.wanted(chunk):
             memcpy(self.out(chunk, block), self.chan.mine(position, block), n * c.itemsize)
             self.add_result(count, n)

@@ -146,7 +146,7 @@ cdef class RmaChannel(RmaWindow):
         return (seq == self.call.seq
                 and hdr.check == mpl_record_check(seq, self.call.sig, slot, block)
                 and hdr.count <= <uint32_t>self.size
-                and hdr.nbytes <= <uint32_t>self.call.block_bytes)
+                and hdr.nbytes <= <uint32_t>self.call.record_bytes)
 
     cdef inline bint read_header(self, const char* rec, mpl_record_t* hdr, int slot,
                                  int block) noexcept nogil:
@@ -241,7 +241,7 @@ cdef class RmaChannel(RmaWindow):
         seek_ahead), never blocking."""
         cdef int flag, verdict, ierr
         if s.gb == NULL:            # its buffers went to the zombie list
-            s.gb = alloc_getbuffers(self.call.block_bytes)
+            s.gb = alloc_getbuffers(self.call.record_bytes)
             if s.gb == NULL:
                 self.error.kind = ERR_MPI
                 self.error.rank = self.rank
@@ -330,9 +330,9 @@ cdef class RmaChannel(RmaWindow):
         if self.peer_base[s.peer] == NULL:
             self.consumed_from[s.peer] = 1
         if s.stable or self.peer_base[s.peer] == NULL:
-            if s.gb == NULL or s.gb.capacity < self.call.block_bytes:
+            if s.gb == NULL or s.gb.capacity < self.call.record_bytes:
                 free_getbuffers(s.gb)
-                s.gb = new_getbuffers(self.call.block_bytes)
+                s.gb = new_getbuffers(self.call.record_bytes)
         return 0
 
     cdef void abandon(self, Stream* s) noexcept nogil:

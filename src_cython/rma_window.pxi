@@ -132,7 +132,7 @@ cdef class RmaWindow(Channel):
     # -- addresses ---------------------------------------------------------
     cdef inline Py_ssize_t record_offset(self, int slot, int block) noexcept nogil:
         return (self.rec_offset + (<Py_ssize_t>(self.call.seq & 1)) * self.region
-                + (<Py_ssize_t>slot * self.call.nblocks + block) * self.stride)
+                + (<Py_ssize_t>slot * self.call.records + block) * self.stride)
 
     cdef inline mpl_status_t* my_status(self) noexcept nogil:
         return <mpl_status_t*>self.base
@@ -148,12 +148,12 @@ cdef class RmaWindow(Channel):
         """Lay out this call's records (growing the window if they do not
         fit) and announce the call in the status block."""
         self.call = call
-        self.stride = RECORD_HEADER + round_up(call.block_bytes, MPL_CACHELINE)
+        self.stride = RECORD_HEADER + round_up(call.record_bytes, MPL_CACHELINE)
         memset(self.published_to, 0, self.size)
         if call.nslots > self.nslots_max:
             raise ValueError(f"{call.nslots} slots per call; windows hold {self.nslots_max}")
         memset(self.published_blocks, 0, self.nslots_max * sizeof(int))
-        cdef Py_ssize_t need = <Py_ssize_t>call.nslots * call.nblocks * self.stride
+        cdef Py_ssize_t need = <Py_ssize_t>call.nslots * call.records * self.stride
         if need > self.region:
             if self.grow(call, need):
                 return 1
@@ -168,7 +168,7 @@ cdef class RmaWindow(Channel):
         st.count = call.count
         st.dtype = call.dtype
         st.op = announced_op(call)
-        st.algo = call.algo | call.coll << 4
+        st.algo = announced_layout(call)
         st.block = <uint32_t>call.block_bytes
         st.grow = grow
         mpl_store_release(&st.seq, call.seq)
@@ -193,7 +193,7 @@ cdef class RmaWindow(Channel):
         for i in range(ndests):
             self.published_to[dests[i]] = 1
         self.published_blocks[slot] += 1
-        if self.published_blocks[slot] == self.call.nblocks:
+        if self.published_blocks[slot] == self.call.records:
             mpl_store_release(self.end_word(self.base, slot), self.call.seq)
 
     cdef void fail(self, CallInfo* call, ErrorInfo* err) noexcept nogil:
@@ -214,17 +214,8 @@ cdef class RmaWindow(Channel):
             MPI_Win_sync(self.win)
 
     cdef void describe_mismatch(self, int peer, const mpl_status_t* st) noexcept nogil:
-        cdef CallInfo* c = self.call
-        self.error.kind = ERR_MISMATCH
-        self.error.rank = self.rank
-        snprintf(self.error.msg, MPL_MSG_LEN,
-                 b"ranks disagree on call %llu: rank %d: %s of %llu x %s op=%s algorithm=%s; "
-                 b"rank %d: %s of %llu x %s op=%s algorithm=%s",
-                 <unsigned long long>c.seq,
-                 peer, coll_name(st.algo >> 4), <unsigned long long>st.count,
-                 dtype_name(st.dtype), op_name(st.op), algo_name(st.algo & 15),
-                 self.rank, coll_name(c.coll), <unsigned long long>c.count, dtype_name(c.dtype),
-                 op_name(announced_op(c)), algo_name(c.algo))
+        describe_mismatch(&self.error, self.call, self.rank, peer, st.algo, st.count,
+                          st.dtype, st.op)
 
     # -- growth --------------------------------------------------------------
     cdef int grow(self, CallInfo* call, Py_ssize_t need) except -1:

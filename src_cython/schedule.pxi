@@ -37,6 +37,13 @@ cdef class Algorithm:
     cdef uint32_t min_count
     cdef bint deadline_hit
     cdef int lost_injected, lost_late, lost_gone, lost_torn   # blocks, by cause
+    # redundancy (coding.pxi): the call's code, and what this rank published
+    cdef int rebuilt_blocks        # blocks rebuilt from their group
+    cdef mpl_fec_t code
+    cdef int* group_published      # per slot x group: data blocks published
+    cdef uint32_t* published_as    # per slot x block: count and length published
+    cdef char* encoding            # k rows: the group being encoded
+    cdef Py_ssize_t fec_caps[3]
 
     def __cinit__(self, int rank, int size):
         self.rank = rank
@@ -53,9 +60,15 @@ cdef class Algorithm:
             for i in range(self.max_streams):
                 free(self.streams[i].drop)
                 free(self.streams[i].done)
+                free(self.streams[i].rows)
+                free(self.streams[i].have)
+                free(self.streams[i].rebuilt)
                 free_getbuffers(self.streams[i].gb)
         free(self.streams)
         free(self.drop_cap)
+        free(self.group_published)
+        free(self.published_as)
+        free(self.encoding)
 
     # -- set-up, with the GIL ----------------------------------------------
     cdef int layout(self, CallInfo* call) except -1:
@@ -82,28 +95,40 @@ cdef class Algorithm:
         self.min_count = <uint32_t>self.size
         self.deadline_hit = False
         self.lost_injected = self.lost_late = self.lost_gone = self.lost_torn = 0
+        self.rebuilt_blocks = 0
         self.nstreams = 0
         self.plan()
         cdef int i
         cdef Stream* s
+        # drop and done cover every record of a slot, parity included
         for i in range(self.nstreams):
             s = &self.streams[i]
             s.cursor = 0
             s.scan = 0
-            if self.drop_cap[i] < s.nblocks:
+            if self.drop_cap[i] < call.records:
                 free(s.drop)
                 free(s.done)
-                s.drop = <unsigned char*>malloc(s.nblocks)
-                s.done = <unsigned char*>malloc(s.nblocks)
+                s.drop = <unsigned char*>malloc(call.records)
+                s.done = <unsigned char*>malloc(call.records)
                 if s.drop == NULL or s.done == NULL:
                     raise MemoryError()
-                self.drop_cap[i] = s.nblocks
-            memset(s.drop, 0, s.nblocks)
-            memset(s.done, 0, s.nblocks)
+                self.drop_cap[i] = call.records
+            memset(s.drop, 0, call.records)
+            memset(s.done, 0, call.records)
             s.drop_end = False
             s.end_at = -1.0
             chan.prepare(s)
+        if call.fec_k:
+            fec_bind(self)
         return 0
+
+    cdef inline void emit(self, int slot, int block, uint32_t count, uint32_t nbytes,
+                          const int* dests, int ndests) noexcept nogil:
+        """Publish my record (slot, block) to `dests`, and with redundancy the
+        parity of its group once the group is complete."""
+        self.chan.publish(slot, block, count, nbytes, dests, ndests)
+        if self.call.fec_k:
+            fec_published(self, slot, block, count, nbytes, dests, ndests)
 
     cdef Stream* add_stream(self, int peer, int slot, int stage, int tag, bint stable) noexcept:
         cdef Stream* s = &self.streams[self.nstreams]
@@ -234,9 +259,15 @@ cdef int settle(Algorithm alg, Channel chan, CallInfo* call, Stream* s, int bloc
                 int verdict, Incoming* inc, bint lossy, ErrorInfo* err) noexcept nogil:
     """Resolve `block` of `s` by what the poll said (WAIT is not passed here).
     0, or 1 when the call fails (err set and announced)."""
+    cdef bint rebuilt = call.fec_k and s.rebuilt[block]
     if verdict == POLL_READY:
-        if alg.take(s, block, inc) and chan.confirm(s, block):
+        if call.fec_k and not rebuilt:
+            fec_keep(call, s, block, inc)       # (confirmed below with the take)
+        if alg.take(s, block, inc) and (rebuilt or chan.confirm(s, block)):
             alg.commit(s, block, inc)
+            if call.fec_k:
+                s.have[fec_row(call, block)] = 1
+                alg.rebuilt_blocks += rebuilt
         else:
             alg.lost_torn += 1
             alg.lose(s, block)
@@ -280,9 +311,14 @@ cdef inline int try_take(Algorithm alg, Channel chan, CallInfo* call, Stream* s,
     channel's verdict, TAKE_SKIPPED or TAKE_FAILED."""
     cdef Incoming inc
     cdef int verdict
-    if s.done[block] or s.drop[block] or not alg.ready(s, block):
+    if block >= s.nblocks:
+        return fec_take_parity(chan, call, s, block)
+    if s.done[block] or (s.drop[block] and not call.fec_k) or not alg.ready(s, block):
         return TAKE_SKIPPED
-    verdict = chan.poll(s, block, &inc)
+    if call.fec_k:
+        verdict = fec_fetch(alg, chan, call, s, block, &inc, False, False)
+    else:
+        verdict = chan.poll(s, block, &inc)
     if verdict == POLL_READY:       # (other verdicts: the cursor's turn deals with them)
         s.done[block] = 1
         if settle(alg, chan, call, s, block, verdict, &inc, lossy, err):
@@ -337,13 +373,14 @@ cdef bint seek_ahead(Algorithm alg, Channel chan, CallInfo* call, Stream* s, bin
     (the channel's single state machine works on that block only).  True if
     any was taken."""
     cdef int block = s.cursor, verdict
+    cdef int end = call.records       # (with redundancy, the parity records follow)
     cdef bint took = False
     if not s.drop[block]:
         return False
     while True:
-        while block < s.nblocks and (s.done[block] or s.drop[block]):
+        while block < end and (s.done[block] or s.drop[block]):
             block += 1
-        if block >= s.nblocks or not alg.ready(s, block):
+        if block >= end or (block < s.nblocks and not alg.ready(s, block)):
             return took
         verdict = try_take(alg, chan, call, s, block, lossy, err)
         if verdict == TAKE_FAILED:
@@ -432,7 +469,9 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
                     continue
                 if not alg.ready(s, block):
                     break
-                if s.drop[block]:
+                if call.fec_k:
+                    verdict = fec_fetch(alg, chan, call, s, block, &inc, True, exact)
+                elif s.drop[block]:
                     # Injected loss: the record never arrives.  Without a
                     # deadline there is nothing to wait for.
                     verdict = POLL_GONE if exact else POLL_WAIT

@@ -197,7 +197,7 @@ cdef class Tree(Algorithm):
         cdef Py_ssize_t n = self.block_len(block)
         cdef char* result
         if self.vrank != 0:
-            self.chan.publish(TREE_PARTIAL, block, self.count[block],
+            self.emit(TREE_PARTIAL, block, self.count[block],
                               <uint32_t>(n * ITEMSIZE[acc_dtype(c.dtype)]), &self.parent, 1)
             return
         result = self.chan.claim(TREE_RESULT, block)
@@ -210,4 +210,4 @@ cdef class Tree(Algorithm):
     cdef inline void publish_result(self, int block, uint32_t count) noexcept nogil:
         cdef uint32_t nbytes = <uint32_t>(self.block_len(block) * self.call.itemsize) if count else 0
         if self.nchildren:
-            self.chan.publish(TREE_RESULT, block, count, nbytes, self.children, self.nchildren)
+            self.emit(TREE_RESULT, block, count, nbytes, self.children, self.nchildren)

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.skipif(not is_singleton(), reason="starts its own mpiex
 
 ROW_FIELDS = {"size", "count", "type", "redop", "algorithm", "channel", "time_us", "algbw", "busbw",
               "wrong", "mpi_time_us", "mpi_busbw", "ratio", "delivered", "max_err", "p50_us",
-              "p99_us", "mpi_p99_us", "times_us", "mpi_times_us", "datagrams", "payload"}
+              "p99_us", "mpi_p99_us", "times_us", "mpi_times_us", "datagrams", "payload",
+              "rebuilt", "plain_time_us", "plain_delivered"}
 TAIL_FIELDS = {"scenario", "size", "algorithm", "channel", "timeout", "mpi_p50_us", "mpi_p99_us",
                "mpi_max_us", "p50_us", "p99_us", "max_us", "p99_ratio", "delivered",
                "lossy_timeouts", "times_us", "mpi_times_us"}
@@ -63,6 +64,25 @@ def test_weighted_rows_are_checked(tmp_path):
     assert [r["redop"] for r in doc["rows"]] == ["avg(w)"] * 2
     for row in doc["rows"]:
         assert row["wrong"] == 0 and row["delivered"] == 1.0 and row["max_err"] < 1e-6, row
+
+
+def test_redundancy_rows(tmp_path):
+    """--redundancy k,m: the same calls with and without, side by side; at
+    20% loss blocks are rebuilt and more is delivered than without."""
+    text, doc = bench(tmp_path, "allreduce", "--sizes", "256K", "-a", "direct", "-t", "0.5",
+                      "--loss", "bernoulli:0.2", "--block-bytes", "4K", "--redundancy", "4,1",
+                      "-n", "5", "-w", "1", nprocs=3)
+    assert "redundancy=(4, 1) against the same calls with redundancy=None" in text
+    row, = doc["rows"]
+    assert row["rebuilt"] > 0 and row["plain_time_us"] > 0
+    assert row["delivered"] > row["plain_delivered"] + 0.05, row
+    assert doc["config"]["redundancy"] == [4, 1]
+
+
+def test_bad_redundancy_is_refused(tmp_path):
+    cmd = [sys.executable, "-m", "mpilossy.bench", "allreduce", "--redundancy", "4,4"]
+    proc = run_bounded(cmd, 60, clean_subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 2 and "less than k" in proc.stderr
 
 
 def test_compressed_rows(tmp_path):

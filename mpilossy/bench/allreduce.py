@@ -14,13 +14,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence, Union
+from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence,
+                    Tuple, Union)
 
 import numpy as np
 from mpi4py import MPI
 
 import mpilossy
-from mpilossy.call.config import COMPRESSIONS
+from mpilossy.call.config import COMPRESSIONS, check_redundancy
 
 from .harness import figure, parse_size, parse_sizes, save_figure, say, size_range, write_json
 
@@ -48,6 +49,7 @@ class BenchConfig:
     weighted: bool = False        # op="avg" with weight = rank + 1
     compression: Optional[str] = None   # "int8" or "int4": low-bit payloads
     topk: Optional[float] = None  # aligned Top-K at this density (mpilossy.compression)
+    redundancy: Optional[Tuple[int, int]] = None  # (k, m); also measured without, side by side
 
 
 @dataclass
@@ -74,6 +76,9 @@ class Row:
     mpi_times_us: List[float] = field(default_factory=list, repr=False)
     datagrams: float = 0.0       # sent per call and rank (channel ud), mean over ranks
     payload: int = 0             # bytes of the vector as it travels (direct; compressed)
+    rebuilt: float = 0.0         # blocks rebuilt from parity per call and rank (redundancy)
+    plain_time_us: float = 0.0   # redundancy: the same calls with redundancy=None
+    plain_delivered: float = 0.0
 
 
 def bus_factor(nranks: int) -> float:
@@ -138,9 +143,10 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
     recv = np.empty_like(send)
     mpi_send = send.astype(np.float64) if send.dtype == np.float16 else send
     mpi_recv = np.empty_like(mpi_send)
-    totals = {"mpi": 0.0, "lossy": 0.0}
-    calls: Dict[str, List[float]] = {"mpi": [], "lossy": []}
-    delivered: List[float] = []
+    totals = {"mpi": 0.0, "lossy": 0.0, "plain": 0.0}
+    calls: Dict[str, List[float]] = {"mpi": [], "lossy": [], "plain": []}
+    delivered: Dict[str, List[float]] = {"lossy": [], "plain": []}
+    rebuilt: List[int] = []
     wrong, max_err = 0, 0.0
     done = 0
     # quantised payloads: off by up to a step of their group, twice
@@ -155,10 +161,17 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
         if topk is not None:        # (its own copy: the compressor reduces in place)
             recv[...] = send
             return topk.allreduce(lc, 0, recv, op=cfg.op, weight=weight)
-        return lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm, weight=weight)
+        return lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm, weight=weight,
+                            redundancy=cfg.redundancy)
+
+    def plain() -> Optional[mpilossy.CollectiveStats]:
+        return lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm, weight=weight,
+                            redundancy=None)
 
     def mpi() -> None:
         comm.Allreduce(mpi_send, mpi_recv)
+
+    contenders = [("mpi", mpi), ("lossy", lossy)] + ([("plain", plain)] if cfg.redundancy else [])
 
     fn: Callable[[], Optional[mpilossy.CollectiveStats]]
 
@@ -167,7 +180,7 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
         while left > 0:
             batch = min(BATCH, left)
             left -= batch
-            for name, fn in (("mpi", mpi), ("lossy", lossy)):
+            for name, fn in contenders:
                 comm.Barrier()
                 began = time.perf_counter()
                 for _ in range(batch):
@@ -176,10 +189,14 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
                     if phase == "measure":
                         calls[name].append(time.perf_counter() - t0)
                         if stats is not None:
-                            delivered.append(stats.delivered)
+                            delivered[name].append(stats.delivered)
+                            if name == "lossy":
+                                rebuilt.append(stats.rebuilt)
                 elapsed = comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
                 if phase == "measure":
                     totals[name] += elapsed
+            if cfg.redundancy:
+                lossy()     # (the error below is the redundant call's)
             if phase == "measure" and recv.size:
                 err = np.abs(recv.astype(np.float64) - exact.astype(np.float64))
                 if topk is not None:
@@ -204,12 +221,16 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
         busbw=algbw * bus_factor(n), wrong=comm.allreduce(wrong, op=MPI.MAX),
         mpi_time_us=t_mpi * 1e6, mpi_busbw=mpi_algbw * bus_factor(n),
         ratio=t_mpi / t if t > 0 else math.nan,
-        delivered=float(np.mean(comm.allgather(float(np.mean(delivered))))),
+        delivered=float(np.mean(comm.allgather(float(np.mean(delivered["lossy"]))))),
         max_err=comm.allreduce(max_err, op=MPI.MAX),
         p50_us=float(np.percentile(every, 50)), p99_us=float(np.percentile(every, 99)),
         mpi_p99_us=float(np.percentile(every_mpi, 99)),
         times_us=every.tolist(), mpi_times_us=every_mpi.tolist(),
-        datagrams=float(np.mean(comm.allgather(datagrams))), payload=payload_bytes(send, cfg))
+        datagrams=float(np.mean(comm.allgather(datagrams))), payload=payload_bytes(send, cfg),
+        rebuilt=float(np.mean(comm.allgather(float(np.mean(rebuilt))))),
+        plain_time_us=totals["plain"] / max(cfg.iters, 1) * 1e6,
+        plain_delivered=float(np.mean(comm.allgather(
+            float(np.mean(delivered["plain"])) if delivered["plain"] else 0.0))))
 
 
 def payload_bytes(send: np.ndarray, cfg: BenchConfig) -> int:
@@ -238,7 +259,8 @@ def format_table(rows: Sequence[Row], comm: MPI.Comm, cfg: BenchConfig) -> str:
         f"# mpilossy.bench allreduce: {comm.size} ranks, {vendor}, mpilossy {mpilossy.__version__}",
         f"# channels {','.join(cfg.channels)}, timeout {cfg.timeout}, loss {cfg.loss or 'none'}, "
         f"iters {cfg.iters}, warmup {cfg.warmup}, compression "
-        f"{f'topk:{cfg.topk}' if cfg.topk else cfg.compression or 'none'}",
+        f"{f'topk:{cfg.topk}' if cfg.topk else cfg.compression or 'none'}, redundancy "
+        f"{cfg.redundancy or 'none'}",
         "# datagrams = sent per call and rank (channel ud; 0 on rma)",
         f"# time = back-to-back calls in batches of {BATCH}, slowest rank; busbw = algbw * 2(n-1)/n;",
         "# ratio = MPI_Allreduce time / mpilossy time in the same run (> 1: mpilossy faster)",
@@ -252,6 +274,16 @@ def format_table(rows: Sequence[Row], comm: MPI.Comm, cfg: BenchConfig) -> str:
             f"{r.mpi_time_us:9.1f} {r.mpi_busbw:9.3f} {r.ratio:6.2f} {r.delivered:10.4f} "
             f"{r.max_err:10.3g} {r.p99_us:10.1f} {r.mpi_p99_us:12.1f} {r.datagrams:10.1f} "
             f"{r.payload:11d}")
+    if cfg.redundancy:
+        lines += ["#", f"# redundancy={cfg.redundancy} against the same calls with redundancy=None "
+                  "(batches alternate):",
+                  "#       size   algo  chan  rebuilt/call  delivered  none-delivered     time  "
+                  "none-time  time/none", "#        (B)                                   "
+                  "                             (us)       (us)"]
+        for r in rows:
+            lines.append(f"{r.size:12d} {r.algorithm:>6s} {r.channel:>5s} {r.rebuilt:13.1f} "
+                         f"{r.delivered:10.4f} {r.plain_delivered:15.4f} {r.time_us:8.1f} "
+                         f"{r.plain_time_us:10.1f} {r.time_us / r.plain_time_us:10.2f}")
     if rows:
         avg = sum(r.busbw for r in rows) / len(rows)
         lines.append(f"# Avg bus bandwidth    : {avg:.3f} GB/s")
@@ -526,6 +558,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="aligned Top-K (mpilossy.compression.TopK, no error feedback): the "
                    "DENSITY share of 64-value blocks, chosen alike on every rank (float32, "
                    "direct)")
+    p.add_argument("--redundancy", type=parse_redundancy, default=None, metavar="K,M",
+                   help="m parity blocks with every k (docs/redundancy.md), measured against the "
+                        "same calls without, in alternating batches")
     p.add_argument("--weighted", action="store_true",
                    help="weighted average (weight = rank + 1; implies -o avg, direct)")
     p.add_argument("-a", "--algorithm", default="ring",
@@ -549,6 +584,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "of the scenario (needs matplotlib)")
 
 
+def parse_redundancy(text: str) -> Tuple[int, int]:
+    """"8,2" -> (8, 2), checked as the communicator checks it."""
+    try:
+        code = check_redundancy("--redundancy", tuple(int(v) for v in text.split(",")))
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    assert code is not None     # (a pair was given)
+    return code
+
+
 def run(args: argparse.Namespace) -> int:
     comm = MPI.COMM_WORLD
     sizes = (parse_sizes(args.sizes) if args.sizes
@@ -558,7 +603,8 @@ def run(args: argparse.Namespace) -> int:
                       channels=[c.strip() for c in args.channel.split(",")],
                       timeout=args.timeout, loss=args.loss, iters=args.iters,
                       warmup=args.warmup, block_bytes=args.block_bytes,
-                      weighted=args.weighted, compression=args.compression, topk=args.topk)
+                      weighted=args.weighted, compression=args.compression, topk=args.topk,
+                      redundancy=args.redundancy)
     rows = run_allreduce_bench(comm, cfg) if not args.scenario else []
     tail = run_tail_bench(comm, cfg, args.scenario) if args.scenario else []
     if rows:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 from mpi4py import MPI
 
 from ..loss import parse as parse_loss, to_spec as loss_spec
-from .._core import MAX_TREE_RADIX
+from .._core import MAX_TREE_RADIX, fec_check
 from ..control import settings as _settings
 from ..errors import MismatchError
 
@@ -93,6 +93,24 @@ def check_compression(name: str, value: Any) -> Optional[str]:
     return value
 
 
+Redundancy = Optional[Tuple[int, int]]
+
+
+def check_redundancy(name: str, value: Any) -> Redundancy:
+    """None, or (k, m): m parity blocks with every k data blocks of a stream
+    (docs/redundancy.md); the code must be one this build has."""
+    if value is None:
+        return None
+    if (not isinstance(value, (tuple, list)) or len(value) != 2
+            or any(isinstance(v, bool) or not isinstance(v, int) for v in value)):
+        raise TypeError(f"{name} must be None or a pair of ints (k, m), got {value!r}")
+    k, m = value
+    why = fec_check(k, m)
+    if why is not None:
+        raise ValueError(f"{name}=({k}, {m}): {why}")
+    return (k, m)
+
+
 def _int_in(low: int, high: Optional[int] = None, even: bool = False,
             words: str = "") -> Callable[[str, Any], int]:
     def check(name: str, value: Any) -> int:
@@ -146,6 +164,7 @@ class Config:
     compression: Optional[str] = setting(None, check=check_compression, agreed=True)
     compression_group: int = setting(64, agreed=True, check=_int_in(
         2, 65536, even=True, words="an even int in 2..65536"))
+    redundancy: Redundancy = setting(None, check=check_redundancy, agreed=True)
     # from the environment only
     rma_shm: bool = setting(env="rma_shm", argument=False, agreed=True)
     ud_provider: str = setting(env="ud_provider", argument=False, agreed=True,

@@ -1,5 +1,5 @@
 """One call, resolved: the per-call arguments of a collective (op, weight,
-compression, residual, timeout, algorithm) checked against the
+compression, residual, timeout, algorithm, redundancy) checked against the
 communicator's config and the call's buffers, into one `CallSpec` that the
 three collectives share and the core runs."""
 
@@ -14,7 +14,7 @@ import numpy as np
 from .._core import ALLGATHER, AVG, DIRECT, REDUCE_SCATTER, RING, SUM, TREE
 from ..control.deadline import AutoDeadline, size_bucket
 from .config import AUTO, COMPRESSIONS, UNSET, Config, check_algorithm, check_compression, \
-    check_timeout, core_timeout
+    check_redundancy, check_timeout, core_timeout
 from .dtypes import DTYPE_CODES
 
 __all__ = ["CallSpec", "CallResolver", "asks_for_auto"]
@@ -51,6 +51,7 @@ class CallSpec(NamedTuple):
     nbytes: int                     # of this rank's sendbuf
     elements: int                   # of the whole vector
     kind: Tuple[int, int, int]      # (collective, algorithm, size bucket): the auto deadline's key
+    redundancy: Tuple[int, int] = (0, 0)    # (k, m) parity per group of blocks; (0, 0): none
 
 
 def asks_for_auto(timeout: Any, config: Config) -> bool:
@@ -74,7 +75,7 @@ class CallResolver:
     def resolve(self, collective: int, send: np.ndarray, recv: np.ndarray, op: Any = "sum",
                 algorithm: Any = None, timeout: Any = UNSET, weight: Any = None,
                 compression: Any = UNSET, residual: Any = None,
-                spent: float = 0.0) -> CallSpec:
+                spent: float = 0.0, redundancy: Any = UNSET) -> CallSpec:
         """The spec of one call on the host views `send` and `recv` (checked
         by call/buffers.py).  `spent`: seconds the auto deadline's agreement
         took at the start of this call, which come out of its deadline.
@@ -112,9 +113,14 @@ class CallResolver:
             tmo = budget = self.deadlines.timeout(kind)
             if spent:       # the agreement's wait is part of this call's deadline
                 budget = max(tmo - spent, 0.25 * tmo)
+        if redundancy is UNSET:
+            redundancy = config.redundancy
+        elif redundancy is not None:
+            redundancy = check_redundancy("redundancy", redundancy)
         return CallSpec(collective, algo, DTYPE_CODES[send.dtype], opcode, tmo, budget, w, bits,
                         config.compression_group, err, nbytes,
-                        recv.size if collective == ALLGATHER else send.size, kind)
+                        recv.size if collective == ALLGATHER else send.size, kind,
+                        redundancy or (0, 0))
 
     def _algorithm(self, algorithm: str, nbytes: int, deadline: bool, tree_ok: bool) -> int:
         """algorithm="auto" (docs/performance.md): the tree up to its measured

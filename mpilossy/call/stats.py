@@ -50,6 +50,9 @@ class CollectiveStats(NamedTuple):
     """algorithm="direct" and the all-gather: which ranks' data is in each
     block of the result (all-gather: the owner's for a block that arrived,
     none for one that kept its previous contents)."""
+    rebuilt: int = 0
+    """redundancy=(k, m): blocks that were lost on the way and rebuilt from
+    their group's parity (they count as arrived everywhere else)."""
 
     def contributed(self, rank: Optional[int] = None) -> float:
         """Fraction of this rank's result that holds `rank`'s data (default:
@@ -76,4 +79,4 @@ def stats_of(result: CallResult, spec: Any, rank: int, size: int) -> CollectiveS
                            ALGORITHM_NAMES[spec.algorithm], spec.nbytes, result.seq,
                            result.lost_blocks, COLLECTIVE_NAMES[spec.collective],
                            None if spec.timeout < 0 else spec.timeout, result.agreed,
-                           contributors)
+                           contributors, result.rebuilt)

@@ -93,6 +93,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--compression-feedback", action=argparse.BooleanOptionalAction,
                     default=d.compression_feedback,
                     help="error feedback of what compression leaves out")
+    ap.add_argument("--redundancy", default=d.redundancy,
+                    help="none, or K,M: M parity blocks with every K blocks of each stream, "
+                    "from which lost blocks are rebuilt (docs/redundancy.md)")
     ap.add_argument("--straggle", default=d.straggle,
                     help="straggler scenario 'P:F': each rank, each step, with probability P "
                     "computes F times slower (e.g. 0.1:2)")
@@ -124,7 +127,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  micro_batches=args.micro_batches, compute_deadline=args.compute_deadline,
                  straggle=args.straggle, eval_every=args.eval_every,
                  compression=args.compression, optimizer=args.optimizer,
-                 compression_feedback=args.compression_feedback,
+                 compression_feedback=args.compression_feedback, redundancy=args.redundancy,
                  critical_fraction=args.critical_fraction,
                  steps=args.steps, batch=args.batch, context=args.context, width=args.width,
                  layers=args.layers, heads=args.heads, lr=args.lr, warmup=args.warmup,
@@ -137,7 +140,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         how = cfg.reduce if cfg.reduce == "mpi" else (
             f"mpilossy {cfg.mode}{' + error feedback' if cfg.error_feedback else ''}"
             f"{'' if cfg.compression == 'none' else ', compression ' + cfg.compression}"
-            f"{'' if cfg.compression == 'none' or cfg.compression_feedback else ' without EF'}")
+            f"{'' if cfg.compression == 'none' or cfg.compression_feedback else ' without EF'}"
+            f"{'' if cfg.redundancy == 'none' else ', redundancy ' + cfg.redundancy}")
         print(f"ranks {r['ranks']}  reduce {how}  loss {cfg.loss or 'none'}  "
               f"params {r['parameters']}  steps {cfg.steps}")
         print(f"train loss      {r['train_loss_first']:.3f} -> {r['train_loss_last']:.3f}")

@@ -33,7 +33,7 @@ from .progress import track
 GE = "gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1"    # bursts of ~5 blocks, ~9% lost
 
 SEEDS = {"paired": list(range(8)), "explore": [0, 1, 2], "scale": [0, 1, 2],
-         "straggle": list(range(8)), "compress": list(range(8))}
+         "straggle": list(range(8)), "compress": list(range(8)), "redundancy": list(range(8))}
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,18 @@ ROWS: List[Row] = [
     Row("today-10", "previous default: replicated direct, broadcast, 10%", (*TODAY, "--loss", "0.1")),
     Row("today-30", "previous default: replicated direct, broadcast, 30%", (*TODAY, "--loss", "0.3")),
     Row("today-ge", "previous default: replicated direct, broadcast, GE (~9%)", (*TODAY, "--loss", GE)),
+    # redundancy (docs/redundancy.md): the same loss, with parity blocks; and
+    # the bytes parity costs spent on data instead (a 25% larger batch)
+    Row("red-10", "best + redundancy (8, 2), 10%", (*BEST, "--redundancy", "8,2", "--loss", "0.1"),
+        "redundancy"),
+    Row("red-30", "best + redundancy (4, 3), 30%", (*BEST, "--redundancy", "4,3", "--loss", "0.3"),
+        "redundancy"),
+    Row("red-ge", "best + redundancy (8, 2), GE (~9%)",
+        (*BEST, "--redundancy", "8,2", "--loss", GE), "redundancy"),
+    Row("batch-20-10", "control: best at 10% with 20 windows per rank instead of 16 (25% more "
+        "compute, same bytes)", (*BEST, "--batch", "20", "--loss", "0.1"), "redundancy"),
+    Row("steps-375-10", "byte budget: best at 10% for 375 steps instead of 300 (25% more bytes "
+        "and compute)", (*BEST, "--steps", "375", "--loss", "0.1"), "redundancy"),
     # exploratory rows and ablations (3 seeds)
     Row("ring-10", "replicated ring, broadcast, 10%",
         ("--mode", "replicated", "--no-error-feedback", "--algorithm", "ring", "--rotate",
@@ -176,6 +188,11 @@ COMPARISONS = [
     ("average-10", "today-10", "replicated: average re-synchronisation instead of broadcast"),
     ("delay-only-10", "best-10", "no stale parameters at all (reliable all-gather every step)"),
     ("best-10-8", "today-10-8", "8 ranks: the sharded scheme against the previous default"),
+    ("red-10", "best-10", "redundancy (8, 2) added to the best, 10%"),
+    ("red-30", "best-30", "redundancy (4, 3) added to the best, 30%"),
+    ("red-ge", "best-ge", "redundancy (8, 2) added to the best, Gilbert-Elliott"),
+    ("red-10", "batch-20-10", "(8, 2) at 10% against a 25% larger batch instead"),
+    ("red-10", "steps-375-10", "(8, 2) at 10% against its 25% more bytes spent on 25% more steps"),
     *[(f"c-{name}-noef-0", f"c-{name}-0", f"{what}: without its error feedback against with it")
       for name, what in [("int8", "int8"), ("int4", "int4"), ("topk10", "Top-K 10%"),
                          ("topk1", "Top-K 1%")]],
@@ -363,7 +380,8 @@ def plot(data: Dict[str, List[dict]], path: Path) -> None:
         half = 0.0 if math.isnan(half) else half
         lows.append(mean - half)
         highs.append(mean + half)
-        color = {"paired": "C0", "explore": "C1", "scale": "C2", "compress": "C3"}[row.tier]
+        color = {"paired": "C0", "explore": "C1", "scale": "C2", "compress": "C3",
+                 "redundancy": "C4"}[row.tier]
         ax.errorbar([mean], [y], xerr=[[half], [half]], fmt="o", color=color, capsize=3)
     ax.axvline(0, color="0.4", lw=1)
     for target, label in ((0.5, "10% target"), (2.0, "30% target")):

@@ -11,7 +11,7 @@ import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -50,6 +50,7 @@ class Config:
     compute_deadline: str = "off"     # "off", "auto" or seconds: DropCompute's budget per step
     compression: str = "none"         # gradients: "none", "int8", "int4" or "topk:D" (density D)
     compression_feedback: bool = True  # the compressor's error feedback
+    redundancy: str = "none"          # "K,M": M parity blocks with every K (docs/redundancy.md)
     optimizer: str = "adamw"          # "adamw", or "sgd" (momentum 0.9; give it its own --lr)
     straggle: str = ""                # "P:F": each rank, each step, with probability P
                                       # computes F times slower (straggler scenario)
@@ -120,6 +121,17 @@ def compression(cfg: Config) -> Optional[Any]:
     if kind != "topk" or not density:
         raise ValueError(f"compression must be none, int8, int4 or topk:D, got {cfg.compression!r}")
     return mt.TopK(float(density), error_feedback=cfg.compression_feedback)
+
+
+def redundancy(cfg: Config) -> Optional[Tuple[int, int]]:
+    """The communicator's redundancy=(k, m) of `cfg` (None: none)."""
+    if cfg.redundancy == "none":
+        return None
+    try:
+        k, m = (int(v) for v in cfg.redundancy.split(","))
+    except ValueError:
+        raise ValueError(f"redundancy must be none or K,M, got {cfg.redundancy!r}") from None
+    return (k, m)
 
 
 def windows(text: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
@@ -224,7 +236,8 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                                    block_bytes=cfg.block_bytes, algorithm=cfg.algorithm,
                                    channel=cfg.channel,
                                    scaling="zero-fill" if plain else "unbiased",
-                                   rotate=not pinned_reducers(cfg))
+                                   rotate=not pinned_reducers(cfg),
+                                   redundancy=redundancy(cfg))
         if cfg.phase_aware:
             tolerance = mt.PhaseAwareTolerance(critical_steps=int(cfg.steps * cfg.critical_fraction))
         if cfg.mode == "sharded":
