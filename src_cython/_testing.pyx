@@ -356,7 +356,7 @@ cdef class DatagramJudge:
             memset(hdr, 0, HEADER_BYTES)
         c.outbox_cap[parity] = c.published_cap_of[parity] = records
         c.out_seq[parity] = seq
-        c.out_nblocks[parity] = nblocks
+        c.out_slot_records[parity] = nblocks
         c.out_records[parity] = <int>records
 
     def set_draining(self, int depth):
