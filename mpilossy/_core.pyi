@@ -47,6 +47,7 @@ class CallResult(NamedTuple):
     agreed: float
     contributors: Optional[Tuple[bytes, int, int, int, int]]
     rebuilt: int
+    read_blocks: int = 0
 
 def library_version() -> str: ...
 def datagram_providers() -> List[str]: ...

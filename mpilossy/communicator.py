@@ -15,7 +15,7 @@ from mpi4py import MPI
 from ._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER, Core
 from .call.buffers import BufferIntake, chunk_bounds
 from .call.channel import open_core
-from .call.config import DEFAULT_CAPACITY, UNSET, Config, agree
+from .call.config import DEFAULT_CAPACITY, UNSET, Config, check_fraction, agree
 from .call.failure import call_error, failure_bound, refuse
 from .call.spec import CallResolver, asks_for_auto
 from .call.stats import ALGORITHM_NAMES, COLLECTIVE_NAMES, AllreduceStats, CollectiveStats, stats_of
@@ -23,6 +23,7 @@ from .call.trace import Trace
 from .control import settings as _settings
 from .control.deadline import AutoDeadline
 from .control.lag import LagWatch
+from .control.redundancy import AutoRedundancy
 from .errors import MPILossyError
 
 __all__ = ["Communicator", "CollectiveStats", "AllreduceStats", "allreduce",
@@ -61,7 +62,9 @@ class Communicator:
     - redundancy (None, or (k, m): with every k blocks of a stream m parity
       blocks, from which a reader rebuilds up to m lost blocks of the group
       without a round trip; m = 1 is XOR, m >= 2 Reed-Solomon through
-      Intel ISA-L; docs/redundancy.md; a per-call redundancy= overrides it).
+      Intel ISA-L; docs/redundancy.md; a per-call redundancy= overrides it;
+      "auto": the code whose residual loss at the loss rate the ranks
+      measured and agreed is at most redundancy_target, default 2.5%).
 
     Construction and free() are collective over `comm`.
     """
@@ -72,7 +75,8 @@ class Communicator:
                  capacity: int = DEFAULT_CAPACITY, tree_radix: Optional[int] = None,
                  scaling: str = "unbiased", rotate: bool = True,
                  compression: Optional[str] = None, compression_group: int = 64,
-                 redundancy: Optional[Tuple[int, int]] = None) -> None:
+                 redundancy: Union[None, str, Tuple[int, int]] = None,
+                 redundancy_target: float = 0.025) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -83,7 +87,8 @@ class Communicator:
         arguments = dict(channel=channel, timeout=timeout, loss=loss, algorithm=algorithm,
                          block_bytes=block_bytes, capacity=capacity, tree_radix=tree_radix,
                          scaling=scaling, rotate=rotate, compression=compression,
-                         compression_group=compression_group, redundancy=redundancy)
+                         compression_group=compression_group, redundancy=redundancy,
+                         redundancy_target=redundancy_target)
         try:
             config, env = agree(self._comm, arguments)
             rank = self._comm.Get_rank()
@@ -99,7 +104,9 @@ class Communicator:
         self._rank, self._size = rank, self._comm.Get_size()
         self._buffers = BufferIntake(rank, self._size)
         self._auto = AutoDeadline(self._comm.Dup(), floor=config.auto_floor, cap=config.auto_cap)
-        self._calls = CallResolver(config, self._size, self._auto)
+        self._codes = (AutoRedundancy(self._comm.Dup(), config.redundancy_target)
+                       if config.redundancy == "auto" else None)
+        self._calls = CallResolver(config, self._size, self._auto, self._codes)
         self._lag = LagWatch(rank, self._size, config.max_behind)
         self._trace = Trace.open(config.trace, self._serial, rank)
         _settings.log.info("communicator of %d ranks: channel=%s timeout=%s loss=%s "
@@ -141,6 +148,25 @@ class Communicator:
         (collective, algorithm, bit length of the byte count)."""
         return {(COLLECTIVE_NAMES[c], ALGORITHM_NAMES[a], b): t
                 for (c, a, b), t in self._auto.snapshot().items()}
+
+    @property
+    def loss_rate(self) -> Optional[float]:
+        """redundancy="auto": the largest loss rate of any rank on recent
+        calls, as last agreed (None before the first agreement, or without
+        redundancy="auto")."""
+        return None if self._codes is None else self._codes.loss_rate
+
+    def auto_redundancy(self, target: Optional[float] = None) -> Optional[Tuple[int, int]]:
+        """redundancy="auto": the code in force for a residual-loss `target`
+        (default: redundancy_target); the same on every rank between calls,
+        so a per-call redundancy= computed from it agrees.  A lower target
+        asks for more parity (docs/redundancy.md)."""
+        if self._codes is None:
+            raise ValueError("auto_redundancy() needs a communicator built with "
+                             "redundancy='auto'")
+        if target is not None:
+            check_fraction("target", target)
+        return self._codes.code(target)
 
     @property
     def scaling(self) -> str:
@@ -189,6 +215,9 @@ class Communicator:
         core.close()
         self._auto.close()
         self._auto.comm.Free()
+        if self._codes is not None:
+            self._codes.close()
+            self._codes.comm.Free()
         self._comm.Free()
 
     def __enter__(self) -> "Communicator":
@@ -215,7 +244,7 @@ class Communicator:
                   weight: Optional[float] = None,
                   compression: Optional[str] = UNSET,
                   residual: Optional[np.ndarray] = None,
-                  redundancy: Optional[Tuple[int, int]] = UNSET) -> CollectiveStats:
+                  redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
         """Lossy all-reduce of `sendbuf` into `recvbuf` (in place without recvbuf).
 
         With op="avg" the result is sum / count; with op="sum" it is
@@ -235,8 +264,9 @@ class Communicator:
         contribution (sendbuf minus what travelled), zeros where nothing
         was quantised (this rank's own chunk, an uncompressed call).
 
-        redundancy: None or (k, m) for this call (default: the
-        communicator's); every rank passes the same.
+        redundancy: None, (k, m) or "auto" (on a communicator built with
+        "auto") for this call (default: the communicator's); every rank
+        passes the same.
         """
         return self._run(ALLREDUCE, sendbuf, recvbuf, op, algorithm, timeout, weight,
                          compression, residual, redundancy)
@@ -246,7 +276,7 @@ class Communicator:
                        weight: Optional[float] = None,
                        compression: Optional[str] = UNSET,
                        residual: Optional[np.ndarray] = None,
-                       redundancy: Optional[Tuple[int, int]] = UNSET) -> CollectiveStats:
+                       redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
         """Lossy reduce-scatter: `recvbuf` receives this rank's chunk
         (chunk_bounds) of the reduction of every rank's `sendbuf`, scaled as
         in allreduce.  algorithm: "ring", "direct" or "auto" (as allreduce
@@ -256,7 +286,7 @@ class Communicator:
                          compression, residual, redundancy)
 
     def allgather(self, sendbuf: Any, recvbuf: Any, *, timeout: Any = UNSET,
-                  redundancy: Optional[Tuple[int, int]] = UNSET) -> CollectiveStats:
+                  redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
         """Lossy all-gather: chunk r (chunk_bounds) of `recvbuf` receives rank
         r's `sendbuf`.  A chunk (block) that does not arrive in time keeps
         the previous contents of `recvbuf`.  `sendbuf` may be this rank's
@@ -273,6 +303,8 @@ class Communicator:
         core = self._alive()
         try:
             spent = self._auto.tick(asks_for_auto(timeout, self._config))
+            if self._codes is not None:
+                spent += self._codes.tick()
             bufs = self._buffers.take(collective, sendbuf, recvbuf)
             spec = self._calls.resolve(collective, bufs.send, bufs.recv, op, algorithm, timeout,
                                        weight, compression, residual, spent, redundancy)
@@ -289,6 +321,8 @@ class Communicator:
                                  spec.qgroup, spec.residual, *spec.redundancy)
         bufs.finish(ok=not result.err_kind)
         self._auto.observe(spec.kind, result)
+        if self._codes is not None:
+            self._codes.observe(result)
         if self._trace is not None:
             self._trace.write(result, spec)
         if result.err_kind:

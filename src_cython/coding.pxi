@@ -64,10 +64,12 @@ cdef inline void fec_incoming(const CallInfo* c, Stream* s, int block, Incoming*
     inc.nbytes = trailer[1]
 
 
-cdef bint fec_rebuild(Algorithm alg, Channel chan, CallInfo* c, Stream* s, int group) noexcept nogil:
+cdef bint fec_rebuild(Algorithm alg, Channel chan, CallInfo* c, Stream* s, int group,
+                      int polled) noexcept nogil:
     """Rebuild the missing data blocks of `group` of `s` if any k of its rows
     are in hand (looking for rows that arrived meanwhile, where the channel
-    reads records in any order).  True if it rebuilt any."""
+    reads records in any order; record `polled` was just polled in vain and
+    is not polled again).  True if it rebuilt any."""
     cdef int k = c.fec_k, n = c.fec_k + c.fec_m, i, b, got = 0, lost = 0
     cdef Py_ssize_t base = <Py_ssize_t>group * n
     cdef bint look = chan.random_access(s)
@@ -80,7 +82,7 @@ cdef bint fec_rebuild(Algorithm alg, Channel chan, CallInfo* c, Stream* s, int g
             continue
         b = fec_record(c, group, i)     # (padding rows are always in hand)
         lost += i < k
-        if not look or s.drop[b] or s.done[b]:
+        if not look or s.drop[b] or s.done[b] or b == polled:
             continue        # (a data block resolved without its row was lost or torn)
         if chan.poll(s, b, &inc) != POLL_READY:
             continue
@@ -142,7 +144,7 @@ cdef int fec_fetch(Algorithm alg, Channel chan, CallInfo* c, Stream* s, int bloc
         verdict = chan.poll(s, block, inc)
         if verdict == POLL_READY or verdict == POLL_FAIL:
             return verdict
-    if rebuild and fec_rebuild(alg, chan, c, s, block // c.fec_k) and s.rebuilt[block]:
+    if rebuild and fec_rebuild(alg, chan, c, s, block // c.fec_k, block) and s.rebuilt[block]:
         fec_incoming(c, s, block, inc)
         return POLL_READY
     if s.drop[block] and exact and fec_hopeless(c, s, block // c.fec_k):

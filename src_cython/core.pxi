@@ -18,7 +18,8 @@ CallResult = namedtuple("CallResult", [
     "agreed",
     "contributors",                           # direct / all-gather: the core's bitmaps
     "rebuilt",                                # blocks rebuilt from parity (redundancy)
-])
+    "read_blocks",                            # data blocks this rank's streams covered
+], defaults=(0,))
 
 
 cdef class Core:
@@ -290,7 +291,8 @@ cdef class Core:
                 (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
                 (call.start, call.anchor, finished), alg.agreed(),
                 (<Chunked>alg).contributors()
-                if alg is self.direct or alg is self.gather else None, alg.rebuilt_blocks)
+                if alg is self.direct or alg is self.gather else None, alg.rebuilt_blocks,
+                sum(alg.streams[i].nblocks for i in range(alg.nstreams)))
 
     def fail(self, int kind, str message, double timeout):
         """This rank cannot take part in the next call (bad input): count the

@@ -119,3 +119,69 @@ def test_reliable_steps_reduce_float16_gradients(comm, lc):
     want = sum(comm.allgather(local.astype(np.float64))) / comm.size
     gather_check(comm, opt.stats.reliable and np.allclose(got, want, rtol=1e-2, atol=1e-3),
                  f"largest difference {np.abs(got - want).max():.3g}")
+
+
+def test_redundancy_target_applies_while_the_tolerance_is_tight():
+    policy = mt.PhaseAwareTolerance(critical_steps=2, ramp_steps=2, early=0.2,
+                                    redundancy_target=0.001)
+    got = []
+    for _ in range(6):
+        policy.begin()
+        got.append(policy.redundancy_target_now())
+    assert got == [0.001] * 3 + [None] * 3      # critical phase and ramp (< late), then none
+    assert mt.PhaseAwareTolerance().redundancy_target_now() is None
+
+
+@pytest.mark.parametrize("bad", [0, 1, -0.5, "0.01", True])
+def test_bad_redundancy_targets_are_refused(bad):
+    with pytest.raises(ValueError, match="redundancy_target"):
+        mt.PhaseAwareTolerance(redundancy_target=bad)
+
+
+@pytest.mark.mpi
+@pytest.mark.timeout(120)
+def test_critical_phase_raises_auto_redundancy(comm):
+    """redundancy="auto" at 10% loss: once the loss rate is agreed, the
+    critical steps carry more parity (their lower target) than the later
+    ones, on every rank alike."""
+    from mpilossy import _core
+    from mpilossy.control.deadline import LAG, PERIOD
+    if not _core.HAVE_ISAL:
+        pytest.skip("m >= 2 needs a build with Intel ISA-L (libisal-dev)")
+    critical = PERIOD + LAG + 6
+    with mpilossy.Communicator(comm, timeout=0.5, loss=mpilossy.loss.Bernoulli(0.1, seed=6),
+                               block_bytes=256, redundancy="auto") as lc:
+        model = make_model()
+        policy = mt.PhaseAwareTolerance(critical_steps=critical, early=0.9,
+                                        redundancy_target=0.001)
+        opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                      model.named_parameters(), lc, tolerance=policy)
+        codes = []
+        real = lc.allreduce
+
+        def spy(*args, **kwargs):
+            stats = real(*args, **kwargs)
+            codes.append(stats.redundancy)
+            return stats
+        lc.allreduce = spy
+        for step in range(critical + 6):
+            grads_after_step(comm, opt, model, step)
+    assert len(codes) == critical + 6           # one call per step (one bucket)
+    assert all(c == codes for c in comm.allgather(codes))
+    if comm.size == 1:
+        assert set(codes) == {None}
+        return
+    raised, later = set(codes[PERIOD + LAG:critical]), set(codes[critical:])
+    assert len(raised) == 1 and len(later) == 1, (raised, later)
+    (k, m_raised), (_, m_later) = raised.pop(), later.pop()
+    assert m_raised > m_later >= 1
+
+
+@pytest.mark.mpi
+def test_redundancy_target_needs_an_auto_communicator(comm, lc):
+    from helpers import all_ranks_raise
+    model = make_model()
+    message = all_ranks_raise(comm, lambda: mt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model.named_parameters(), lc,
+        tolerance=mt.PhaseAwareTolerance(redundancy_target=0.01)), ValueError)
+    assert "redundancy='auto'" in message

@@ -590,7 +590,7 @@ def parse_redundancy(text: str) -> Tuple[int, int]:
         code = check_redundancy("--redundancy", tuple(int(v) for v in text.split(",")))
     except (TypeError, ValueError) as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
-    assert code is not None     # (a pair was given)
+    assert isinstance(code, tuple)      # (a pair was given)
     return code
 
 

@@ -93,22 +93,28 @@ def check_compression(name: str, value: Any) -> Optional[str]:
     return value
 
 
-Redundancy = Optional[Tuple[int, int]]
+Redundancy = Union[None, str, Tuple[int, int]]
 
 
 def check_redundancy(name: str, value: Any) -> Redundancy:
-    """None, or (k, m): m parity blocks with every k data blocks of a stream
-    (docs/redundancy.md); the code must be one this build has."""
-    if value is None:
-        return None
+    """None, "auto", or (k, m): m parity blocks with every k data blocks of a
+    stream (docs/redundancy.md); the code must be one this build has."""
+    if value is None or (isinstance(value, str) and value == "auto"):
+        return value
     if (not isinstance(value, (tuple, list)) or len(value) != 2
             or any(isinstance(v, bool) or not isinstance(v, int) for v in value)):
-        raise TypeError(f"{name} must be None or a pair of ints (k, m), got {value!r}")
+        raise TypeError(f"{name} must be None, 'auto' or a pair of ints (k, m), got {value!r}")
     k, m = value
     why = fec_check(k, m)
     if why is not None:
         raise ValueError(f"{name}=({k}, {m}): {why}")
     return (k, m)
+
+
+def check_fraction(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"{name} must be a number strictly between 0 and 1, got {value!r}")
+    return float(value)
 
 
 def _int_in(low: int, high: Optional[int] = None, even: bool = False,
@@ -165,6 +171,7 @@ class Config:
     compression_group: int = setting(64, agreed=True, check=_int_in(
         2, 65536, even=True, words="an even int in 2..65536"))
     redundancy: Redundancy = setting(None, check=check_redundancy, agreed=True)
+    redundancy_target: float = setting(0.025, check=check_fraction, agreed=True)
     # from the environment only
     rma_shm: bool = setting(env="rma_shm", argument=False, agreed=True)
     ud_provider: str = setting(env="ud_provider", argument=False, agreed=True,

@@ -13,6 +13,7 @@ import numpy as np
 
 from .._core import ALLGATHER, AVG, DIRECT, REDUCE_SCATTER, RING, SUM, TREE
 from ..control.deadline import AutoDeadline, size_bucket
+from ..control.redundancy import AutoRedundancy
 from .config import AUTO, COMPRESSIONS, UNSET, Config, check_algorithm, check_compression, \
     check_redundancy, check_timeout, core_timeout
 from .dtypes import DTYPE_CODES
@@ -65,9 +66,11 @@ class CallResolver:
     """Resolves the calls of one communicator (its config, rank count and
     learned deadlines)."""
 
-    def __init__(self, config: Config, size: int, deadlines: AutoDeadline) -> None:
+    def __init__(self, config: Config, size: int, deadlines: AutoDeadline,
+                 codes: Optional[AutoRedundancy] = None) -> None:
         self.config = config
         self.deadlines = deadlines
+        self.codes = codes                        # redundancy="auto": the agreed code
         self.tree_max_bytes: int = (config.tree_max_bytes if config.tree_max_bytes is not None
                                     else TREE_MAX_BYTES.get(size, TREE_MAX_BYTES_LARGE))
         self.timeout = config.core_timeout        # (read on every call)
@@ -117,6 +120,11 @@ class CallResolver:
             redundancy = config.redundancy
         elif redundancy is not None:
             redundancy = check_redundancy("redundancy", redundancy)
+        if redundancy == "auto":
+            if self.codes is None:
+                raise ValueError("redundancy='auto' in a call needs a communicator built with "
+                                 "redundancy='auto' (where the ranks agree on the loss rate)")
+            redundancy = self.codes.code()
         return CallSpec(collective, algo, DTYPE_CODES[send.dtype], opcode, tmo, budget, w, bits,
                         config.compression_group, err, nbytes,
                         recv.size if collective == ALLGATHER else send.size, kind,

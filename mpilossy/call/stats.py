@@ -3,7 +3,7 @@ and its making from the compiled core's CallResult."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Any, NamedTuple, Optional, Tuple
 
 from .._core import ALLGATHER, ALLREDUCE, DIRECT, REDUCE_SCATTER, RING, TREE, CallResult
 from .contributors import Contributors
@@ -53,6 +53,8 @@ class CollectiveStats(NamedTuple):
     rebuilt: int = 0
     """redundancy=(k, m): blocks that were lost on the way and rebuilt from
     their group's parity (they count as arrived everywhere else)."""
+    redundancy: Optional[Tuple[int, int]] = None
+    """The code this call used (with redundancy="auto": the one picked)."""
 
     def contributed(self, rank: Optional[int] = None) -> float:
         """Fraction of this rank's result that holds `rank`'s data (default:
@@ -79,4 +81,5 @@ def stats_of(result: CallResult, spec: Any, rank: int, size: int) -> CollectiveS
                            ALGORITHM_NAMES[spec.algorithm], spec.nbytes, result.seq,
                            result.lost_blocks, COLLECTIVE_NAMES[spec.collective],
                            None if spec.timeout < 0 else spec.timeout, result.agreed,
-                           contributors, result.rebuilt)
+                           contributors, result.rebuilt,
+                           spec.redundancy if spec.redundancy[0] else None)

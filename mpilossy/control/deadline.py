@@ -80,7 +80,7 @@ def _key(slot: int) -> Key:
     return (slot // (_ALGORITHMS * _BUCKETS), slot // _BUCKETS % _ALGORITHMS, slot % _BUCKETS)
 
 
-class _Agreement(NamedTuple):
+class Agreement(NamedTuple):
     request: MPI.Request
     send: np.ndarray            # kept alive until the request completes
     recv: np.ndarray
@@ -97,7 +97,7 @@ class _Agreement(NamedTuple):
 # (a Py_AtExit function), so the list holds one reference that is never
 # given back: what is still in it then is never freed, and MPI_Finalize
 # finds the buffers where the collective left them.
-_lingering: List[_Agreement] = []
+_lingering: List[Agreement] = []
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_lingering))
 
 
@@ -110,6 +110,22 @@ def reap(limit: float = 0.0) -> int:
         if not _lingering or time.monotonic() >= end:
             return len(_lingering)
         time.sleep(1e-4)
+
+
+def finish(pending: Deque[Agreement], limit: float = 1.0) -> None:
+    """Finish the agreements in flight; after `limit` seconds (a peer that
+    is late, or never gets here) stop waiting rather than hang, and keep
+    what is unfinished, request and buffers, in the module's lingering list
+    until it completes (never freed while active)."""
+    end = time.monotonic() + limit
+    while pending and time.monotonic() < end:
+        if pending[0].request.Test():
+            pending.popleft()
+        else:
+            time.sleep(1e-4)
+    _lingering.extend(pending)
+    pending.clear()
+    reap()
 
 
 class AutoDeadline:
@@ -125,7 +141,7 @@ class AutoDeadline:
         self.calls = 0
         self.durations: Dict[Key, deque] = {}
         self.timeouts: Dict[Key, float] = {}
-        self.pending: Deque[_Agreement] = deque()
+        self.pending: Deque[Agreement] = deque()
         self.started = 0            # agreements started (one per PERIOD calls once active)
         self.active = False
 
@@ -158,12 +174,12 @@ class AutoDeadline:
                 if durations:
                     send[_slot(key)] = float(np.percentile(list(durations), PERCENTILE))
             recv = np.zeros(_SLOTS)
-            self.pending.append(_Agreement(self.comm.Iallreduce(send, recv, op=MPI.MAX), send,
+            self.pending.append(Agreement(self.comm.Iallreduce(send, recv, op=MPI.MAX), send,
                                            recv, self.calls + LAG))
             self.started += 1
         return spent
 
-    def _settle(self, agreement: "_Agreement") -> Tuple[float, bool]:
+    def _settle(self, agreement: Agreement) -> Tuple[float, bool]:
         """Wait for an agreement at most SETTLE_SHARE of the shortest deadline
         in use (every rank that is on time gets there within it, so all apply
         the result at the same call); a straggler that has not joined costs
@@ -201,19 +217,8 @@ class AutoDeadline:
             self.durations.setdefault(key, deque(maxlen=WINDOW)).append(duration)
 
     def close(self, limit: float = 1.0) -> None:
-        """Finish the agreements in flight; after `limit` seconds (a peer
-        that is late, or never gets here) stop waiting rather than hang, and
-        keep what is unfinished, request and buffers, in the module's
-        lingering list until it completes (never freed while active)."""
-        end = time.monotonic() + limit
-        while self.pending and time.monotonic() < end:
-            if self.pending[0].request.Test():
-                self.pending.popleft()
-            else:
-                time.sleep(1e-4)
-        _lingering.extend(self.pending)
-        self.pending.clear()
-        reap()
+        """Finish the agreements in flight (finish())."""
+        finish(self.pending, limit)
 
     def snapshot(self) -> dict:
         """Current deadline per kind, for logs and tests."""

@@ -11,6 +11,7 @@ import torch
 from mpi4py import MPI
 
 from .. import Communicator
+from ..call.config import UNSET
 from ._common import (Flat, check_tensors, lossy_communicator, optimizer_parameters,
                       reliable_comm)
 from .compression import Compression, compression_problem
@@ -167,12 +168,16 @@ class _GradientAllreduce(Engine):
                     self.recorder.add(stats)
             else:
                 weight = weigh(self.compute_deadline, self.flat.arrays.values())
+                target = policy.redundancy_target_now() if policy is not None else None
+                # (raised for this step: the same on every rank, from the agreed loss rate)
+                code = UNSET if target is None else self.lc.auto_redundancy(target)
                 for key, (_, _, piece) in enumerate(self.pieces):
                     if self.compression is not None:
                         stats = self.compression.allreduce(self.lc, key, piece, op=self.op,
                                                            weight=weight)
                     else:
-                        stats = self.lc.allreduce(piece, op=self.op, weight=weight)
+                        stats = self.lc.allreduce(piece, op=self.op, weight=weight,
+                                                  redundancy=code)
                     self.recorder.add(stats)
             if policy is not None and policy.needs_agreement:
                 lost = 1.0 - self.recorder.pending_delivered()
@@ -306,6 +311,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
     if problem is None and tolerance is not None and not isinstance(tolerance, PhaseAwareTolerance):
         problem = TypeError(f"tolerance must be a PhaseAwareTolerance or None, "
                             f"not {type(tolerance).__name__}")
+    if (problem is None and isinstance(tolerance, PhaseAwareTolerance)
+            and tolerance.redundancy_target is not None and lc.config.redundancy != "auto"):
+        problem = ValueError("tolerance's redundancy_target needs a communicator built with "
+                             "redundancy='auto'")
     if problem is None and tolerance is not None and error_feedback:
         problem = ValueError("error_feedback and tolerance do not combine (a step re-sent "
                              "reliably would re-send without the residual)")

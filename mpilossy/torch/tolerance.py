@@ -58,13 +58,20 @@ class PhaseAwareTolerance:
         before `critical_steps`); it does not come back.
     window:
         Steps per window of the gradient-norm signal.
+    redundancy_target:
+        Optional residual-loss target of redundancy="auto" while the
+        tolerance is below `late` (the critical phase and the ramp): lower
+        than the communicator's redundancy_target, it buys more parity
+        where loss costs most, so fewer steps exceed their tolerance and
+        are re-sent.  Needs a Communicator(redundancy="auto").
 
     Pass it to ``DistributedOptimizer(..., tolerance=PhaseAwareTolerance())``.
     """
 
     def __init__(self, critical_steps: int = 100, *, ramp_steps: int = 0,
                  early: float = 0.0, late: float = 1.0,
-                 grad_norm_threshold: Optional[float] = None, window: int = 10) -> None:
+                 grad_norm_threshold: Optional[float] = None, window: int = 10,
+                 redundancy_target: Optional[float] = None) -> None:
         self.critical_steps = _count("critical_steps", critical_steps, 0)
         self.ramp_steps = _count("ramp_steps", ramp_steps, 0)
         self.early = _fraction("early", early)
@@ -77,6 +84,13 @@ class PhaseAwareTolerance:
                              f"got {grad_norm_threshold!r}")
         self.grad_norm_threshold = grad_norm_threshold
         self.window = _count("window", window, 1)
+        if redundancy_target is not None and (
+                isinstance(redundancy_target, bool)
+                or not isinstance(redundancy_target, (int, float))
+                or not 0 < redundancy_target < 1):
+            raise ValueError(f"redundancy_target must be a number strictly between 0 and 1 "
+                             f"or None, got {redundancy_target!r}")
+        self.redundancy_target = redundancy_target
         self.step = 0
         """Steps begun so far."""
         self.critical_ended: Optional[int] = None if grad_norm_threshold is not None else \
@@ -96,7 +110,8 @@ class PhaseAwareTolerance:
     def __repr__(self) -> str:
         return (f"PhaseAwareTolerance(critical_steps={self.critical_steps}, "
                 f"ramp_steps={self.ramp_steps}, early={self.early}, late={self.late}, "
-                f"grad_norm_threshold={self.grad_norm_threshold}, window={self.window})")
+                f"grad_norm_threshold={self.grad_norm_threshold}, window={self.window}, "
+                f"redundancy_target={self.redundancy_target})")
 
     # -- the schedule ----------------------------------------------------------
     def tolerance(self, step: Optional[int] = None) -> float:
@@ -114,6 +129,14 @@ class PhaseAwareTolerance:
         """Start a step; returns its tolerance."""
         self.step += 1
         return self.tolerance()
+
+    def redundancy_target_now(self) -> Optional[float]:
+        """The residual-loss target the step under way asks of
+        redundancy="auto": `redundancy_target` while the tolerance is below
+        `late`, else None (the communicator's own)."""
+        if self.redundancy_target is None or self.tolerance() >= self.late:
+            return None
+        return self.redundancy_target
 
     @property
     def needs_agreement(self) -> bool:

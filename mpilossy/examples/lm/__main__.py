@@ -94,8 +94,9 @@ def parser() -> argparse.ArgumentParser:
                     default=d.compression_feedback,
                     help="error feedback of what compression leaves out")
     ap.add_argument("--redundancy", default=d.redundancy,
-                    help="none, or K,M: M parity blocks with every K blocks of each stream, "
-                    "from which lost blocks are rebuilt (docs/redundancy.md)")
+                    help="none, K,M (M parity blocks with every K blocks of each stream, "
+                    "from which lost blocks are rebuilt) or auto (M from the measured loss "
+                    "rate; docs/redundancy.md)")
     ap.add_argument("--straggle", default=d.straggle,
                     help="straggler scenario 'P:F': each rank, each step, with probability P "
                     "computes F times slower (e.g. 0.1:2)")

@@ -75,6 +75,8 @@ ROWS: List[Row] = [
         "redundancy"),
     Row("red-ge", "best + redundancy (8, 2), GE (~9%)",
         (*BEST, "--redundancy", "8,2", "--loss", GE), "redundancy"),
+    Row("red-auto-10", "best + redundancy auto (target 2.5%), 10%",
+        (*BEST, "--redundancy", "auto", "--loss", "0.1"), "redundancy"),
     Row("batch-20-10", "control: best at 10% with 20 windows per rank instead of 16 (25% more "
         "compute, same bytes)", (*BEST, "--batch", "20", "--loss", "0.1"), "redundancy"),
     Row("steps-375-10", "byte budget: best at 10% for 375 steps instead of 300 (25% more bytes "
@@ -191,6 +193,8 @@ COMPARISONS = [
     ("red-10", "best-10", "redundancy (8, 2) added to the best, 10%"),
     ("red-30", "best-30", "redundancy (4, 3) added to the best, 30%"),
     ("red-ge", "best-ge", "redundancy (8, 2) added to the best, Gilbert-Elliott"),
+    ("red-auto-10", "best-10", "redundancy auto added to the best, 10%"),
+    ("red-auto-10", "red-10", "auto (chosen from the measured rate) against a fixed (8, 2), 10%"),
     ("red-10", "batch-20-10", "(8, 2) at 10% against a 25% larger batch instead"),
     ("red-10", "steps-375-10", "(8, 2) at 10% against its 25% more bytes spent on 25% more steps"),
     *[(f"c-{name}-noef-0", f"c-{name}-0", f"{what}: without its error feedback against with it")

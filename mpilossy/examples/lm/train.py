@@ -50,7 +50,7 @@ class Config:
     compute_deadline: str = "off"     # "off", "auto" or seconds: DropCompute's budget per step
     compression: str = "none"         # gradients: "none", "int8", "int4" or "topk:D" (density D)
     compression_feedback: bool = True  # the compressor's error feedback
-    redundancy: str = "none"          # "K,M": M parity blocks with every K (docs/redundancy.md)
+    redundancy: str = "none"          # "K,M": M parity blocks with every K, or "auto" (docs/redundancy.md)
     optimizer: str = "adamw"          # "adamw", or "sgd" (momentum 0.9; give it its own --lr)
     straggle: str = ""                # "P:F": each rank, each step, with probability P
                                       # computes F times slower (straggler scenario)
@@ -123,14 +123,14 @@ def compression(cfg: Config) -> Optional[Any]:
     return mt.TopK(float(density), error_feedback=cfg.compression_feedback)
 
 
-def redundancy(cfg: Config) -> Optional[Tuple[int, int]]:
-    """The communicator's redundancy=(k, m) of `cfg` (None: none)."""
-    if cfg.redundancy == "none":
-        return None
+def redundancy(cfg: Config) -> Union[None, str, Tuple[int, int]]:
+    """The communicator's redundancy of `cfg`: None, "auto" or (k, m)."""
+    if cfg.redundancy in ("none", "auto"):
+        return None if cfg.redundancy == "none" else "auto"
     try:
         k, m = (int(v) for v in cfg.redundancy.split(","))
     except ValueError:
-        raise ValueError(f"redundancy must be none or K,M, got {cfg.redundancy!r}") from None
+        raise ValueError(f"redundancy must be none, auto or K,M, got {cfg.redundancy!r}") from None
     return (k, m)
 
 
@@ -353,6 +353,9 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                                  "critical_ended": tolerance.critical_ended}
     if lc is not None:
         result["fabric"] = comm.allgather(fabric(lc))
+        if lc.config.redundancy == "auto":
+            # what the agreed loss rate called for at the end of training
+            result["redundancy_auto"] = {"loss_rate": lc.loss_rate, "code": lc.auto_redundancy()}
         lc.free()
     return result
 
