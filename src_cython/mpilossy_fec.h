@@ -143,22 +143,43 @@ static int mpl_fec_decode(const mpl_fec_t *c, unsigned char **blocks,
     }
 #if MPL_HAVE_ISAL
     {
-        /* The first k rows that arrived, S, satisfy rows(S) = G_S * data;
-         * data = G_S^-1 * rows(S), of which the lost rows are wanted. */
-        unsigned char sub[MPL_FEC_MAX_K * MPL_FEC_MAX_K], inv[MPL_FEC_MAX_K * MPL_FEC_MAX_K];
+        /* The sources: the k - nlost data rows that arrived (D), then the
+         * first nlost parity rows that arrived (P).  Each parity row is
+         * G[p, D] d_D + G[p, L] d_L, so with A = G[P, L] (nlost x nlost)
+         *     d_L = A^-1 (rows(P) + G[P, D] d_D)        (GF(2^8): - is +).
+         * Only A is inverted, not a k x k matrix: the fixed cost of a
+         * decode is nlost^2 * k multiplications, not k^3. */
+        unsigned char a[MPL_FEC_MAX_M * MPL_FEC_MAX_M], ainv[MPL_FEC_MAX_M * MPL_FEC_MAX_M];
         unsigned char want[MPL_FEC_MAX_M * MPL_FEC_MAX_K];
         unsigned char tables[32 * MPL_FEC_MAX_K * MPL_FEC_MAX_M];
         unsigned char *out[MPL_FEC_MAX_M];
-        int r = 0, j;
-        for (i = 0; i < n && r < k; i++)
+        int parity[MPL_FEC_MAX_M], np = 0, r = 0, j, p, col;
+        for (i = 0; i < k; i++)
+            if (present[i])
+                rows[r++] = blocks[i];
+        for (i = k; i < n && np < nlost; i++)
             if (present[i]) {
-                memcpy(sub + r * k, c->matrix + i * k, (size_t)k);
+                parity[np++] = i;
                 rows[r++] = blocks[i];
             }
-        if (gf_invert_matrix(sub, inv, k))
+        for (p = 0; p < nlost; p++)
+            for (j = 0; j < nlost; j++)
+                a[p * nlost + j] = c->matrix[parity[p] * k + lost[j]];
+        if (gf_invert_matrix(a, ainv, nlost))
             return -1;              /* (cannot happen: a Cauchy code's k rows are independent) */
         for (j = 0; j < nlost; j++) {
-            memcpy(want + j * k, inv + lost[j] * k, (size_t)k);
+            const unsigned char *arow = ainv + j * nlost;
+            col = 0;
+            for (i = 0; i < k; i++) {
+                unsigned char sum = 0;
+                if (!present[i])
+                    continue;
+                for (p = 0; p < nlost; p++)
+                    sum ^= gf_mul(arow[p], c->matrix[parity[p] * k + i]);
+                want[j * k + col++] = sum;
+            }
+            for (p = 0; p < nlost; p++)
+                want[j * k + col++] = arow[p];
             out[j] = blocks[lost[j]];
         }
         ec_init_tables(k, nlost, want, tables);

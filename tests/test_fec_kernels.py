@@ -104,7 +104,7 @@ def test_reed_solomon_parity_matches_a_numpy_cauchy_code(k, m):
 
 
 @needs_isal
-@pytest.mark.parametrize("k,m", [(4, 2), (5, 3), (6, 2)])
+@pytest.mark.parametrize("k,m", [(4, 2), (5, 3), (6, 2), (16, 2), (12, 4)])
 def test_every_erasure_pattern_up_to_m_is_rebuilt(k, m):
     length = 300
     g = group_of(k, m, length, seed=7)
