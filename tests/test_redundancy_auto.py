@@ -124,7 +124,7 @@ def test_lossless_auto_adds_no_parity_and_is_exact(comm):
 @needs_isal
 @pytest.mark.timeout(120)
 def test_a_rank_far_behind_gets_the_same_code(comm):
-    """The last rank sleeps past the others' due call: they wait for the
+    """The last rank sleeps (1.5 s) past the others' due call: they wait for the
     agreement there instead of switching codes without it, so every call
     still has one code on every rank (a mismatch would fail the call)."""
     late = comm.size - 1
@@ -132,7 +132,7 @@ def test_a_rank_far_behind_gets_the_same_code(comm):
 
     def nap(seq):
         if comm.rank == late and seq == PERIOD:
-            time.sleep(3.0)
+            time.sleep(1.5)
 
     with mpilossy.Communicator(comm, timeout=0.05, loss=loss, block_bytes=512,
                                redundancy="auto") as lc:
@@ -155,7 +155,7 @@ def test_a_peer_that_never_comes_fails_the_due_call(comm, monkeypatch):
 
     def nap(seq):
         if comm.rank == late and seq == PERIOD:
-            time.sleep(3.0)
+            time.sleep(1.5)
 
     with mpilossy.Communicator(comm, timeout=0.05, block_bytes=512, redundancy="auto") as lc:
         def calls():

@@ -205,11 +205,19 @@ def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Intracomm] =
     addr, port = reliable.bcast(choice, 0)
     if store is None:
         store = dist.TCPStore(addr, int(port), reliable.size, is_master=False, timeout=wait)
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, port
+    for name, value in (("MASTER_ADDR", addr), ("MASTER_PORT", port)):
+        if os.environ.get(name) != value:       # (a value the user set stays theirs)
+            os.environ[name] = _exported[name] = value
     # (only when given: torch's own default otherwise)
     kwargs: Dict[str, Any] = {} if timeout is None else {"timeout": timeout}
     dist.init_process_group(backend, store=store, rank=reliable.rank,
                             world_size=reliable.size, **kwargs)
+
+
+# What init_process_group wrote into os.environ: taken back on destroy, so
+# that a later init does not read its predecessor's port as the user's
+# MASTER_PORT (that port may still be held: EADDRINUSE).
+_exported: Dict[str, str] = {}
 
 
 def destroy_process_group() -> None:
@@ -218,3 +226,7 @@ def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+    for name, value in _exported.items():
+        if os.environ.get(name) == value:
+            del os.environ[name]
+    _exported.clear()
