@@ -23,6 +23,8 @@ from typing import List, Optional
 import numpy as np
 from mpi4py import MPI
 
+from ..call.config import check_fraction
+
 __all__ = ["PhaseAwareTolerance"]
 
 
@@ -84,13 +86,8 @@ class PhaseAwareTolerance:
                              f"got {grad_norm_threshold!r}")
         self.grad_norm_threshold = grad_norm_threshold
         self.window = _count("window", window, 1)
-        if redundancy_target is not None and (
-                isinstance(redundancy_target, bool)
-                or not isinstance(redundancy_target, (int, float))
-                or not 0 < redundancy_target < 1):
-            raise ValueError(f"redundancy_target must be a number strictly between 0 and 1 "
-                             f"or None, got {redundancy_target!r}")
-        self.redundancy_target = redundancy_target
+        self.redundancy_target = None if redundancy_target is None else \
+            check_fraction("redundancy_target", redundancy_target)
         self.step = 0
         """Steps begun so far."""
         self.critical_ended: Optional[int] = None if grad_norm_threshold is not None else \
