@@ -268,6 +268,7 @@ cdef class Core:
                 self.chan.fail(call, &self.err)
                 self.chan.end(call, True)
             raise
+        cdef Py_ssize_t read_blocks = 0
         if began:
             memcpy(&self.err, &self.chan.error, sizeof(ErrorInfo))
             failed = 1
@@ -276,6 +277,7 @@ cdef class Core:
                 failed = run_streams(alg, self.chan, call, lossy, &self.err)
                 for i in range(alg.nstreams):
                     self.chan.abandon(&alg.streams[i])
+                    read_blocks += alg.streams[i].nblocks
         with nogil:
             self.chan.end(call, failed)
         cdef double finished = mpl_now()
@@ -292,7 +294,7 @@ cdef class Core:
                 (call.start, call.anchor, finished), alg.agreed(),
                 (<Chunked>alg).contributors()
                 if alg is self.direct or alg is self.gather else None, alg.rebuilt_blocks,
-                sum(alg.streams[i].nblocks for i in range(alg.nstreams)))
+                read_blocks)
 
     def fail(self, int kind, str message, double timeout):
         """This rank cannot take part in the next call (bad input): count the
