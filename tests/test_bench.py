@@ -169,6 +169,45 @@ def test_old_module_path_runs_the_command(tmp_path):
     assert text.strip().splitlines()[-1].split()[0] == "4096"
 
 
+def test_device_on_host_buffers(tmp_path):
+    """The GPU benchmark's table, on host buffers (--device cpu): every
+    contender timed, lossless rows exact, lossy rows partial."""
+    out = tmp_path / "device.json"
+    text = command(tmp_path, "device", "--device", "cpu", "--sizes", "64K,256K", "-a", "ring,tree",
+                   "--loss", "none,bernoulli:0.2", "-t", "0.5", "-n", "5", "-w", "1",
+                   "--json", str(out), nprocs=3, timeout=180)
+    doc = json.loads(out.read_text())
+    rows = doc["rows"]
+    assert doc["ranks"] == 3 and doc["device"] == "cpu"
+    assert [(r["loss"], r["size"], r["algorithm"]) for r in rows] == [
+        (loss, size, a) for loss in ("none", "bernoulli:0.2") for size in (65536, 262144)
+        for a in ("ring", "tree")]
+    for r in rows:
+        assert r["time_us"] > 0 and r["mpi_us"] > 0 and r["staging_us"] == 0
+        if r["loss"] == "none":
+            assert r["wrong"] == 0 and r["delivered"] == 1.0
+        else:
+            assert r["wrong"] == -1 and 0 < r["delivered"] < 1
+    try:
+        import torch.distributed  # noqa: F401
+        assert all(r["gloo_us"] > 0 for r in rows)
+    except ImportError:
+        assert all(math.isnan(r["gloo_us"]) for r in rows)
+    assert len([l for l in text.splitlines() if not l.startswith("#")]) == len(rows)
+
+
+def test_device_cuda_without_cupy_is_a_clear_error(tmp_path):
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("CuPy is installed here")
+    except ImportError:
+        pass
+    proc = run_bounded([mpiexec(), "-n", "2", sys.executable, "-m", "mpilossy.bench", "device",
+                        "--sizes", "4K"], 60, clean_subprocess_env(), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "--device cuda needs CuPy" in proc.stderr + proc.stdout
+
+
 def test_crossover(tmp_path):
     text = command(tmp_path, "crossover", "--min", "1024", "--max", "4096", "-n", "3",
                    "--rounds", "1", timeout=120)

@@ -1,8 +1,8 @@
 """GPU buffers.  The intake and staging path runs everywhere with fake
 device arrays over host memory (the way mpi4py tests its GPU paths without
 a GPU): a fake exposes __cuda_array_interface__, and a fake copy backend
-moves bytes with memmove where CuPy would call cudaMemcpyAsync.  Real GPU
-tests run where CuPy finds a device and skip with the reason elsewhere."""
+moves bytes with memmove where CuPy would call cudaMemcpyAsync.  The same
+paths on a real GPU: tests/test_gpu.py."""
 
 import ctypes
 
@@ -152,38 +152,3 @@ def test_malformed_interface_is_refused(copies):
     with mpilossy.Communicator(MPI.COMM_SELF) as lc:
         with pytest.raises(BufferError, match="malformed"):
             lc.allreduce(Broken())
-
-
-# -- real GPUs ----------------------------------------------------------------------
-def _cupy_with_device():
-    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (no GPU tests)")
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            raise RuntimeError("no device")
-    except Exception as exc:            # CuPy without a driver or device
-        pytest.skip(f"no CUDA device: {exc}")
-    return cupy
-
-
-@pytest.mark.mpi
-def test_gpu_allreduce_equals_the_host_result(comm, lc):
-    cupy = _cupy_with_device()
-    x = small_ints(1 << 20, comm.rank, np.float32)
-    out = cupy.empty(x.size, dtype=cupy.float32)
-    lc.allreduce(cupy.asarray(x), out, op="sum")
-    np.testing.assert_array_equal(cupy.asnumpy(out), mpi_sum(comm, x))
-
-
-@pytest.mark.mpi(min_size=2)
-def test_gpu_allreduce_under_loss_is_unbiased(comm):
-    cupy = _cupy_with_device()
-    x = np.full(1 << 14, float(comm.rank + 1))
-    exact = comm.size * (comm.size + 1) / 2 / comm.size
-    total = np.zeros_like(x)
-    with mpilossy.Communicator(comm, timeout=0.05, block_bytes=1024,
-                               loss=mpilossy.loss.Bernoulli(0.2, seed=3)) as lc:
-        for _ in range(200):
-            buf = cupy.asarray(x)
-            lc.allreduce(buf, op="avg")
-            total += cupy.asnumpy(buf)
-    assert abs(total.mean() / 200 - exact) < 0.05 * exact

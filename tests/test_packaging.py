@@ -28,6 +28,16 @@ def test_no_mpi_among_the_dependencies():
     assert extras and all('extra == "mpich"' in r for r in extras), extras
 
 
+def test_the_cuda_extras_bring_cupy_and_nothing_else_does():
+    """GPU buffers need CuPy, whose wheels are per CUDA major version:
+    'mpilossy[cuda12]' and 'mpilossy[cuda13]'; a plain install has no CuPy."""
+    from importlib.metadata import requires
+    cupy = [r.replace(" ", "") for r in requires("mpilossy") or [] if r.lower().startswith("cupy")]
+    assert any(r.startswith("cupy-cuda12x") and 'extra=="cuda12"' in r for r in cupy), cupy
+    assert any(r.startswith("cupy-cuda13x") and 'extra=="cuda13"' in r for r in cupy), cupy
+    assert all("extra==" in r for r in cupy), cupy
+
+
 def test_the_core_carries_no_test_scaffolding():
     from mpilossy import _testing
     assert not [name for name in SCAFFOLDING if hasattr(_core, name)]

@@ -22,6 +22,7 @@ COMMANDS: Dict[str, str] = {
     "kernels": "the reduction kernels against a copy, and datagram authentication (--mac)",
     "delivery": "the contributions each algorithm keeps under loss, at several rank counts",
     "torch": "training under loss: drift (optimizer wrappers), overlap (DDP hook)",
+    "device": "GPU buffers: staged mpilossy against mpi4py with host staging and Gloo",
     "group": "group averaging (GroupAverager, Moshpit) against a full lossy all-reduce",
 }
 

@@ -27,6 +27,8 @@ __all__ = ["DeviceBuffer", "StagedBuffers", "Staging", "backend", "describe", "i
            "mpi_cuda_aware"]
 
 KDL_CUDA, KDL_CUDA_MANAGED = 2, 13
+# The extras name CuPy's wheels by CUDA major version (pyproject.toml).
+CUPY_HINT = "pip install 'mpilossy[cuda12]', or 'mpilossy[cuda13]' for CUDA 13"
 
 
 class DeviceBuffer(NamedTuple):
@@ -84,7 +86,7 @@ def describe(obj: Any, name: str) -> DeviceBuffer:
             import cupy
         except ImportError:
             raise BufferError(f"{name} lives on a GPU (DLPack); reading it needs CuPy, which "
-                              f"is not installed (pip install cupy-cuda12x)") from None
+                              f"is not installed ({CUPY_HINT})") from None
         obj = cupy.from_dlpack(obj)
     try:
         cai = obj.__cuda_array_interface__
@@ -141,7 +143,7 @@ def backend() -> Any:
         return CupyBackend()
     except ImportError:
         raise BufferError("a GPU buffer was given, but CuPy is not installed "
-                          "(pip install cupy-cuda12x); pass host arrays instead") from None
+                          f"({CUPY_HINT}); pass host arrays instead") from None
 
 
 def mpi_cuda_aware() -> Optional[bool]:

@@ -1,0 +1,271 @@
+"""``mpiexec -n 4 python -m mpilossy.bench device [options]``: all-reduce of
+GPU buffers against its peers, in one run.  For every size:
+
+- mpilossy on CuPy arrays (staged through pinned host memory, docs/gpu.md);
+- the staging alone: device -> pinned host -> device, the copies such a
+  call makes;
+- the same call on host arrays: what the staging wraps (transport and
+  reduction, both on the CPU);
+- mpi4py with host staging: ``cupy.asnumpy``, ``MPI_Allreduce``, upload;
+- ``torch.distributed`` with the Gloo backend on CUDA tensors (without
+  torch, or with --no-gloo, left out).
+
+``--device cpu`` runs the same table on host buffers (no staging; MPI and
+Gloo on host memory): how the benchmark itself is checked on machines
+without a GPU.  Ratios are peer time / mpilossy time (> 1: mpilossy faster).
+
+    mpiexec -n 4 python -m mpilossy.bench device --sizes 1M,16M,256M --loss none,bernoulli:0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+from mpi4py import MPI
+
+import mpilossy
+from mpilossy.call.device import Staging, describe
+
+from .allreduce import _data, parse_timeout
+from .harness import parse_sizes, say, write_json
+
+BATCH = 5       # calls per timed batch; the contenders' batches alternate
+
+
+@dataclass
+class DeviceRow:
+    device: str
+    size: int                 # bytes
+    loss: str
+    algorithm: str
+    time_us: float            # mpilossy, buffers on `device`
+    staging_us: float         # the staging copies alone (0 on the CPU)
+    host_us: float            # mpilossy on host buffers of the same size
+    mpi_us: float             # mpi4py, host-staged where the buffers are on a GPU
+    gloo_us: float            # torch.distributed Gloo (nan: not measured)
+    delivered: float          # mean over calls and ranks
+    wrong: int                # elements off the exact sum, any rank (lossless rows)
+
+
+class Buffers:
+    """Arrays, copies and synchronisation on the device under test."""
+
+    def __init__(self, device: str, comm: MPI.Comm) -> None:
+        self.device = device
+        self.name = "host"
+        if device == "cpu":
+            self.xp: Any = np
+            return
+        try:
+            import cupy
+        except ImportError:
+            raise SystemExit("--device cuda needs CuPy (pip install 'mpilossy[cuda12]' "
+                             "or '[cuda13]'); --device cpu runs without") from None
+        try:
+            count = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:
+            raise SystemExit(f"--device cuda: no CUDA device ({exc})") from None
+        # Ranks of a node take its GPUs round-robin (all share one where one is all).
+        local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        index = local.rank % count
+        local.Free()
+        cupy.cuda.Device(index).use()
+        self.xp = cupy
+        self.index = index
+        self.name = cupy.cuda.runtime.getDeviceProperties(index)["name"].decode()
+
+    def upload(self, host: np.ndarray) -> Any:
+        return self.xp.asarray(host)
+
+    def download(self, array: Any) -> np.ndarray:
+        return array if self.xp is np else self.xp.asnumpy(array)
+
+    def sync(self) -> None:
+        if self.xp is not np:
+            self.xp.cuda.get_current_stream().synchronize()
+
+
+def time_batches(comm: MPI.Comm, contenders: Dict[str, Callable[[], Any]], iters: int,
+                 warmup: int) -> Dict[str, float]:
+    """Mean microseconds per call of each contender: batches of BATCH
+    back-to-back calls, the slowest rank's time, contenders alternating so
+    that drift in the machine's load hits them alike."""
+    for fn in contenders.values():
+        for _ in range(warmup):
+            fn()
+    totals = dict.fromkeys(contenders, 0.0)
+    left = iters
+    while left > 0:
+        batch = min(BATCH, left)
+        left -= batch
+        for name, fn in contenders.items():
+            comm.Barrier()
+            began = time.perf_counter()
+            for _ in range(batch):
+                fn()
+            totals[name] += comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
+    return {name: total / max(iters, 1) * 1e6 for name, total in totals.items()}
+
+
+def gloo_allreduce(bufs: Buffers, send: Any) -> Optional[Callable[[], None]]:
+    """One Gloo all-reduce of a copy of `send` (a CUDA tensor where `send`
+    is on a GPU), or None without torch.distributed."""
+    try:
+        import torch
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    if not dist.is_initialized():
+        return None
+    source = torch.from_dlpack(send)
+    work = torch.empty_like(source)
+    cuda = source.is_cuda
+
+    def call() -> None:
+        work.copy_(source)
+        dist.all_reduce(work)
+        if cuda:
+            torch.cuda.synchronize()
+    return call
+
+
+def measure(comm: MPI.Comm, bufs: Buffers, lc: mpilossy.Communicator, loss: str,
+            algorithm: str, size: int, args: argparse.Namespace) -> DeviceRow:
+    count = size // 4
+    host_send = _data(count, comm.rank, np.dtype(np.float32))
+    exact = np.empty_like(host_send)
+    comm.Allreduce(host_send, exact)
+    send, recv = bufs.upload(host_send), bufs.upload(np.zeros_like(host_send))
+    host_recv = np.empty_like(host_send)
+    delivered: List[float] = []
+
+    def lossy() -> None:
+        stats = lc.allreduce(send, recv, algorithm=algorithm)
+        delivered.append(stats.delivered)
+
+    def on_host() -> None:
+        lc.allreduce(host_send, host_recv, algorithm=algorithm)
+
+    contenders: Dict[str, Callable[[], Any]] = {"lossy": lossy}
+    if bufs.xp is np:               # (host buffers: the host call is the call itself)
+        contenders["mpi"] = lambda: comm.Allreduce(host_send, host_recv)
+    else:
+        staging = Staging()
+        dsend, drecv = describe(send, "sendbuf"), describe(recv, "recvbuf")
+        pinned = staging.host(0, dsend)
+        back = staging.backend
+        stream = back.stream_of(dsend)
+
+        def copies() -> None:
+            back.to_host(pinned, dsend, stream)
+            back.to_device(drecv, pinned, stream)
+            back.synchronize(stream)
+
+        def mpi_staged() -> None:
+            staged = bufs.xp.asnumpy(send)
+            comm.Allreduce(MPI.IN_PLACE, staged)
+            recv.set(staged)
+            bufs.sync()
+
+        contenders["staging"] = copies
+        contenders["host"] = on_host
+        contenders["mpi"] = mpi_staged
+    gloo = None if args.no_gloo else gloo_allreduce(bufs, send)
+    if gloo is not None:
+        contenders["gloo"] = gloo
+    times = time_batches(comm, contenders, args.iters, args.warmup)
+    wrong = -1
+    if loss == "none":
+        lossy()
+        wrong = int(np.count_nonzero(bufs.download(recv) != exact))
+        wrong = comm.allreduce(wrong, op=MPI.MAX)
+    mean_delivered = float(np.mean(comm.allgather(float(np.mean(delivered)))))
+    return DeviceRow(bufs.device, size, loss, algorithm, times["lossy"],
+                     times.get("staging", 0.0), times.get("host", times["lossy"]), times["mpi"],
+                     times.get("gloo", math.nan), mean_delivered, wrong)
+
+
+HEADER = ("#       size  loss          algo   mpilossy   staging  host-call    mpi4py      gloo"
+          "  mpi/lossy  gloo/lossy  delivered  #wrong")
+UNITS = ("#        (B)                         (us)      (us)       (us)      (us)      (us)")
+
+
+def format_table(rows: Sequence[DeviceRow], comm: MPI.Comm, bufs: Buffers,
+                 args: argparse.Namespace) -> str:
+    vendor = " ".join(MPI.Get_library_version().split()[:3])
+    lines = [
+        f"# mpilossy.bench device: {comm.size} ranks, {args.device} ({bufs.name}), {vendor}, "
+        f"mpilossy {mpilossy.__version__}",
+        f"# float32 sum, channel {args.channel}, timeout {args.timeout}, iters {args.iters}, "
+        f"warmup {args.warmup}; time = batches of {BATCH} calls, slowest rank",
+        "# staging = the device -> pinned host -> device copies of one call, alone; host-call = "
+        "mpilossy on host buffers;",
+        "# mpi4py = MPI_Allreduce" + (" with host staging (asnumpy, upload)"
+                                      if args.device == "cuda" else "")
+        + "; gloo = torch.distributed Gloo; #wrong: lossless rows only (-1 under loss)",
+        "#", HEADER, UNITS]
+    for r in rows:
+        lines.append(
+            f"{r.size:12d}  {r.loss:<13s} {r.algorithm:>5s} {r.time_us:10.1f} {r.staging_us:9.1f} "
+            f"{r.host_us:10.1f} {r.mpi_us:9.1f} {r.gloo_us:9.1f} {r.mpi_us / r.time_us:10.2f} "
+            f"{r.gloo_us / r.time_us:11.2f} {r.delivered:10.4f} {r.wrong:7d}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    comm = MPI.COMM_WORLD
+    bufs = Buffers(args.device, comm)
+    sizes = parse_sizes(args.sizes)
+    losses = [s.strip() for s in args.loss.split(",")]
+    algorithms = [a.strip() for a in args.algorithm.split(",")]
+    gloo_group = False
+    if not args.no_gloo:
+        try:
+            from mpilossy.torch import init_process_group
+            init_process_group("gloo")
+            gloo_group = True
+        except ImportError:
+            say(comm, "# torch is not installed: no Gloo column")
+    rows: List[DeviceRow] = []
+    try:
+        for loss in losses:
+            with mpilossy.Communicator(comm, channel=args.channel, timeout=args.timeout,
+                                       loss=None if loss == "none" else loss,
+                                       capacity=max(4 << 20, 2 * max(sizes) + (1 << 20))) as lc:
+                for size in sizes:
+                    for algorithm in algorithms:
+                        rows.append(measure(comm, bufs, lc, loss, algorithm, size, args))
+    finally:
+        if gloo_group:
+            from mpilossy.torch import destroy_process_group
+            destroy_process_group()
+    say(comm, format_table(rows, comm, bufs, args))
+    if comm.rank == 0:
+        write_json(args.json, {"ranks": comm.size, "device": args.device, "name": bufs.name,
+                               "mpi": " ".join(MPI.Get_library_version().split()[:3]),
+                               "mpilossy": mpilossy.__version__,
+                               "rows": [asdict(r) for r in rows]})
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                   help="where the buffers live (cpu: host buffers, to check the benchmark)")
+    p.add_argument("--sizes", default="1M,16M,64M,256M", help="comma-separated, e.g. 1M,16M")
+    p.add_argument("--loss", default="none,bernoulli:0.1",
+                   help="comma-separated loss models (MPILOSSY_LOSS syntax), 'none' for lossless")
+    p.add_argument("-a", "--algorithm", default="ring", help="ring, tree, direct, or a list")
+    p.add_argument("-c", "--channel", default="rma", choices=["rma", "ud"])
+    p.add_argument("-t", "--timeout", type=parse_timeout, default=parse_timeout("2"),
+                   help="seconds, 'auto' or 'none' (default 2: a deadline for the lossy rows "
+                        "that 256 MiB meets on one node)")
+    p.add_argument("-n", "--iters", type=int, default=10)
+    p.add_argument("-w", "--warmup", type=int, default=2)
+    p.add_argument("--no-gloo", action="store_true", help="leave torch.distributed out")
+    p.add_argument("--json", metavar="FILE", help="write every number as JSON")
+

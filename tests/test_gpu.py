@@ -1,0 +1,153 @@
+"""GPU buffers on a real GPU: CuPy arrays and CUDA tensors through the
+staged path (docs/gpu.md), against MPI_Allreduce on host copies.  Every
+test here carries the `gpu` marker and skips, saying why, where CuPy finds
+no device (CI has none); scripts/gpu_check.sh runs them on a GPU machine,
+at 1 to 4 ranks sharing its GPU.  tests/test_device.py covers the same
+paths everywhere with fake device arrays."""
+
+import numpy as np
+import pytest
+
+import mpilossy
+from helpers import all_ranks_raise, mpi_sum, small_ints
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cupy():
+    cupy = pytest.importorskip("cupy", reason="CuPy is not installed (no GPU tests)")
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:            # CuPy without a driver or device
+        pytest.skip(f"no CUDA device: {exc}")
+    if count < 1:
+        pytest.skip("no CUDA device")
+    from mpi4py import MPI
+    local = MPI.COMM_WORLD.Split_type(MPI.COMM_TYPE_SHARED)
+    cupy.cuda.Device(local.rank % count).use()      # (one GPU: all ranks share it)
+    local.Free()
+    return cupy
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, np.int32])
+def test_gpu_allreduce_equals_the_host_result(comm, lc, cupy, dtype):
+    x = small_ints((1 << 20) + 5, comm.rank, dtype)      # (not a multiple of the blocks)
+    out = cupy.full(x.size, -1, dtype=dtype)
+    send = cupy.asarray(x)
+    lc.allreduce(send, out, op="sum")
+    np.testing.assert_array_equal(cupy.asnumpy(out), mpi_sum(comm, x))
+    np.testing.assert_array_equal(cupy.asnumpy(send), x)        # sendbuf untouched
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["direct", "ring", "tree"])
+def test_gpu_allreduce_in_place_every_algorithm(comm, lc, cupy, algorithm):
+    x = small_ints(300_001, comm.rank, np.float32)
+    buf = cupy.asarray(x)
+    stats = lc.allreduce(buf, algorithm=algorithm)
+    np.testing.assert_array_equal(cupy.asnumpy(buf), mpi_sum(comm, x))
+    assert stats.delivered == 1.0
+
+
+@pytest.mark.mpi
+def test_gpu_staging_is_allocated_once_and_reused(comm, lc, cupy):
+    x = cupy.asarray(small_ints(1 << 16, comm.rank, np.float32))
+    lc.allreduce(x.copy())
+    staged = lc._buffers.staging.nbytes
+    for _ in range(5):
+        lc.allreduce(x.copy())
+    assert staged > 0 and lc._buffers.staging.nbytes == staged
+
+
+@pytest.mark.mpi
+def test_gpu_reduce_scatter_and_allgather(comm, lc, cupy):
+    x = small_ints(100_003, comm.rank, np.float64)
+    lo, hi = lc.chunk_bounds(x.size)
+    chunk = cupy.zeros(hi - lo)
+    lc.reduce_scatter(cupy.asarray(x), chunk)
+    want = mpi_sum(comm, x)
+    np.testing.assert_array_equal(cupy.asnumpy(chunk), want[lo:hi])
+    full = cupy.zeros(x.size)
+    lc.allgather(chunk, full)
+    np.testing.assert_array_equal(cupy.asnumpy(full), want)
+
+
+@pytest.mark.mpi
+def test_gpu_work_queued_on_a_side_stream_is_seen(comm, lc, cupy):
+    """The data is produced by a kernel on a non-blocking stream and the
+    call is made at once, without a synchronisation: the staging copies
+    are ordered on that stream (CuPy's current stream)."""
+    n = 1 << 22
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        buf = cupy.arange(n, dtype=cupy.float32) % 23 + comm.rank
+        buf *= 1.0                      # more queued work before the call
+        lc.allreduce(buf)
+        got = cupy.asnumpy(buf)
+    host = ((np.arange(n) % 23) + comm.rank).astype(np.float32)
+    np.testing.assert_array_equal(got, mpi_sum(comm, host))
+
+
+@pytest.mark.mpi
+def test_gpu_torch_cuda_tensor_and_dlpack_exporter(comm, lc, cupy):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    x = small_ints(70_001, comm.rank, np.float32)
+    want = mpi_sum(comm, x)
+    tensor = torch.from_numpy(x).cuda()             # __cuda_array_interface__
+    lc.allreduce(tensor)
+    np.testing.assert_array_equal(tensor.cpu().numpy(), want)
+
+    class DLPackOnly:                               # no CUDA array interface
+        def __init__(self, t):
+            self.t = t
+
+        def __dlpack__(self, stream=None):
+            return self.t.__dlpack__(stream=stream) if stream is not None else self.t.__dlpack__()
+
+        def __dlpack_device__(self):
+            return self.t.__dlpack_device__()
+
+    other = torch.from_numpy(x).cuda()
+    lc.allreduce(DLPackOnly(other))
+    np.testing.assert_array_equal(other.cpu().numpy(), want)
+
+
+BAD = {
+    "strided": (lambda cp, x: cp.asarray(np.repeat(x, 2))[::2], BufferError, "contiguous"),
+    "dtype": (lambda cp, x: cp.asarray(x.astype(np.uint8)), TypeError, "dtype"),
+    "size": (lambda cp, x: cp.asarray(x[:16]), ValueError, "elements"),
+    "host-and-device": (lambda cp, x: x.copy(), BufferError, "same side"),
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_gpu_bad_buffer_on_one_rank_raises_everywhere(comm, lc, cupy, case):
+    make, exc, words = BAD[case]
+    x = np.ones(64, np.float32)
+    send = cupy.asarray(x)
+    recv = make(cupy, x) if comm.rank == 0 else cupy.ones(64, dtype=cupy.float32)
+    msg = all_ranks_raise(comm, lambda: lc.allreduce(send, recv), exc)
+    if comm.rank == 0:
+        assert words in msg
+    np.testing.assert_array_equal(cupy.asnumpy(send), x)        # untouched
+
+
+@pytest.mark.mpi(min_size=2)
+def test_gpu_allreduce_under_loss_is_unbiased(comm, cupy):
+    x = np.full(1 << 14, float(comm.rank + 1))
+    exact = (comm.size + 1) / 2
+    total = np.zeros_like(x)
+    with mpilossy.Communicator(comm, timeout=0.05, block_bytes=1024,
+                               loss=mpilossy.loss.Bernoulli(0.2, seed=3)) as lossy:
+        delivered = []
+        for _ in range(200):
+            buf = cupy.asarray(x)
+            delivered.append(lossy.allreduce(buf, op="avg").delivered)
+            total += cupy.asnumpy(buf)
+    assert min(delivered) < 1.0                     # the loss really happened
+    assert abs(total.mean() / 200 - exact) < 0.05 * exact
