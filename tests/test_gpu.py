@@ -151,3 +151,38 @@ def test_gpu_allreduce_under_loss_is_unbiased(comm, cupy):
             total += cupy.asnumpy(buf)
     assert min(delivered) < 1.0                     # the loss really happened
     assert abs(total.mean() / 200 - exact) < 0.05 * exact
+
+
+@pytest.mark.mpi
+def test_gpu_ddp_hook_on_cuda_equals_ddp_default(comm, lc, cupy):
+    """The DDP hook (no compression) takes CUDA buckets as they are: eight
+    steps of a model on the GPU train as DDP's own all-reduce (Gloo on
+    CUDA tensors) trains it."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    import mpilossy.torch as mt
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    from torch_helpers import batch, make_model
+    import torch.distributed as dist
+    torch.cuda.set_device(cupy.cuda.Device().id)
+    created = not dist.is_initialized()
+    mt.init_process_group()
+    try:
+        ref = DDP(make_model().cuda(), bucket_cap_mb=0.004)
+        model = DDP(make_model().cuda(), bucket_cap_mb=0.004)
+        state = mt.AllreduceHookState(lc, model=model.module)
+        model.register_comm_hook(state, mt.allreduce_hook)
+        opts = [torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9) for m in (ref, model)]
+        for step in range(8):
+            x, y = batch(comm.rank, step)
+            for m, opt in zip((ref, model), opts):
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(m(x.cuda()), y.cuda()).backward()
+                opt.step()
+        assert len(state.bucket_stats) >= 2 and state.stats.delivered == 1.0
+        for a, b in zip(ref.parameters(), model.parameters()):
+            torch.testing.assert_close(b.detach().cpu(), a.detach().cpu(), rtol=1e-5, atol=1e-6)
+    finally:
+        if created:
+            mt.destroy_process_group()

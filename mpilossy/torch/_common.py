@@ -12,6 +12,7 @@ import torch
 from mpi4py import MPI
 
 from .. import Communicator, default_communicator
+from ..call.device import CUPY_HINT
 from ..errors import MismatchError
 
 # What the lossy collectives reduce (the core's float dtypes).
@@ -95,12 +96,22 @@ def optimizer_parameters(optimizer: torch.optim.Optimizer,
     return [(names.get(id(p), f"parameter[{i}]"), p) for i, p in enumerate(params)]
 
 
-def host_problem(name: str, tensor: torch.Tensor, reducible: bool) -> Optional[Exception]:
-    """Why `tensor` cannot go through this build (None if it can)."""
-    # The one place that decides by device: CUDA tensors will be routed here.
-    if tensor.device.type != "cpu":
-        return BufferError(f"{name} is on device {tensor.device}; mpilossy.torch works on CPU "
-                           f"tensors only (GPU support is not implemented yet)")
+def host_problem(name: str, tensor: torch.Tensor, reducible: bool,
+                 cuda: bool = False) -> Optional[Exception]:
+    """Why `tensor` cannot go through this build (None if it can).  `cuda`:
+    the caller hands CUDA tensors to the communicator as they are (staged
+    through pinned host memory, call/device.py), which needs CuPy."""
+    # The one place that decides by device.
+    if tensor.device.type == "cuda" and cuda:
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            return BufferError(f"{name} is a CUDA tensor; mpilossy reads GPU memory through "
+                               f"CuPy, which is not installed ({CUPY_HINT})")
+    elif tensor.device.type != "cpu":
+        return BufferError(f"{name} is on device {tensor.device}; this part of mpilossy.torch "
+                           f"works on CPU tensors only (the DDP hook without compression takes "
+                           f"CUDA tensors)")
     if tensor.layout != torch.strided:
         return TypeError(f"{name} has layout {tensor.layout}; only dense tensors are supported")
     if reducible and tensor.dtype not in REDUCIBLE:
@@ -150,14 +161,14 @@ def _first_difference(every: List[List[Any]]) -> str:
 
 def check_tensors(comm: MPI.Intracomm, named: NamedTensors, *, reducible: bool,
                   extra: Any = None, what: str = "parameters",
-                  problem: Optional[Exception] = None) -> None:
+                  problem: Optional[Exception] = None, cuda: bool = False) -> None:
     """Collective: no `problem` (a local error) on any rank, every tensor
     usable on this rank, and the same names, shapes, dtypes and devices
     (plus `extra`: settings that must agree) on every rank."""
     for name, t in named:
         if problem is not None:
             break
-        problem = host_problem(f"{what[:-1]} {name!r}", t, reducible)
+        problem = host_problem(f"{what[:-1]} {name!r}", t, reducible, cuda)
     devices = sorted({str(t.device) for _, t in named})
     if problem is not None and len(devices) > 1:
         problem = type(problem)(f"{problem} (the {what} are on several devices: "

@@ -43,7 +43,8 @@ class AllreduceHookState:
         same parameters, as check_parameters() does.
     compression:
         LowBit or TopK (mpilossy.torch.compression), with its own error
-        feedback; CPU gradients.  The residuals follow the parameters, not
+        feedback; CPU gradients (without compression, CUDA gradients are
+        staged through pinned host memory: docs/gpu.md).  The residuals follow the parameters, not
         the bucket index: DDP rebuilds its buckets after the first
         iteration (other parameters under the same index), and each new
         bucket's residual is assembled from its parameters' old ones.
@@ -63,7 +64,7 @@ class AllreduceHookState:
             problem = problem or TypeError("background must be a bool")
         named = [] if model is None else named_tensors(model.named_parameters())
         check_tensors(comm, named, reducible=True, problem=problem,
-                      extra=(op, repr(compression)))
+                      extra=(op, repr(compression)), cuda=compression is None)
         self.op = op
         self.compression = compression
         self.bucket_stats: Dict[int, CollectiveStats] = {}
