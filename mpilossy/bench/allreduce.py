@@ -86,7 +86,7 @@ def bus_factor(nranks: int) -> float:
     return 2.0 * (nranks - 1) / nranks if nranks > 1 else 1.0
 
 
-def _data(count: int, rank: int, dtype: np.dtype, salt: int = 0) -> np.ndarray:
+def small_ints(count: int, rank: int, dtype: np.dtype, salt: int = 0) -> np.ndarray:
     """Small integers: exact sums in every dtype, so #wrong is exact."""
     return ((np.arange(count, dtype=np.int64) * 7 + 3 * rank + salt) % 23).astype(dtype)
 
@@ -109,7 +109,7 @@ def _sweep(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channel:
     rows = []
     for size in cfg.sizes:
         count = max(size // dtype.itemsize, 0)
-        send = _data(count, comm.rank, dtype)
+        send = small_ints(count, comm.rank, dtype)
         exact = np.empty_like(send)
         if cfg.weighted:
             wide = np.empty(count, np.float64)
@@ -421,7 +421,7 @@ def _aligner(comm: MPI.Comm, s: Dict[str, Any]) -> Iterator[Callable[[], None]]:
 def _tail(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, s: Dict[str, Any],
           straggler: int, size: int, algorithm: str, channel: str) -> TailRow:
     dtype = np.dtype(cfg.dtype)
-    send = _data(max(size // dtype.itemsize, 0), comm.rank, dtype)
+    send = small_ints(max(size // dtype.itemsize, 0), comm.rank, dtype)
     recv, mpi_recv = np.empty_like(send), np.empty_like(send)
     rng = np.random.default_rng(int(s["seed"]))          # the same draws on every rank
     mine: List[float] = []

@@ -31,7 +31,7 @@ from mpi4py import MPI
 import mpilossy
 from mpilossy.call.device import Staging, describe
 
-from .allreduce import _data, parse_timeout
+from .allreduce import parse_timeout, small_ints
 from .harness import parse_sizes, say, write_json
 
 BATCH = 5       # calls per timed batch; the contenders' batches alternate
@@ -137,7 +137,7 @@ def gloo_allreduce(bufs: Buffers, send: Any) -> Optional[Callable[[], None]]:
 def measure(comm: MPI.Comm, bufs: Buffers, lc: mpilossy.Communicator, loss: str,
             algorithm: str, size: int, args: argparse.Namespace) -> DeviceRow:
     count = size // 4
-    host_send = _data(count, comm.rank, np.dtype(np.float32))
+    host_send = small_ints(count, comm.rank, np.dtype(np.float32))
     exact = np.empty_like(host_send)
     comm.Allreduce(host_send, exact)
     send, recv = bufs.upload(host_send), bufs.upload(np.zeros_like(host_send))

@@ -44,10 +44,11 @@ class AllreduceHookState:
     compression:
         LowBit or TopK (mpilossy.torch.compression), with its own error
         feedback; CPU gradients (without compression, CUDA gradients are
-        staged through pinned host memory: docs/gpu.md).  The residuals follow the parameters, not
-        the bucket index: DDP rebuilds its buckets after the first
-        iteration (other parameters under the same index), and each new
-        bucket's residual is assembled from its parameters' old ones.
+        staged through pinned host memory: docs/gpu.md).  The residuals
+        follow the parameters, not the bucket index: DDP rebuilds its
+        buckets after the first iteration (other parameters under the same
+        index), and each new bucket's residual is assembled from its
+        parameters' old ones.
 
     ``stats`` is the StepStats of the last complete backward pass,
     ``bucket_stats`` the CollectiveStats of each bucket's last call.
