@@ -96,8 +96,9 @@ EOF
 stage_setup() {
     say "setup ($PYTHON, wheels from $WHEELS)"
     if compgen -G "$WHEELS/*.whl" >/dev/null; then
+        # (--upgrade: the carried mpi4py replaces one built for another MPI)
         step "$PYTHON" -m pip install --disable-pip-version-check -q --no-index --no-deps \
-            --no-compile "$WHEELS"/*.whl || return
+            --no-compile --upgrade "$WHEELS"/*.whl || return
     else
         say "no wheels in $WHEELS: using what $PYTHON has (bash scripts/gpu_wheels.sh makes them)"
     fi
