@@ -12,6 +12,10 @@ cdef enum:
     POLL_GONE = 2    # the producer moved past this call: the record will never come
     POLL_FAIL = 3    # the producer reported an error or disagrees on the call
 
+# How often a waiting call looks for a signal (Ctrl-C): a call without
+# deadline may wait for a peer forever, and its loops run without the GIL.
+cdef double SIGNAL_CHECK_INTERVAL = 0.05
+
 # Error kinds carried between ranks; the Python layer maps them to exceptions.
 cdef enum:
     ERR_NONE = 0

@@ -281,8 +281,11 @@ cdef class Core:
         with nogil:
             self.chan.end(call, failed)
         cdef double finished = mpl_now()
-        if failed and self.err.kind == ERR_INTERRUPTED and PyErr_Occurred():
-            raise_pending()         # the signal handler's exception (KeyboardInterrupt)
+        if PyErr_Occurred():
+            # A signal handler's exception (KeyboardInterrupt): raised in a
+            # call that waits without deadline, or while its rank waited for
+            # its peers to finish (the channel's end).
+            raise_pending()
         if failed:
             return CallResult(self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
                     0.0, finished - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),

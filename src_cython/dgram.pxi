@@ -29,6 +29,12 @@
 # can take both copies, and the reader would then wait for its stage's
 # deadline; so while a rank waits in its call it says END again every
 # END_REPEAT to the readers that have entered the call.
+#
+# Without a deadline a rank that has its result stays in the call, answering
+# NACKs, until every peer has said over MPI that it has its own (a note of
+# kind ERR_NONE; an error note says the same) or is seen in a later call.
+# Returning earlier, to an MPI collective say, would leave a peer that lost a
+# datagram asking a rank that no longer listens: a deadlock.
 
 cdef enum:
     STASH_PACKETS = 512            # datagrams of the next call kept for it...
@@ -45,7 +51,9 @@ cdef double NOTE_LINGER = 1.0
 
 
 cdef struct ErrorNote:
-    # An error told over MPI: the call it fails, and why.
+    # A note told over MPI: the call it is about, and the error that failed
+    # it there, or ERR_NONE where the sender has its result of the call.
+    # Either way the sender is done with the call and reads no more of it.
     uint64_t seq
     ErrorInfo err
 
@@ -100,6 +108,7 @@ cdef class DgramChannel(DgramEndpoint):
     cdef int nnotes, notes_cap
     cdef ErrorNote later_error
     cdef double next_probe
+    cdef uint64_t* done_seq           # per peer: the latest call it said it is done with
     # NACKs: per peer and call parity, the call and number of the last one
     # answered; the numbers of this rank's own
     cdef uint64_t* nack_call
@@ -123,8 +132,9 @@ cdef class DgramChannel(DgramEndpoint):
         self.replaying = <char*>aligned(self.stash_cap * self.pkt)
         self.nack_call = <uint64_t*>calloc(2 * self.size, sizeof(uint64_t))
         self.nack_number = <uint32_t*>calloc(2 * self.size, sizeof(uint32_t))
+        self.done_seq = <uint64_t*>calloc(self.size, sizeof(uint64_t))
         if not (self.peer_seq and self.stash and self.replaying and self.nack_call
-                and self.nack_number):
+                and self.nack_number and self.done_seq):
             raise MemoryError()
         return 0
 
@@ -142,6 +152,7 @@ cdef class DgramChannel(DgramEndpoint):
         free(self.note_bufs)
         free(self.nack_call)
         free(self.nack_number)
+        free(self.done_seq)
         free(self.peer_seq)
         free(self.stash)
         free(self.replaying)
@@ -587,6 +598,36 @@ cdef class DgramChannel(DgramEndpoint):
                 self.n_unsent += mpl_dg_queued(self.fab)
                 mpl_dg_discard_queued(self.fab)
                 self.drain()            # (their slots back)
+        if call.timeout < 0 and not failed:
+            self.stay_for_readers(call)
+
+    cdef void stay_for_readers(self, CallInfo* call) noexcept nogil:
+        """No deadline: this rank has its result.  Say so to every peer, then
+        answer NACKs until every peer is done with the call too (a failed
+        peer told its error, which says the same).  A signal ends the wait
+        early; its exception is left set for the core to raise."""
+        cdef ErrorInfo done
+        cdef int p = 0
+        cdef double next_signal_check = mpl_now() + SIGNAL_CHECK_INTERVAL
+        memset(&done, 0, sizeof(ErrorInfo))
+        done.kind = ERR_NONE
+        done.rank = self.rank
+        self.tell_errors(call.seq, &done)
+        while True:
+            self.hear_errors()
+            while p < self.size and (p == self.rank or self.done_seq[p] >= call.seq
+                                     or self.peer_seq[p] > call.seq):
+                p += 1                  # (a peer found done stays done: resume after it)
+            if p == self.size:
+                return
+            self.drain()                # answers the NACKs of peers still reading
+            mpl_dg_flush(self.fab)
+            if mpl_now() >= next_signal_check:
+                next_signal_check = mpl_now() + SIGNAL_CHECK_INTERVAL
+                with gil:
+                    if PyErr_CheckSignals() != 0:
+                        return
+            mpl_yield()
 
     cdef void fail(self, CallInfo* call, ErrorInfo* err) noexcept nogil:
         cdef mpl_error_t e
@@ -678,6 +719,10 @@ cdef class DgramChannel(DgramEndpoint):
             if MPI_Recv(&note, sizeof(ErrorNote), MPI_BYTE, status.MPI_SOURCE, ERROR_TAG,
                         self.comm, MPI_STATUS_IGNORE) != MPI_SUCCESS:
                 return
+            # (a peer's notes come in call order: the latest is the largest)
+            self.done_seq[status.MPI_SOURCE] = note.seq
+            if note.err.kind == ERR_NONE:
+                continue                # done, not failed
             self.n_errors_heard += 1
             note.err.msg[MPL_MSG_LEN - 1] = 0
             if not ERR_NONE < note.err.kind <= ERR_LAST:

@@ -416,11 +416,6 @@ cdef inline bint stream_ended(Channel chan, Stream* s, double now) noexcept nogi
     return now >= s.end_at + EARLY_CLOSE_GRACE
 
 
-# How often an idle call looks for a signal (Ctrl-C): a call without deadline
-# may wait for a peer forever, and the loop runs without the GIL.
-cdef double SIGNAL_CHECK_INTERVAL = 0.05
-
-
 cdef bint interrupted(Algorithm alg, Channel chan, CallInfo* call, ErrorInfo* err) noexcept nogil:
     """Did a signal handler raise (KeyboardInterrupt)?  Then fail the call and
     tell the peers; the exception stays set for the core to raise."""
