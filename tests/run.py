@@ -4,15 +4,21 @@
     python tests/run.py --sizes 2,4 -k ring
 
 Size 1 runs every test (including those that start their own mpiexec);
-larger sizes run the MPI tests (marked mpi) only.  Each size is bounded by --timeout
-seconds (and every single test by pytest-timeout), so a deadlock fails fast.
+larger sizes run the MPI tests (marked mpi) only.  At size 1 the tests
+marked `builds` (they build their own copies and environments: mostly one
+compiler or pip on one core) run in a second pytest beside the others.
+Each size is bounded by --timeout seconds (and every single test by
+pytest-timeout), so a deadlock fails fast; a size past its bound is
+interrupted first, so that pytest still reports what failed.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -34,10 +40,26 @@ def count(xml_file: Path) -> dict:
     return totals
 
 
+def finish(proc: subprocess.Popen, deadline: float) -> object:
+    """Wait for `proc` until `deadline`; past it, interrupt it (pytest then
+    tears down, prints its failures and writes its JUnit file) and kill it if
+    that takes more than a minute.  Returns the exit status or "timeout"."""
+    try:
+        return proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return "timeout"
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,2,3,4")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds per size")
+    parser.add_argument("--timeout", type=float, default=1200, help="seconds per size")
     parser.add_argument("--per-test", type=float, default=180, help="seconds per test")
     args, pytest_args = parser.parse_known_args()
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
@@ -48,28 +70,45 @@ def main() -> int:
     failed_sizes = []
     for size in [int(s) for s in args.sizes.split(",")]:
         out = Path(tempfile.mkdtemp(prefix=f"mpilossy-tests-{size}-"))
-        cmd = [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
-               f"--timeout={args.per_test}", "--timeout-method=thread",
-               f"--junitxml={out}/rank-{{rank}}.xml", str(HERE)]
-        if size > 1:
+
+        def pytest(tag: str, marks: str) -> list:
+            return [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
+                    "-m", marks, f"--timeout={args.per_test}", "--timeout-method=thread",
+                    f"--junitxml={out}/{tag}-{{rank}}.xml", str(HERE), *pytest_args]
+
+        # (tag, command, where its output goes); each in the folder `out`,
+        # which also takes whatever the tests leave behind.
+        if size == 1:
+            runs = [("rank", pytest("rank", "not builds"), None),
+                    ("builds", pytest("builds", "builds"), out / "builds.log")]
+        else:
             # MPI tests only: the others ran at size 1 (deselected, not skipped)
-            cmd[5:5] = ["-m", "mpi"]
-            cmd = [mpiexec, "-n", str(size), "-outfile-pattern", str(out / "out.%r"),
-                   "-errfile-pattern", str(out / "out.%r")] + cmd
-        cmd += pytest_args
-        print(f"== {size} rank(s): {' '.join(cmd)}", flush=True)
+            runs = [("rank", [mpiexec, "-n", str(size), "-outfile-pattern", str(out / "out.%r"),
+                              "-errfile-pattern", str(out / "out.%r"), *pytest("rank", "mpi")],
+                     subprocess.DEVNULL)]
+        for tag, cmd, _ in runs:
+            print(f"== {size} rank(s): {shlex.join(map(str, cmd))}", flush=True)
         began = time.monotonic()
-        try:
-            # In a folder of its own: the JUnit files and whatever tests leave.
-            proc = subprocess.run(cmd, timeout=args.timeout, cwd=out,
-                                  stdout=None if size == 1 else subprocess.DEVNULL)
-            code = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = "timeout"
+        procs = []
+        for tag, cmd, log in runs:
+            sink = open(log, "w") if isinstance(log, Path) else log
+            procs.append(subprocess.Popen(cmd, cwd=out, stdout=sink,
+                                          stderr=subprocess.STDOUT if isinstance(log, Path)
+                                          else None))
+            if isinstance(log, Path):
+                sink.close()
+        codes = [finish(proc, began + args.timeout) for proc in procs]
         took = time.monotonic() - began
-        xml = out / "rank-0.xml"
-        if xml.exists():
-            c = count(xml)
+        # pytest's 5 is "no tests selected": fine for the builds run under -k.
+        codes[1:] = [0 if c == 5 else c for c in codes[1:]]
+        code = next((c for c in codes if c != 0), 0)
+        if (out / "builds.log").exists():
+            print("== 1 rank(s), the tests marked `builds` (run beside the others):")
+            print((out / "builds.log").read_text(errors="replace"), end="", flush=True)
+        counts = [count(xml) for xml in (out / f"{tag}-0.xml" for tag, _, _ in runs)
+                  if xml.exists()]
+        if len(counts) == len(runs):
+            c = {key: sum(one[key] for one in counts) for key in counts[0]}
             total["passed"] += c["passed"]
             total["failed"] += c["failures"] + c["errors"]
             total["skipped"] += c["skipped"]

@@ -250,6 +250,7 @@ def test_mac_key_and_tag_sizes():
 
 
 # -- the same tests under AddressSanitizer ---------------------------------------------
+@pytest.mark.builds
 def test_decoder_under_address_sanitizer(tmp_path):
     """Build the core with -fsanitize=address (meson's b_sanitize) and run this
     file's decoder tests, the quantiser's and, at 2 ranks, the weighted and

@@ -37,7 +37,7 @@ from helpers import HERE, clean_subprocess_env, is_singleton, run_bounded
 # an idle machine, four on a busy one), hence a longer bound than the runner's.
 pytestmark = [pytest.mark.skipif(not is_singleton(),
                                  reason="starts its own processes: runs at size 1"),
-              pytest.mark.timeout(540)]
+              pytest.mark.timeout(540), pytest.mark.builds]
 
 REPO = HERE.parent
 VENV_BIN = Path(sys.executable).parent

@@ -17,6 +17,7 @@ pytestmark = [
     pytest.mark.skipif(not is_singleton(), reason="starts its own mypy: runs at size 1"),
     pytest.mark.skipif(importlib.util.find_spec("mypy") is None,
                        reason="mypy is not installed (pip install mypy)"),
+    pytest.mark.builds,     # not a build, but as long and as independent of the others
 ]
 
 ROOT = Path(__file__).resolve().parent.parent
