@@ -91,12 +91,12 @@ def main() -> int:
         began = time.monotonic()
         procs = []
         for tag, cmd, log in runs:
-            sink = open(log, "w") if isinstance(log, Path) else log
-            procs.append(subprocess.Popen(cmd, cwd=out, stdout=sink,
-                                          stderr=subprocess.STDOUT if isinstance(log, Path)
-                                          else None))
-            if isinstance(log, Path):
-                sink.close()
+            if isinstance(log, Path):       # stdout and stderr to the file
+                with open(log, "w") as sink:
+                    procs.append(subprocess.Popen(cmd, cwd=out, stdout=sink,
+                                                  stderr=subprocess.STDOUT))
+            else:
+                procs.append(subprocess.Popen(cmd, cwd=out, stdout=log))
         codes = [finish(proc, began + args.timeout) for proc in procs]
         took = time.monotonic() - began
         # pytest's 5 is "no tests selected": fine for the builds run under -k.

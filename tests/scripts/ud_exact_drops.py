@@ -15,6 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpilossy
+from mpilossy.bench.allreduce import small_ints
 
 comm = MPI.COMM_WORLD
 SIZES = (3, 1000, 70_001, 1 << 20)
@@ -22,8 +23,7 @@ wrong = {}
 with mpilossy.Communicator(comm, channel="ud", timeout=None, loss=None) as lc:
     for algorithm in ("ring", "tree", "direct"):
         for n in SIZES:
-            # small integers: every sum is exact in float32, in any order
-            x = ((np.arange(n) * 7 + 3 * comm.rank) % 23 + comm.rank).astype(np.float32)
+            x = small_ints(n, comm.rank, np.float32)     # sums exact in any order
             out = np.empty_like(x)
             lc.allreduce(x, out, algorithm=algorithm)
             ref = np.empty_like(x)
