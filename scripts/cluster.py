@@ -37,18 +37,23 @@ groups them by host name), ranks of different nodes talk over TCP
 (MPIR_CVAR_CH4_NETMOD=ofi FI_PROVIDER=tcp FI_TCP_IFACE=eth0).
 
 Everything it makes is removed on every way out: normal end, exception,
-SIGINT, SIGTERM, SIGHUP, a job past --limit (its processes are found by
-namespace and killed).  A run killed with SIGKILL leaves its namespaces;
-the next start (or `clean`) removes those whose owner is gone.  Needs root,
-`ip`, `tc` (iproute2), `nft` (nftables), `ethtool`, `unshare` and `mount`
-(util-linux), and a kernel with veth, bridge and tbf: without them it says
-why and exits with status 3.
+SIGINT, SIGTERM, SIGHUP (also one that arrives while it removes), a job
+past --limit (its processes are found by namespace and killed).  A run
+killed with SIGKILL leaves its namespaces; the next start (or `clean`)
+removes those whose owner is gone (_owner_alive says how it knows).  Needs
+root, `ip`, `tc` (iproute2), `nft` (nftables), `ethtool`, `unshare` and
+`mount` (util-linux), and a kernel with veth, bridge and tbf: without them
+it says why and exits with status 3.
 
 Also a Python module (tests/test_multinode.py uses it):
 
     with Cluster(nodes=2, rate="1gbit") as c:
         proc = c.run(["python", "job.py"], ppn=2, timeout=120)
         c.set_drop(0.01); print(c.counters())
+
+While one is open in a program that has no SIGTERM (SIGHUP) handler of its
+own, such a signal removes the clusters first, then kills the program as
+before (_take_signals).
 
 A job can ask the cluster to change its conditions while it runs (drops,
 bursts, SIGSTOP of a process on a node, counters): `request(...)` below,
@@ -82,7 +87,11 @@ PACKETS = "meta protocol ip ip protocol { tcp, udp }"      # what drop rules dro
 SUBNET = "10.77.0"
 TOOLS = (("ip", "iproute2"), ("tc", "iproute2"), ("nft", "nftables"), ("ethtool", "ethtool"),
          ("unshare", "util-linux"), ("mount", "util-linux"))
+GRACE = 10.0            # seconds: how young a cluster without owner record may be (_owner_alive)
+SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}        # blocked while close() works
 _serial = 0
+_open: List["Cluster"] = []         # the clusters of this process that close() has not removed
+_dying = False
 
 
 class ClusterUnavailable(RuntimeError):
@@ -122,10 +131,24 @@ def _start_time(pid: int) -> Optional[str]:
 
 
 def _owner_alive(state: Path, pid: int) -> bool:
+    """Whether the cluster of state folder `state`, named for `pid`, may still
+    be in use.  open() writes the owner record (pid and start time) atomically
+    into the state folder before it makes any namespace, and close() removes
+    the folder after the namespaces.  So: with a record, the owner lives iff a
+    process with that pid and start time runs.  Without one the pid proves
+    nothing (it may belong to another process by now): the cluster is stale,
+    unless its folder changed in the last GRACE seconds (a cluster being made
+    or removed right now); a namespace without a folder is stale.  Our own
+    pid: only the clusters open in this process are alive."""
+    if pid == os.getpid():
+        return any(c.state == state for c in _open)
     try:
         owner = state.joinpath("owner").read_text().split()
     except OSError:
-        return _start_time(pid) is not None     # no record: believe the pid alone
+        try:
+            return time.time() - state.stat().st_mtime < GRACE
+        except OSError:
+            return False
     return owner == [str(pid), str(_start_time(pid))]
 
 
@@ -186,6 +209,50 @@ def clean_leftovers(verbose: bool = False) -> List[str]:
         for what in removed:
             print(f"cluster: removed {what}", file=sys.stderr)
     return removed
+
+
+# -- signals while a cluster is open --------------------------------------------------
+def _take_signals() -> None:
+    """While a cluster is open, a SIGTERM or SIGHUP that would kill the
+    process outright (default disposition: a program that uses Cluster as a
+    library) first removes the clusters (_die_clean).  A handler of the
+    program's own is left alone: main()'s unwinds like Ctrl-C, through
+    close().  signal.signal works in the main thread only: a cluster opened
+    in another thread relies on its program's handlers and atexit."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            signal.signal(signum, _die_clean)
+
+
+def _give_back_signals() -> None:
+    """The default disposition again, once no cluster is open (from the main
+    thread; elsewhere _die_clean stays, and with nothing open it acts as the
+    default would)."""
+    if _open or threading.current_thread() is not threading.main_thread():
+        return
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) is _die_clean:
+            signal.signal(signum, signal.SIG_DFL)
+
+
+def _die_clean(signum: int, frame: object) -> None:
+    """SIGTERM or SIGHUP where the default disposition was to die: close
+    this process's clusters (not a forked parent's), then die of the signal
+    as the default would have.  A second signal meanwhile changes nothing."""
+    global _dying
+    if _dying:
+        return
+    _dying = True
+    for cluster in [c for c in _open if c.owner == os.getpid()]:
+        try:
+            cluster.close()
+        except BaseException as exc:        # the others still go
+            print(f"cluster: while removing {cluster.cid}: {exc!r}", file=sys.stderr)
+    signal.signal(signum, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
+    signal.raise_signal(signum)
 
 
 # -- the launcher wrapper ----------------------------------------------------------
@@ -323,8 +390,9 @@ class Cluster:
         self._stopped: Dict[int, threading.Timer] = {}
         self._server: Optional[threading.Thread] = None
         self._serving = threading.Event()
-        self._made = False
-        self._lock = threading.Lock()
+        self._made = False          # True from open() until close() has removed everything
+        self._lock = threading.RLock()      # reentrant: _die_clean may run inside close()
+        self.owner = os.getpid()
 
     # -- life --------------------------------------------------------------
     def __enter__(self) -> "Cluster":
@@ -340,11 +408,21 @@ class Cluster:
         if why:
             raise ClusterUnavailable(why)
         clean_leftovers()
-        self.state.mkdir(mode=0o755)
-        self.state.joinpath("owner").write_text(f"{os.getpid()} {_start_time(os.getpid())}\n")
-        self._made = True
-        atexit.register(self.close)
+        with self._lock:
+            if self._made:
+                raise RuntimeError(f"{self.cid} is open already")
+            # Made before anything exists, so that a close() from here on (a
+            # signal's, atexit's) removes whatever there is by then.
+            self.owner = os.getpid()
+            _open.append(self)
+            self._made = True
+            atexit.register(self.close)
+        _take_signals()
         try:
+            self.state.mkdir(mode=0o755)
+            tmp = self.state / "owner.tmp"          # complete or absent, never torn
+            tmp.write_text(f"{self.owner} {_start_time(self.owner)}\n")
+            tmp.rename(self.state / "owner")
             self._build()
         except subprocess.CalledProcessError as exc:
             self.close()
@@ -357,21 +435,36 @@ class Cluster:
 
     def close(self) -> None:
         """Stop the loss processes and every process on the nodes, delete
-        the namespaces and the state folder.  Idempotent."""
-        with self._lock:
-            if not self._made:
-                return
-            self._made = False
-        # A second Ctrl-C or SIGTERM must not cut the cleanup short.
-        signals = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}
-        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, signals)
+        the namespaces and the state folder.  Idempotent, and whole: the
+        cluster counts as made until everything is removed, so a close()
+        cut short (an error) is finished by the next one (atexit's at the
+        latest).  Ctrl-C, SIGTERM and SIGHUP are blocked in the calling
+        thread meanwhile; one that reaches another thread still runs its
+        Python handler in the main thread, and if that handler raises here,
+        the removal starts over and the exception follows once it is done.
+        Any thread may call it (pthread_sigmask works in every thread)."""
+        cut: Optional[BaseException] = None
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
         try:
-            self._close()
+            with self._lock:
+                if not self._made:
+                    return
+                while True:
+                    try:
+                        self._close()           # every step may run again
+                        break
+                    except (KeyboardInterrupt, SystemExit) as exc:
+                        cut = cut or exc
+                self._made = False
+                _open.remove(self)
+                atexit.unregister(self.close)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        _give_back_signals()
+        if cut is not None:
+            raise cut
 
     def _close(self) -> None:
-        atexit.unregister(self.close)
         self._serving.set()
         if self._flapper is not None:
             self._flapper.stop()

@@ -1,10 +1,11 @@
 """scripts/cluster.py, the emulated cluster itself: its bench of MPI over TCP
 against mpilossy's datagrams across a dropping switch (and the former
 lossy link, scripts/lossy_link.py, now its loopback mode), a switch port
-that overflows under incast, and cleanup on every way out (SIGTERM; a
-SIGKILLed run's leftovers removed by the next start).  Needs root and the
-tools cluster.py names: without them the script exits 3 and these tests
-skip."""
+that overflows under incast, and cleanup on every way out (SIGTERM, also to
+a program that uses Cluster as a library and while close() runs; a
+SIGKILLed run's leftovers removed by the next start, even where their pid
+was reused).  Needs root and the tools cluster.py names: without them the
+script exits 3 and these tests skip."""
 
 import json
 import os
@@ -12,6 +13,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -233,3 +235,216 @@ def test_sigkilled_run_is_cleaned_up_by_the_next():
                     p.kill()
                     p.communicate()
     assert ours() <= before, ours() - before
+
+
+
+# -- teardown: signals and leftovers ------------------------------------------------
+# A program that uses Cluster as a library (no handler of its own, as a test
+# process), in a child process whose first cluster the test knows by its pid.
+LIBRARY = f"""
+import json, os, signal, sys, time
+sys.path.insert(0, {str(HERE.parent / "scripts")!r})
+import cluster
+"""
+
+
+class LibraryChild:
+    """`python -c LIBRARY+body args`, its output in files (a process it left
+    on a node may hold inherited pipes open for good)."""
+
+    def __init__(self, tmp_path: Path, body: str, *args: str) -> None:
+        self.out, self.err = tmp_path / "out", tmp_path / "err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-c", LIBRARY + body, *args],
+                                         env=clean_subprocess_env(), stdout=out, stderr=err,
+                                         start_new_session=True)
+        self.cid = f"{emulated.PREFIX}{self.proc.pid}-1"
+
+    def finish(self, timeout: float = 60) -> tuple:
+        """Wait (bounded); returns (exit status, stdout, stderr); skips where
+        the child could not make a cluster."""
+        try:
+            self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"the child ran past {timeout} s: {self.output()}") from None
+        out, err = self.out.read_text(), self.err.read_text()
+        if self.proc.returncode == 1 and "ClusterUnavailable" in err:
+            pytest.skip(err.strip().splitlines()[-1])
+        return self.proc.returncode, out, err
+
+    def output(self) -> str:
+        return self.out.read_text()[-2000:] + self.err.read_text()[-2000:]
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def left_of(cid: str) -> list:
+    """What is left of cluster `cid`: its namespaces and state folder."""
+    return sorted(n for n in ours() if n.startswith(cid + "-")
+                  or n == str(emulated.STATE_ROOT / cid))
+
+
+def remove(cid: str) -> None:
+    """Remove what a failed test left of cluster `cid`."""
+    names = [n for n in emulated._netns_names() if n.startswith(cid + "-")]
+    emulated._kill_in(names)
+    for name in names:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True, check=False)
+    shutil.rmtree(emulated.STATE_ROOT / cid, ignore_errors=True)
+
+
+def skip_unless_possible() -> None:
+    why = emulated.unavailable()
+    if why:
+        pytest.skip(why)
+
+
+def test_sigterm_to_a_library_user_removes_its_cluster(tmp_path):
+    """A process that uses Cluster as a library, with no handler of its own,
+    gets SIGTERM while a cluster is open and a process runs on a node: the
+    cluster, the process and the state folder go away, and the process still
+    dies of SIGTERM (before: it died at once and left everything)."""
+    skip_unless_possible()
+    child = LibraryChild(tmp_path, "c = cluster.Cluster(nodes=2, rate=None).open()\n"
+                                   "c.popen(c.on_node(2, ['sleep', '300']))\n"
+                                   "time.sleep(300)\n")
+    try:
+        deadline = time.monotonic() + 60
+        while not emulated._netns_pids(f"{child.cid}-n2"):
+            if child.proc.poll() is not None or time.monotonic() > deadline:
+                child.kill()
+                child.finish()
+                raise AssertionError(f"no process on node 2: {child.output()}")
+            time.sleep(0.05)
+        job = processes_on(left_of(child.cid))
+        child.proc.send_signal(signal.SIGTERM)
+        status, _, err = child.finish()
+        assert status == -signal.SIGTERM, err[-2000:]
+        assert left_of(child.cid) == [], err[-2000:]
+        assert not alive(job), job
+    finally:
+        child.kill()
+        remove(child.cid)
+
+
+# close(), with SIGTERM sent to the process while it removes the namespaces:
+# the signal reaches a thread of the program's own (close() blocks it in the
+# calling thread only), and its Python handler runs in the main thread,
+# inside close().
+SIGNAL_IN_CLOSE = """
+import threading
+c = cluster.Cluster(nodes=2, rate=None)
+if sys.argv[1] == "handler":
+    signal.signal(signal.SIGTERM, cluster.interrupted)    # as cluster.py's main()
+c.open()
+threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+real, sent = cluster._kill_in, []
+def kill_in(names, timeout=10.0):
+    if not sent:
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+    real(names, timeout)
+cluster._kill_in = kill_in
+try:
+    c.close()
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+left = [n for n in cluster._netns_names() if n.startswith(c.cid + "-")]
+print(json.dumps(left + [str(c.state)] * c.state.exists()), flush=True)
+began = time.monotonic()
+c.close()
+print(time.monotonic() - began, flush=True)
+"""
+
+
+@pytest.mark.parametrize("disposition", ["handler", "default"])
+def test_signal_during_close_leaves_nothing(tmp_path, disposition):
+    """SIGTERM while close() runs: with a handler that raises (cluster.py's
+    main() has one) close() finishes its work before the exception goes on,
+    and a second close() does nothing; with the default disposition the
+    process dies of the signal, but only once everything is removed
+    (before: close() stopped half-way and left namespaces and the state
+    folder, which the second close() no longer removed)."""
+    skip_unless_possible()
+    child = LibraryChild(tmp_path, SIGNAL_IN_CLOSE, disposition)
+    try:
+        status, out, err = child.finish()
+        lines = out.splitlines()
+        if disposition == "handler":
+            assert status == 0, err[-2000:]
+            assert lines[0] == "interrupted", out
+            assert json.loads(lines[1]) == [], out
+            assert float(lines[2]) < 0.1, out           # the second close(): nothing to do
+        else:
+            assert status == -signal.SIGTERM, out + err[-2000:]
+        assert left_of(child.cid) == [], out + err[-2000:]
+    finally:
+        child.kill()
+        remove(child.cid)
+
+
+def test_leftover_without_owner_record_is_removed_though_its_pid_lives():
+    """Leftovers named for a pid that now belongs to an unrelated live
+    process, with no owner record: a state folder older than the grace and
+    its namespace, and a namespace whose state folder is gone, are removed;
+    a folder made just now (a cluster being made: the record comes next) is
+    kept (before: the live pid kept them all for good)."""
+    skip_unless_possible()
+    sleeper = subprocess.Popen(["sleep", "120"])
+    cids = [f"{emulated.PREFIX}{sleeper.pid}-{k}" for k in (1, 2, 3)]
+    old, orphan, young = cids
+    try:
+        for cid in (old, young):
+            (emulated.STATE_ROOT / cid).mkdir()
+        for cid in cids:
+            emulated.sh(["ip", "netns", "add", f"{cid}-n1"])
+        past = time.time() - 3600
+        os.utime(emulated.STATE_ROOT / old, (past, past))
+        removed = set(emulated.clean_leftovers())
+        assert {f"{old}-n1", str(emulated.STATE_ROOT / old), f"{orphan}-n1"} <= removed, removed
+        assert left_of(old) == left_of(orphan) == []
+        assert left_of(young) == sorted([f"{young}-n1", str(emulated.STATE_ROOT / young)])
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        for cid in cids:
+            remove(cid)
+
+
+def test_open_and_close_off_the_main_thread():
+    """signal.signal works in the main thread only: a cluster made and
+    removed by another thread works all the same, and one made in the main
+    thread gives SIGTERM's disposition back when it closes."""
+    skip_unless_possible()
+    term = signal.getsignal(signal.SIGTERM)
+    errors, cids = [], []
+
+    def work():
+        try:
+            with emulated.Cluster(nodes=1, rate=None) as c:
+                cids.append(c.cid)
+                assert left_of(c.cid)
+        except BaseException as exc:       # reported below
+            errors.append(exc)
+
+    try:
+        thread = threading.Thread(target=work)
+        thread.start()
+        thread.join(60)
+        assert not thread.is_alive()
+        if errors and isinstance(errors[0], emulated.ClusterUnavailable):
+            pytest.skip(str(errors[0]))
+        assert not errors, errors
+        assert left_of(cids[0]) == []
+        with emulated.Cluster(nodes=1, rate=None) as c:
+            cids.append(c.cid)
+        assert left_of(c.cid) == []
+        assert signal.getsignal(signal.SIGTERM) == term
+    finally:
+        for cid in cids:
+            remove(cid)
