@@ -28,6 +28,7 @@ cdef extern from *:
 
 include "kernels.pxi"
 include "channel.pxi"
+include "outcome.pxi"
 include "rma_window.pxi"
 include "rma.pxi"
 include "dgram_wire.pxi"

@@ -15,6 +15,7 @@ Nothing here is used by the library itself.
 include "prelude.pxi"
 include "kernels.pxi"
 include "channel.pxi"
+include "outcome.pxi"
 include "rma_window.pxi"
 include "rma.pxi"
 include "dgram_wire.pxi"

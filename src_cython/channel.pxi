@@ -112,6 +112,7 @@ cdef struct CallInfo:
     Py_ssize_t max_block  # largest record payload the channel moves as one unit
     double start
     double timeout        # < 0: no deadline
+    bint injected         # injected loss may drop records of this call
     double anchor         # when every peer was seen in this call (or patience
                           # ran out); < 0 until then
     int nstages
@@ -201,10 +202,22 @@ cdef inline uint32_t announced_op(const CallInfo* call) noexcept nogil:
     return 2 if call.weight > 0 else <uint32_t>call.op
 
 
+# A call without deadline and one with a deadline cannot meet: the first
+# waits for (and asks again for) every record, the second leaves when its
+# deadline ends and reuses what the first still reads.  So whether a call
+# has a deadline is part of its signature, and ranks that differ fail the
+# call as a disagreement (its value may differ between ranks: it bounds only
+# the rank's own wait).
+cdef enum:
+    LAYOUT_EXACT_BIT = 24
+
+
 cdef inline uint32_t announced_layout(const CallInfo* call) noexcept nogil:
-    """Algorithm, collective and redundancy in one word, as peers see them."""
+    """Algorithm, collective, redundancy and whether the call has a deadline
+    in one word, as peers see them."""
     return (<uint32_t>call.algo | <uint32_t>call.coll << 4 | <uint32_t>call.fec_k << 8
-            | <uint32_t>call.fec_m << 16)
+            | <uint32_t>call.fec_m << 16 | <uint32_t>(call.timeout < 0) << LAYOUT_EXACT_BIT)
+
 
 
 cdef void describe_call(char* out, size_t size, uint32_t layout, uint64_t count,
@@ -215,8 +228,11 @@ cdef void describe_call(char* out, size_t size, uint32_t layout, uint64_t count,
                           coll_name((layout >> 4) & 15), <unsigned long long>count,
                           dtype_name(dtype), op_name(op), algo_name(layout & 15))
     if (layout >> 8) & 255 and 0 <= n < <int>size:
-        snprintf(out + n, size - n, b" redundancy=(%u, %u)", (layout >> 8) & 255,
-                 (layout >> 16) & 255)
+        n += snprintf(out + n, size - n, b" redundancy=(%u, %u)", (layout >> 8) & 255,
+                      (layout >> 16) & 255)
+    if 0 <= n < <int>size:
+        snprintf(out + n, size - n, b" timeout=None" if (layout >> LAYOUT_EXACT_BIT) & 1
+                 else b" with a deadline")
 
 
 cdef void describe_mismatch(ErrorInfo* err, const CallInfo* call, int me, int peer,
@@ -249,6 +265,8 @@ cdef class Channel:
     a message naming the method (mpl_unimplemented)."""
     cdef int rank, size
     cdef ErrorInfo error          # set when a poll returns POLL_FAIL
+    cdef Outcomes outcomes        # errors told over MPI (outcome.pxi); None offline
+                                  # (the test suite's judges)
 
     cdef int begin(self, CallInfo* call) except -1:
         """Prepare a call: announce it to peers, make room for its records."""
@@ -316,6 +334,27 @@ cdef class Channel:
     cdef void fail(self, CallInfo* call, ErrorInfo* err) noexcept nogil:
         """Tell peers that this call failed, and why."""
         pass
+
+    cdef bint late_error(self, CallInfo* call, ErrorInfo* err) noexcept nogil:
+        """Before `call` begins: did a call this rank returned from fail on
+        another rank?  Then `err` fails this call on every rank (outcome.pxi)."""
+        if self.outcomes is None:
+            return False
+        return self.outcomes.take_late(call, err)
+
+    cdef bint failed_elsewhere(self, CallInfo* call, ErrorInfo* err) noexcept nogil:
+        """While in `call` (the engine asks now and then): did a peer tell
+        over MPI that this call failed, or that a call this rank returned
+        from did?  Then `err` says why."""
+        if self.outcomes is None:
+            return False
+        return self.outcomes.failed_elsewhere(call, err)
+
+    cdef void settle(self, CallInfo* call, bint failed) noexcept nogil:
+        """This rank has its outcome of `call` (before end: a rank that waits
+        there for its readers has its result already)."""
+        if self.outcomes is not None:
+            self.outcomes.settle(call.seq, failed)
 
     cdef Py_ssize_t max_block_bytes(self) noexcept nogil:
         """Largest block the channel can move as one unit."""

@@ -217,6 +217,7 @@ cdef class Core:
         call.itemsize = ITEMSIZE[dtype]
         call.count = nbytes // call.itemsize
         call.timeout = timeout
+        call.injected = lossy
         call.scaling = self.scaling
         call.rotate = self.rotate
         call.weight = weight
@@ -246,10 +247,19 @@ cdef class Core:
         call.sig = mpl_hash4(<uint64_t>call.count,
                              <uint64_t>dtype | <uint64_t>op << 8 | <uint64_t>algo << 16
                              | <uint64_t>self.tree.radix << 24 | <uint64_t>coll << 40
-                             | <uint64_t>(weight > 0) << 48 | <uint64_t>qbits << 52,
+                             | <uint64_t>(weight > 0) << 48 | <uint64_t>qbits << 52
+                             | <uint64_t>(timeout < 0) << 60,
                              <uint64_t>call.block_elems ^ (<uint64_t>qgroup << 40)
                              ^ (<uint64_t>call.fec_k << 24) ^ (<uint64_t>call.fec_m << 32),
                              <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)) | 1
+        if self.chan.late_error(call, &self.err):
+            # A call this rank returned from failed elsewhere: this one fails
+            # on every rank, saying so (outcome.pxi).
+            with nogil:
+                self.chan.fail(call, &self.err)
+                self.chan.settle(call, True)
+                self.chan.end(call, True)
+            return self.failed_result(call, t0, mpl_now())
         try:
             began = self.chan.begin(call)
             if not began:
@@ -266,6 +276,7 @@ cdef class Core:
                      self.rank, <unsigned long long>call.seq)
             with nogil:
                 self.chan.fail(call, &self.err)
+                self.chan.settle(call, True)
                 self.chan.end(call, True)
             raise
         cdef Py_ssize_t read_blocks = 0
@@ -279,6 +290,7 @@ cdef class Core:
                     self.chan.abandon(&alg.streams[i])
                     read_blocks += alg.streams[i].nblocks
         with nogil:
+            self.chan.settle(call, failed)
             self.chan.end(call, failed)
         cdef double finished = mpl_now()
         if PyErr_Occurred():
@@ -287,9 +299,7 @@ cdef class Core:
             # its peers to finish (the channel's end).
             raise_pending()
         if failed:
-            return CallResult(self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
-                    0.0, finished - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
-                    (call.start, -1.0, finished), 0.0, None, 0)
+            return self.failed_result(call, t0, finished)
         return CallResult(ERR_NONE, -1, "", alg.delivered(), finished - t0, alg.deadline_hit,
                 alg.fallback_elems / <double>alg.result_elems if alg.result_elems else 0.0,
                 alg.min_count, call.seq,
@@ -298,6 +308,11 @@ cdef class Core:
                 (<Chunked>alg).contributors()
                 if alg is self.direct or alg is self.gather else None, alg.rebuilt_blocks,
                 read_blocks)
+
+    cdef object failed_result(self, CallInfo* call, double t0, double finished):
+        return CallResult(self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
+                          0.0, finished - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
+                          (call.start, -1.0, finished), 0.0, None, 0)
 
     def fail(self, int kind, str message, double timeout):
         """This rank cannot take part in the next call (bad input): count the
@@ -316,6 +331,7 @@ cdef class Core:
         if self.size > 1:
             with nogil:
                 self.chan.fail(call, &self.err)
+                self.chan.settle(call, True)
                 self.chan.end(call, True)
         return CallResult(kind, self.rank, message, 0.0, 0.0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
                 (call.start, -1.0, call.start), 0.0, None, 0)

@@ -27,8 +27,13 @@
 # slot's readers: a reader that has it stops waiting for what is still
 # missing after a short grace (early close, schedule.pxi).  A burst of loss
 # can take both copies, and the reader would then wait for its stage's
-# deadline; so while a rank waits in its call it says END again every
-# END_REPEAT to the readers that have entered the call.
+# deadline; so while a rank waits in its call it says END again to the
+# readers that are in the call (entered it, not yet seen in a later one),
+# after END_REPEAT, then at doubling intervals up to END_REPEAT_MAX: nothing
+# acknowledges an END, and at 2(N-1) datagrams a round a fixed period would
+# cost each waiting rank thousands of datagrams a second at 16 ranks.  A
+# call of T seconds repeats at most about log2(T / END_REPEAT) + T /
+# END_REPEAT_MAX rounds.
 #
 # Without a deadline a rank that has its result stays in the call, answering
 # NACKs, until every peer has said over MPI that it has its own (a note of
@@ -39,24 +44,14 @@
 cdef enum:
     STASH_PACKETS = 512            # datagrams of the next call kept for it...
     STASH_CONTROL_PER_PEER = 8     # ...and room beyond them for its HELLO, ERROR, END
-    ERROR_TAG = 0x4D45             # MPI tag of the errors told over MPI
 
 # How often a rank in a call looks for errors told over MPI (seconds).
 cdef double ERROR_PROBE_INTERVAL = 1e-3
-# How often a waiting rank repeats the END of its finished slots (seconds):
-# well under a burst of loss, far above a datagram's time on the wire.
+# When a waiting rank first repeats the END of its finished slots (seconds):
+# well under a burst of loss, far above a datagram's time on the wire; the
+# interval then doubles up to END_REPEAT_MAX.
 cdef double END_REPEAT = 2e-3
-# How long close() waits for its error messages to leave (seconds).
-cdef double NOTE_LINGER = 1.0
-
-
-cdef struct ErrorNote:
-    # A note told over MPI: the call it is about, and the error that failed
-    # it there, or ERR_NONE where the sender has its result of the call.
-    # Either way the sender is done with the call and reads no more of it.
-    uint64_t seq
-    ErrorInfo err
-
+cdef double END_REPEAT_MAX = 64e-3
 cdef double NACK_INTERVAL = 0.05   # seconds between repeated requests (no deadline)
 # A peer seen in a later call has sent what it will send for this one, but
 # FI_EP_DGRAM does not promise order: its last datagrams of this call may
@@ -80,6 +75,7 @@ cdef class DgramChannel(DgramEndpoint):
     cdef int* end_nreaders            # ...and how many (0: no END yet)
     cdef Py_ssize_t end_caps[2]
     cdef double next_end_repeat
+    cdef double end_repeat_gap        # the interval before the next repeat
     # inbox of the current call
     cdef char* inbox
     cdef Py_ssize_t inbox_cap
@@ -101,14 +97,7 @@ cdef class DgramChannel(DgramEndpoint):
     cdef char* replaying              # the stash being replayed
     cdef int nstash
     cdef int stash_cap                # STASH_PACKETS, and the room for control datagrams
-    # errors over MPI: the notes this rank sent that are still in flight,
-    # and an error of a call it has not begun yet
-    cdef MPI_Request* note_reqs
-    cdef ErrorNote** note_bufs
-    cdef int nnotes, notes_cap
-    cdef ErrorNote later_error
-    cdef double next_probe
-    cdef uint64_t* done_seq           # per peer: the latest call it said it is done with
+    cdef double next_probe            # when to look for notes over MPI (outcome.pxi)
     # NACKs: per peer and call parity, the call and number of the last one
     # answered; the numbers of this rank's own
     cdef uint64_t* nack_call
@@ -118,7 +107,7 @@ cdef class DgramChannel(DgramEndpoint):
     # counters of datagrams judged, for the whole life of the channel
     cdef uint64_t n_foreign, n_forged, n_malformed, n_stale, n_future, n_unexpected
     cdef uint64_t n_duplicate, n_mismatch, n_nacks, n_resent
-    cdef uint64_t n_nack_replayed, n_nack_deferred, n_errors_heard
+    cdef uint64_t n_nack_replayed, n_nack_deferred, n_end_repeats
 
     def __cinit__(self):
         memset(&self.cur, 0, sizeof(CallInfo))
@@ -132,27 +121,24 @@ cdef class DgramChannel(DgramEndpoint):
         self.replaying = <char*>aligned(self.stash_cap * self.pkt)
         self.nack_call = <uint64_t*>calloc(2 * self.size, sizeof(uint64_t))
         self.nack_number = <uint32_t*>calloc(2 * self.size, sizeof(uint32_t))
-        self.done_seq = <uint64_t*>calloc(self.size, sizeof(uint64_t))
         if not (self.peer_seq and self.stash and self.replaying and self.nack_call
-                and self.nack_number and self.done_seq):
+                and self.nack_number):
             raise MemoryError()
+        self.outcomes = Outcomes()
+        self.outcomes.setup(self.comm)
         return 0
 
     cdef void close(self):
-        self.finish_notes()
+        if self.outcomes is not None:
+            self.outcomes.close()
         DgramEndpoint.close(self)
 
     def __dealloc__(self):
         # Close first: the endpoint's close reaps completions, which hands
-        # datagrams to accept(), and accept needs what is freed below.  (Not
-        # finish_notes: the communicator may be gone by now; notes in
-        # flight, if any, are left to MPI.)
+        # datagrams to accept(), and accept needs what is freed below.
         DgramEndpoint.close(self)
-        free(self.note_reqs)
-        free(self.note_bufs)
         free(self.nack_call)
         free(self.nack_number)
-        free(self.done_seq)
         free(self.peer_seq)
         free(self.stash)
         free(self.replaying)
@@ -178,7 +164,9 @@ cdef class DgramChannel(DgramEndpoint):
                 "duplicate": self.n_duplicate, "mismatch": self.n_mismatch,
                 "nacks": self.n_nacks, "resent": self.n_resent,
                 "nacks_replayed": self.n_nack_replayed, "nacks_deferred": self.n_nack_deferred,
-                "errors_heard_over_mpi": self.n_errors_heard}
+                "end_repeats": self.n_end_repeats,
+                "errors_heard_over_mpi": self.outcomes.heard if self.outcomes is not None
+                else 0}
 
     # -- per call ------------------------------------------------------------
     cdef int begin(self, CallInfo* call) except -1:
@@ -219,9 +207,7 @@ cdef class DgramChannel(DgramEndpoint):
         self.cur = call[0]
         self.armed = False           # until the streams are known: stash, don't place
         self.nacks_sent = 0
-        self.hear_errors()
-        if self.later_error.seq == call.seq:       # told before this rank got here
-            self.error = self.later_error.err
+        self.hear_errors()              # (an error of this call told before this rank got here)
         self.send_hello()
         return 0
 
@@ -282,14 +268,17 @@ cdef class DgramChannel(DgramEndpoint):
             memcpy(self.end_readers + <Py_ssize_t>slot * self.size, dests, ndests * sizeof(int))
             self.end_nreaders[slot] = ndests
             if self.next_end_repeat < 0:
+                self.end_repeat_gap = END_REPEAT
                 self.next_end_repeat = mpl_now() + END_REPEAT
 
     cdef void repeat_ends(self) noexcept nogil:
-        """END again for every finished slot, to its readers that have
-        entered this call (one that has not would only stash it)."""
+        """END again for every finished slot, to its readers that are in this
+        call (one that has not entered it would only stash it, one seen in a
+        later call is done with it)."""
         cdef int slot, i, n, reader
         cdef int* readers
-        self.next_end_repeat = mpl_now() + END_REPEAT
+        self.end_repeat_gap = min(2 * self.end_repeat_gap, END_REPEAT_MAX)
+        self.next_end_repeat = mpl_now() + self.end_repeat_gap
         if self.end_nreaders == NULL:
             return
         for slot in range(self.cur.nslots):
@@ -297,11 +286,12 @@ cdef class DgramChannel(DgramEndpoint):
             n = 0
             for i in range(self.end_nreaders[slot]):
                 reader = readers[i]
-                if self.peer_seq[reader] >= self.cur.seq:
+                if self.peer_seq[reader] == self.cur.seq:
                     readers[i] = readers[n]
                     readers[n] = reader
                     n += 1
             if n:
+                self.n_end_repeats += n
                 self.send_control_to(MPL_PKT_END, self.cur.seq, slot, 0, NULL, 0, readers, n)
 
     cdef inline bint past_cap(self) noexcept nogil:
@@ -531,6 +521,12 @@ cdef class DgramChannel(DgramEndpoint):
             self.service()
             return POLL_WAIT
         if c.timeout < 0:
+            if self.peer_seq[s.peer] > c.seq + 1:
+                # Two calls ahead: its outbox of this call is reused, nothing
+                # will answer a request.  Ranks that agree on the call's
+                # signature never get here (a peer without deadline that has
+                # its result stays until this rank has its own).
+                return POLL_GONE
             now = mpl_now()
             if now - self.last_nack[s.index] > NACK_INTERVAL:
                 self.last_nack[s.index] = now
@@ -538,16 +534,26 @@ cdef class DgramChannel(DgramEndpoint):
         return POLL_WAIT
 
     cdef void request_missing(self, Stream* s) noexcept nogil:
-        """No deadline: ask the producer again for every block of `s` that has
-        not arrived (as many as fit in one datagram)."""
+        """No deadline: ask the producer again for every record of `s` that
+        this rank still needs and has not got (as many as fit in one
+        datagram): data blocks, and with redundancy the parity of a group
+        that waits for a block injected loss dropped (such a block is never
+        read; its group must rebuild it, and the group's parity is as
+        exposed to real loss as data)."""
         cdef CallInfo* c = &self.cur
         cdef uint32_t missing[512]
-        cdef int n = 0, b, cap = <int>min(512, self.payload_max // 4)
+        cdef int n = 0, cap = <int>min(512, self.payload_max // 4)
+        cdef int group, first, last
         cdef Py_ssize_t base = <Py_ssize_t>s.index * c.records
-        for b in range(s.cursor, s.nblocks):
-            if not self.arrived[base + b] and not s.done[b]:
-                missing[n] = b
-                n += 1
+        if not c.fec_k:
+            self.want_data(s, base, s.cursor, s.nblocks, missing, &n, cap)
+        else:
+            for group in range(s.cursor // c.fec_k, c.ngroups):
+                first = max(s.cursor, group * c.fec_k)
+                last = min(c.nblocks, (group + 1) * c.fec_k)
+                self.want_data(s, base, first, last, missing, &n, cap)
+                if self.group_waits_for_parity(s, first, last):
+                    self.want_parity(s, base, group, missing, &n, cap)
                 if n == cap:
                     break
         if n:
@@ -556,6 +562,42 @@ cdef class DgramChannel(DgramEndpoint):
             self.send_control(MPL_PKT_NACK, c.seq, s.slot, self.nacks_sent, missing, 4 * n,
                               s.peer)
         self.send_hello(s.peer)         # (if the first was lost, a disagreement would hide)
+
+    cdef inline void want_data(self, Stream* s, Py_ssize_t base, int first, int last,
+                               uint32_t* missing, int* n, int cap) noexcept nogil:
+        """Data blocks first..last-1 of `s` not in hand (a block injected loss
+        dropped is never read: not asked for)."""
+        cdef int b
+        for b in range(first, last):
+            if n[0] == cap:
+                return
+            if not self.arrived[base + b] and not s.done[b] and not s.drop[b]:
+                missing[n[0]] = b
+                n[0] += 1
+
+    cdef inline bint group_waits_for_parity(self, Stream* s, int first, int last) noexcept nogil:
+        """Does a block of data blocks first..last-1 of one group wait to be
+        rebuilt (dropped by injected loss, unresolved, not rebuilt yet)?"""
+        cdef int b
+        for b in range(first, last):
+            if s.drop[b] and not s.done[b] and not s.rebuilt[b]:
+                return True
+        return False
+
+    cdef inline void want_parity(self, Stream* s, Py_ssize_t base, int group,
+                                 uint32_t* missing, int* n, int cap) noexcept nogil:
+        """The parity records of `group` of `s` not in hand."""
+        cdef CallInfo* c = &self.cur
+        cdef int j, r
+        for j in range(c.fec_m):
+            if n[0] == cap:
+                return
+            r = c.nblocks + group * c.fec_m + j
+            # (its row: group * (k + m) + k + j, coding.pxi's fec_row)
+            if (not self.arrived[base + r] and not s.drop[r]
+                    and not s.have[<Py_ssize_t>group * (c.fec_k + c.fec_m) + c.fec_k + j]):
+                missing[n[0]] = r
+                n[0] += 1
 
     cdef bint random_access(self, Stream* s) noexcept nogil:
         return True
@@ -612,10 +654,12 @@ cdef class DgramChannel(DgramEndpoint):
         memset(&done, 0, sizeof(ErrorInfo))
         done.kind = ERR_NONE
         done.rank = self.rank
-        self.tell_errors(call.seq, &done)
+        if self.outcomes is None:
+            return
+        self.outcomes.tell(call.seq, &done)
         while True:
             self.hear_errors()
-            while p < self.size and (p == self.rank or self.done_seq[p] >= call.seq
+            while p < self.size and (p == self.rank or self.outcomes.done_seq[p] >= call.seq
                                      or self.peer_seq[p] > call.seq):
                 p += 1                  # (a peer found done stays done: resume after it)
             if p == self.size:
@@ -648,105 +692,16 @@ cdef class DgramChannel(DgramEndpoint):
             self.send_control(MPL_PKT_ERROR, call.seq, 0, 0, &e, sizeof(mpl_error_t), -1)
         if self.fab != NULL:
             mpl_dg_flush(self.fab)
-        self.tell_errors(call.seq, err)     # ...and once over MPI, which loses nothing
+        if self.outcomes is not None:
+            self.outcomes.tell(call.seq, err)   # ...and once over MPI, which loses nothing
 
     # -- errors over MPI ---------------------------------------------------------
-    cdef void tell_errors(self, uint64_t seq, ErrorInfo* err) noexcept nogil:
-        """Send `err` (failing call `seq`) to every peer as an MPI message;
-        the notes stay until MPI is done with them (reap_notes)."""
-        cdef int p
-        cdef ErrorNote* note
-        if self.fab == NULL:            # offline (DatagramJudge)
-            return
-        self.reap_notes()
-        for p in range(self.size):
-            if p == self.rank:
-                continue
-            if self.nnotes == self.notes_cap and not self.more_notes():
-                return                  # no memory: the datagrams will have to do
-            note = <ErrorNote*>malloc(sizeof(ErrorNote))
-            if note == NULL:
-                return
-            note.seq = seq
-            note.err = err[0]
-            if MPI_Isend(note, sizeof(ErrorNote), MPI_BYTE, p, ERROR_TAG, self.comm,
-                         &self.note_reqs[self.nnotes]) != MPI_SUCCESS:
-                free(note)
-                continue
-            self.note_bufs[self.nnotes] = note
-            self.nnotes += 1
-
-    cdef bint more_notes(self) noexcept nogil:
-        cdef int cap = 2 * self.notes_cap + self.size
-        cdef MPI_Request* reqs = <MPI_Request*>realloc(self.note_reqs, cap * sizeof(MPI_Request))
-        if reqs == NULL:
-            return False
-        self.note_reqs = reqs
-        cdef ErrorNote** bufs = <ErrorNote**>realloc(self.note_bufs, cap * sizeof(ErrorNote*))
-        if bufs == NULL:
-            return False
-        self.note_bufs = bufs
-        self.notes_cap = cap
-        return True
-
-    cdef void reap_notes(self) noexcept nogil:
-        """Free the notes MPI has sent."""
-        cdef int i = 0, flag
-        while i < self.nnotes:
-            MPI_Test(&self.note_reqs[i], &flag, MPI_STATUS_IGNORE)
-            if flag:
-                free(self.note_bufs[i])
-                self.nnotes -= 1
-                self.note_reqs[i] = self.note_reqs[self.nnotes]
-                self.note_bufs[i] = self.note_bufs[self.nnotes]
-            else:
-                i += 1
-
     cdef void hear_errors(self) noexcept nogil:
-        """Take the errors peers told over MPI: one of this call fails it,
-        one of a later call waits for it (begin), older ones are done."""
-        cdef int flag = 1
-        cdef MPI_Status status
-        cdef ErrorNote note
-        if self.fab == NULL:
+        """Take the notes peers told over MPI (outcome.pxi): one that fails
+        this call fails it here."""
+        if self.outcomes is None:
             return
         self.next_probe = mpl_now() + ERROR_PROBE_INTERVAL
-        self.reap_notes()
-        while True:
-            MPI_Iprobe(MPI_ANY_SOURCE, ERROR_TAG, self.comm, &flag, &status)
-            if not flag:
-                return
-            if MPI_Recv(&note, sizeof(ErrorNote), MPI_BYTE, status.MPI_SOURCE, ERROR_TAG,
-                        self.comm, MPI_STATUS_IGNORE) != MPI_SUCCESS:
-                return
-            # (a peer's notes come in call order: the latest is the largest)
-            self.done_seq[status.MPI_SOURCE] = note.seq
-            if note.err.kind == ERR_NONE:
-                continue                # done, not failed
-            self.n_errors_heard += 1
-            note.err.msg[MPL_MSG_LEN - 1] = 0
-            if not ERR_NONE < note.err.kind <= ERR_LAST:
-                note.err.kind = ERR_PROTOCOL
-            if note.seq == self.cur.seq:
-                if self.error.kind == ERR_NONE:
-                    self.error = note.err
-            elif note.seq > self.cur.seq and (self.later_error.seq <= self.cur.seq
-                                              or note.seq < self.later_error.seq):
-                self.later_error = note
-
-    cdef void finish_notes(self):
-        """At close: let the notes in flight leave (a bounded wait), and take
-        the ones nobody will read any more."""
-        cdef double limit = mpl_now() + NOTE_LINGER
-        cdef int i
-        if self.fab == NULL:
-            return
-        with nogil:
-            while self.nnotes and mpl_now() < limit:
-                self.reap_notes()
-                if self.nnotes:
-                    mpl_yield()
-            self.hear_errors()
-        for i in range(self.nnotes):        # never completed: MPI may still read them
-            MPI_Request_free(&self.note_reqs[i])
-        self.nnotes = 0
+        self.outcomes.hear()
+        if self.outcomes.later.seq == self.cur.seq and self.error.kind == ERR_NONE:
+            self.error = self.outcomes.later.err

@@ -9,7 +9,7 @@
 
 cdef enum:
     HEADER_BYTES = 64              # sizeof(mpl_packet_t)
-    MIN_PAYLOAD = 256              # >= sizeof(mpl_error_t), rounded to 64: errors must fit
+    MIN_PAYLOAD = 384              # >= sizeof(mpl_error_t), rounded to 64: errors must fit
 
 
 cdef enum:

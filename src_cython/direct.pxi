@@ -459,18 +459,21 @@ cdef class Direct(Chunked):
         self.add_up(self.location(block, self.target), nsrc, n,
                     self.final_scale(self.count[block] + nsrc - 1, self.taken_wsum)
                     if self.target_final else 1.0)
-        for i in range(self.ntaken):            # read in place: still what it was?
-            if not self.chan.confirm(&self.streams[self.taken[i]], block):
-                return False
         if c.fec_k:
             # The engine keeps what arrives for rebuilding the rest of its
-            # group; these blocks bypass it.  (A producer does not rewrite a
-            # published record within the call: the copy is what was confirmed.)
+            # group; these blocks bypass it.  Copy first, then confirm (as
+            # settle does): a producer two calls ahead may rewrite the record
+            # at any time, and only a copy taken before the confirmation is
+            # known to be what was summed.  (The rows are marked in hand at
+            # commit, after the confirmation.)
             for i in range(self.ntaken):
                 other.data = self.sources[2 + i]
                 other.count = 1
                 other.nbytes = <uint32_t>self.contribution_bytes(n)
                 fec_keep(c, &self.streams[self.taken[i]], block, &other)
+        for i in range(self.ntaken):            # read in place: still what it was?
+            if not self.chan.confirm(&self.streams[self.taken[i]], block):
+                return False
         return True
 
     cdef void weigh(self, int block, int nsrc, const double* mants,

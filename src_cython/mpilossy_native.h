@@ -109,7 +109,7 @@ static inline uint16_t mpl_f2h(float f)
  * word per peer and then the records.  Only the owner writes its status and
  * records; peers write only their own `done` word (network path). */
 #define MPL_CACHELINE 64
-#define MPL_MSG_LEN 200
+#define MPL_MSG_LEN 320
 
 typedef struct {
     uint64_t seq;        /* call the owner is in; 0 while being rewritten */
@@ -120,6 +120,13 @@ typedef struct {
     uint64_t err_seq;    /* last call this owner knows to have failed */
     int32_t err_kind, err_rank;
     char err_msg[MPL_MSG_LEN];
+    /* The owner's call before `seq`, whose records are still in place: a
+     * rank that arrives there late compares its call with it.  Rewritten
+     * only while seq is 0; prev_check (mpl_hash4 of the others) tells a
+     * copy torn by a concurrent rewrite (network path). */
+    uint64_t prev_seq, prev_sig, prev_count;
+    uint32_t prev_dtype, prev_op, prev_algo, prev_pad;
+    uint64_t prev_check;
 } mpl_status_t;
 
 typedef struct {

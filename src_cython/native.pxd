@@ -35,6 +35,9 @@ cdef extern from "mpilossy_native.h" nogil:
         uint64_t err_seq
         int32_t err_kind, err_rank
         char err_msg[MPL_MSG_LEN]
+        uint64_t prev_seq, prev_sig, prev_count
+        uint32_t prev_dtype, prev_op, prev_algo, prev_pad
+        uint64_t prev_check
 
     ctypedef struct mpl_record_t:
         uint64_t seq

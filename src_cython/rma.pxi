@@ -95,7 +95,61 @@ cdef class RmaChannel(RmaWindow):
             self.seen_gb = new_getbuffers(0)
         if self.ends_gb == NULL and not self.all_shared:
             self.ends_gb = new_getbuffers(8 * self.nslots_max)
+        if (call.seq > 2 and self.region_exact[call.seq & 1]
+                and self.all_entered < call.seq - 1):
+            self.wait_for_readers(call)
+        self.region_exact[call.seq & 1] = call.timeout < 0
         return RmaWindow.begin(self, call)
+
+    cdef int wait_for_readers(self, CallInfo* call) except -1:
+        """The region this call writes last held call seq-2, which had no
+        deadline: a peer may still be reading it (its call seq-2 ends only
+        once it has everything).  A rank reuses a region only once every
+        peer has entered call seq-1, and so has left seq-2.  A complete call
+        seq-1 without deadline or injected loss proves it (its result needs
+        every rank's data of it), so does a call that saw every peer enter
+        (end); after a failed call, or with injected loss, this waits: as
+        long as it takes without a deadline (a signal ends it), until the
+        deadline with one (a reader still in seq-2 then fails its call, and
+        outcome.pxi tells everyone)."""
+        cdef uint64_t need = call.seq - 1
+        cdef int p = 0, flag
+        cdef double now, next_signal_check = mpl_now() + SIGNAL_CHECK_INTERVAL
+        try:
+            while p < self.size:
+                if p == self.rank or self.peer_reached(p, need):
+                    p += 1
+                    continue
+                now = mpl_now()
+                if call.timeout >= 0 and now >= call.start + call.timeout:
+                    break
+                if now >= next_signal_check:
+                    next_signal_check = now + SIGNAL_CHECK_INTERVAL
+                    PyErr_CheckSignals()
+                with nogil:
+                    self.progress()
+                    mpl_yield()
+        finally:
+            if self.seen_req != MPI_REQUEST_NULL:
+                self.bury(self.seen_req, self.seen_gb)
+                self.seen_req = MPI_REQUEST_NULL
+                self.seen_gb = new_getbuffers(0)
+        if p == self.size:
+            self.all_entered = need
+        return 0
+
+    cdef bint peer_reached(self, int p, uint64_t seq) noexcept nogil:
+        """Is peer p known to be in call `seq` or later (never blocks)?"""
+        cdef int flag
+        if self.peer_base[p] != NULL:
+            return mpl_load_acquire(&(<mpl_status_t*>self.peer_base[p]).seq) >= seq
+        if self.seen_req == MPI_REQUEST_NULL:
+            self.rget(&self.seen_gb.status, sizeof(mpl_status_t), p, 0, &self.seen_req)
+            return False
+        MPI_Test(&self.seen_req, &flag, MPI_STATUS_IGNORE)
+        if not flag:
+            return False
+        return self.seen_gb.status.seq >= seq
 
     cdef bint closed(self, Stream* s) noexcept nogil:
         """The producer's end word for the slot has reached this call.  Its
@@ -232,8 +286,29 @@ cdef class RmaChannel(RmaWindow):
                     return POLL_FAIL
             return POLL_WAIT
         if seq > cur:
+            if seq == cur + 1 and self.disagreed_before(peer, st, seq):
+                return POLL_FAIL
             return POLL_READY
         return POLL_WAIT
+
+    cdef bint disagreed_before(self, int peer, const mpl_status_t* st, uint64_t seq) noexcept nogil:
+        """The producer is one call ahead, and this rank arrives late in the
+        call before: did the producer make that call with another signature?
+        (Its records of it are still in place, but this rank cannot read them:
+        without this the late rank would take them for gone, and nobody would
+        learn that the ranks disagree.)"""
+        cdef uint64_t pseq = st.prev_seq, psig = st.prev_sig, pcount = st.prev_count
+        cdef uint32_t pdtype = st.prev_dtype, pop = st.prev_op, palgo = st.prev_algo
+        cdef uint64_t pcheck = st.prev_check
+        mpl_fence_acquire()
+        if mpl_load_relaxed(&st.seq) != seq:
+            return False                # rewritten meanwhile: look again later
+        if pseq != self.call.seq or psig == 0 or psig == self.call.sig:
+            return False
+        if pcheck != previous_check(pseq, psig, pcount, pdtype, pop, palgo):
+            return False                # a torn copy (network path)
+        describe_mismatch(&self.error, self.call, self.rank, peer, palgo, pcount, pdtype, pop)
+        return True
 
     cdef int poll_get(self, Stream* s, int block, Incoming* inc) noexcept nogil:
         """Network path: a small state machine of MPI_Rget for one block at a
@@ -419,6 +494,8 @@ cdef class RmaChannel(RmaWindow):
         cdef int p, flag
         cdef double limit
         cdef bint waiting
+        if not failed and (self.nseen == self.size or (call.timeout < 0 and not call.injected)):
+            self.all_entered = call.seq     # (wait_for_readers)
         if self.all_shared:
             return
         limit = linger_limit(call, failed, mpl_now())

@@ -19,6 +19,12 @@ cdef inline Py_ssize_t round_up(Py_ssize_t x, Py_ssize_t to) noexcept nogil:
     return ((x + to - 1) // to) * to
 
 
+cdef inline uint64_t previous_check(uint64_t seq, uint64_t sig, uint64_t count, uint32_t dtype,
+                                    uint32_t op, uint32_t algo) noexcept nogil:
+    """The check word of a status block's previous call (mpl_status_t.prev_check)."""
+    return mpl_hash4(seq, sig, count, <uint64_t>dtype | <uint64_t>op << 16 | <uint64_t>algo << 32)
+
+
 cdef class RmaWindow(Channel):
     """This rank's window: its layout, allocation and growth, and what this
     rank publishes in it (status, records, end words, errors)."""
@@ -38,6 +44,11 @@ cdef class RmaWindow(Channel):
     cdef Py_ssize_t ends_offset
     cdef int* published_blocks     # per slot, in this call
     cdef unsigned char* published_to   # peers that read my records of this call
+    # Reusing a region (rma.pxi: wait_for_readers): did the call that last
+    # wrote it have no deadline, and the latest call every peer is known to
+    # have entered.
+    cdef bint region_exact[2]
+    cdef uint64_t all_entered
 
     def __cinit__(self):
         self.has_win = False
@@ -60,6 +71,8 @@ cdef class RmaWindow(Channel):
         if not (self.peer_base and self.published_to and self.published_blocks):
             raise MemoryError()
         self.allocate_readers()
+        self.outcomes = Outcomes()
+        self.outcomes.setup(comm)
         self.allocate(max(capacity, 4096))
         return 0
 
@@ -122,6 +135,8 @@ cdef class RmaWindow(Channel):
             self.has_win = False
 
     cdef void close(self):
+        if self.outcomes is not None:
+            self.outcomes.close()
         self.release_window()
 
     def __dealloc__(self):
@@ -160,10 +175,27 @@ cdef class RmaWindow(Channel):
         self.announce(call, 0)
         return 0
 
-    cdef void announce(self, CallInfo* call, uint64_t grow) noexcept nogil:
+    cdef void rewrite_status(self, CallInfo* call) noexcept nogil:
+        """Take the status block from readers (seq 0) to announce `call`; the
+        call it announced becomes the previous one, whose records are still
+        in place for a peer that arrives there late."""
         cdef mpl_status_t* st = self.my_status()
+        cdef uint64_t old = mpl_load_relaxed(&st.seq)
         mpl_store_relaxed(&st.seq, 0)
         mpl_fence_release()
+        if old != call.seq and old != 0:
+            st.prev_seq = old
+            st.prev_sig = st.sig
+            st.prev_count = st.count
+            st.prev_dtype = st.dtype
+            st.prev_op = st.op
+            st.prev_algo = st.algo
+            st.prev_check = previous_check(st.prev_seq, st.prev_sig, st.prev_count,
+                                           st.prev_dtype, st.prev_op, st.prev_algo)
+
+    cdef void announce(self, CallInfo* call, uint64_t grow) noexcept nogil:
+        cdef mpl_status_t* st = self.my_status()
+        self.rewrite_status(call)
         st.sig = call.sig
         st.count = call.count
         st.dtype = call.dtype
@@ -205,13 +237,16 @@ cdef class RmaWindow(Channel):
         memcpy(st.err_msg, err.msg, MPL_MSG_LEN)
         mpl_store_release(&st.err_seq, call.seq)
         if mpl_load_relaxed(&st.seq) != call.seq:
-            mpl_store_relaxed(&st.seq, 0)
-            mpl_fence_release()
+            self.rewrite_status(call)
             st.sig = 0                  # no layout: never read as a mismatch
             st.grow = 0
             mpl_store_release(&st.seq, call.seq)
         if not self.all_shared:
             MPI_Win_sync(self.win)
+        # Peers that already returned from this call learn it at their next
+        # (outcome.pxi); the status block holds only the latest error.
+        if self.outcomes is not None:
+            self.outcomes.tell(call.seq, err)
 
     cdef void describe_mismatch(self, int peer, const mpl_status_t* st) noexcept nogil:
         describe_mismatch(&self.error, self.call, self.rank, peer, st.algo, st.count,

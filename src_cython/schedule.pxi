@@ -403,6 +403,10 @@ cdef double DEFAULT_EARLY_CLOSE = 100e-6
 cdef double EARLY_CLOSE_GRACE = DEFAULT_EARLY_CLOSE
 
 
+# How often a waiting call looks for failures told over MPI (seconds).
+cdef double NOTE_CHECK_INTERVAL = 1e-3
+
+
 cdef inline bint stream_ended(Channel chan, Stream* s, double now) noexcept nogil:
     """Has the producer of `s` sent all it will send, a grace period ago?"""
     if s.drop_end or EARLY_CLOSE_GRACE < 0:
@@ -443,6 +447,7 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
     cdef bint exact = call.timeout < 0
     cdef double now, patience = patience_end(call)
     cdef double next_signal_check = mpl_now() + SIGNAL_CHECK_INTERVAL
+    cdef double next_note_check = mpl_now() + NOTE_CHECK_INTERVAL
     cdef int idle = 0
     call.anchor = -1.0
     alg.start()
@@ -515,4 +520,10 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
             if now >= next_signal_check:
                 next_signal_check = now + SIGNAL_CHECK_INTERVAL
                 if interrupted(alg, chan, call, err):
+                    return 1
+            if now >= next_note_check:
+                # (outcome.pxi: one outcome per call on every rank)
+                next_note_check = now + NOTE_CHECK_INTERVAL
+                if chan.failed_elsewhere(call, err):
+                    chan.fail(call, err)
                     return 1

@@ -18,8 +18,8 @@ pytestmark = pytest.mark.skipif(not _core.HAVE_DATAGRAM_AUTH,
 KEY = bytes(range(16))
 TOKEN, SEQ, SIG = 0x1234_5678_9ABC_DEF0, 42, 0xC0FFEE
 STREAMS = [(1, 0), (2, 1), (3, 2)]          # (peer, slot) this rank reads
-NSLOTS, NBLOCKS, BLOCK = 4, 3, 256
-HELLO_BYTES, ERROR_BYTES = 32, 208          # sizeof(mpl_hello_t), sizeof(mpl_error_t)
+NSLOTS, NBLOCKS, BLOCK = 4, 3, 384     # BLOCK: the payload bound, >= ERROR_BYTES
+HELLO_BYTES, ERROR_BYTES = 32, 328          # sizeof(mpl_hello_t), sizeof(mpl_error_t)
 
 
 def judge():
@@ -32,7 +32,8 @@ def datagram(src=1, slot=0, block=0, count=1, payload=b"\x01" * 64, seq=SEQ, tok
 
 
 def error_record(kind=5, rank=1, msg=b"boom"):
-    return kind.to_bytes(4, "little", signed=True) + rank.to_bytes(4, "little") + msg.ljust(200, b"\0")
+    return (kind.to_bytes(4, "little", signed=True) + rank.to_bytes(4, "little")
+            + msg.ljust(ERROR_BYTES - 8, b"\0"))
 
 
 def nothing_placed(j):

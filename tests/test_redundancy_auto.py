@@ -193,3 +193,53 @@ def test_auto_in_a_call_needs_an_auto_communicator(comm):
         assert lc.allreduce(np.ones(100), redundancy="auto").redundancy is None
         with pytest.raises(ValueError, match="target"):
             lc.auto_redundancy(2.0)
+
+
+# -- the third hardening round (issue 38) ---------------------------------------
+@pytest.mark.mpi(min_size=2)
+@needs_isal
+def test_ranks_whose_builds_differ_use_the_codes_every_build_has(comm, monkeypatch):
+    """Rank 0 acts as a build without ISA-L (m = 1 only), the others have
+    it.  Before: each rank chose m from its own build, so from the first
+    agreement on every call failed as a mismatch; now the ranks agree on the
+    largest m every build has at construction."""
+    if comm.rank == 0:
+        monkeypatch.setattr(auto, "fec_check", lambda k, m: None if m == 1 else "no ISA-L")
+    loss = mpilossy.loss.Bernoulli(0.1, seed=5 + comm.rank)
+    with mpilossy.Communicator(comm, timeout=1.0, loss=loss, block_bytes=512,
+                               redundancy="auto") as lc:
+        try:
+            seen = [code for _, code, _ in run_calls(lc, FIRST_DUE + 4)]
+        except MPILossyError as exc:
+            seen = f"{type(exc).__name__}: {exc}"
+        codes = comm.allgather(seen)
+        assert all(c == codes[0] for c in codes), codes
+        assert codes[0][-1] == (auto.AUTO_K, 1), codes
+        assert lc.auto_redundancy(0.001) == (auto.AUTO_K, 1)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(120)
+def test_the_wait_for_a_late_peers_agreement_leaves_the_cpu_to_it(comm):
+    """The last rank sleeps 1 s before the first agreement is due; the
+    others wait for it at the due call.  Before: that wait spun on Test()
+    and held a core (and the GIL) the whole second, starving a late rank
+    that shares the cores; now it sleeps between tests."""
+    late = comm.size - 1
+
+    def nap(seq):
+        if comm.rank == late and seq == PERIOD:
+            time.sleep(1.0)
+
+    with mpilossy.Communicator(comm, timeout=0.05, block_bytes=512, redundancy="auto") as lc:
+        x = np.ones(600)
+        waits = []
+        for _ in range(FIRST_DUE + 1):
+            nap(lc.calls + 1)
+            wall, cpu = time.monotonic(), time.process_time()
+            lc.allreduce(x.copy(), op="avg", algorithm="direct")
+            waits.append((time.monotonic() - wall, time.process_time() - cpu))
+        due = comm.allgather(waits[FIRST_DUE - 1])
+    for rank, (wall, cpu) in enumerate(due[:-1]):
+        assert wall > 0.5, due                  # it did wait for the late rank
+        assert cpu < 0.25 * wall, due           # without holding a core

@@ -123,7 +123,7 @@ def test_mismatch_and_local_errors_reach_every_rank(comm, timeout):
 
 @pytest.mark.mpi
 def test_datagrams_too_small_for_an_error_record_are_refused(comm, monkeypatch):
-    """An ERROR datagram carries a 208-byte record: a payload smaller than
+    """An ERROR datagram carries a 328-byte record: a payload smaller than
     that could not tell the peers of a failure (and overflowed its buffer)."""
     monkeypatch.setenv("MPILOSSY_UD_MTU", "128")
     message = all_ranks_raise(comm, lambda: mpilossy.Communicator(comm, channel="ud"),

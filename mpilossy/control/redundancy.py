@@ -12,6 +12,11 @@ residual loss, the chance that a data block is lost and its group cannot
 rebuild it, is at most the target (``residual_loss``, losses taken as
 independent).  Before the first agreement, calls carry no parity.
 
+Which codes exist is agreed too: at construction the ranks take the
+largest m that every rank's build has (``largest_m``, one ``MPI_Allreduce``
+MIN): a build without Intel ISA-L has m = 1 only, and ranks that chose from
+their own builds would use different codes from the first agreement on.
+
 Why strict where the auto deadline is lenient: ranks that used different
 codes in one call could not read each other's records (the call fails as a
 mismatch), so every rank must switch at the same call.  A rank that reaches
@@ -35,12 +40,14 @@ from .._core import fec_check
 from ..errors import MPILossyError
 from .deadline import LAG, PERIOD, Agreement, finish
 
-__all__ = ["AutoRedundancy", "residual_loss", "choose", "AUTO_K", "AUTO_MAX_M"]
+__all__ = ["AutoRedundancy", "residual_loss", "choose", "largest_m", "AUTO_K", "AUTO_MAX_M"]
 
 WINDOW = 64             # calls per rank in the measured rate
 AUTO_K = 8              # data blocks per group (the measured (8, 2) rows)
 AUTO_MAX_M = 6          # at most 75% more bytes, as the (4, 3) rows at 30% loss
 AGREE_WAIT = 30.0       # seconds a rank waits at the due call for a late peer
+WAIT_FIRST_SLEEP = 50e-6    # seconds between its tests of the agreement, at first...
+WAIT_MAX_SLEEP = 5e-3       # ...and at most
 
 Code = Optional[Tuple[int, int]]
 
@@ -56,17 +63,26 @@ def residual_loss(p: float, k: int, m: int) -> float:
     return p * (1.0 - below)
 
 
-def choose(p: Optional[float], target: float, k: int = AUTO_K) -> Code:
+def largest_m(k: int = AUTO_K) -> int:
+    """The largest m <= AUTO_MAX_M such that this build has every code (k, 1)
+    to (k, m): 1 without ISA-L."""
+    m = 0
+    while m < AUTO_MAX_M and fec_check(k, m + 1) is None:
+        m += 1
+    return m
+
+
+def choose(p: Optional[float], target: float, k: int = AUTO_K,
+           max_m: Optional[int] = None) -> Code:
     """The code for loss rate `p` and residual-loss `target`: None when the
-    rate is unknown or already within the target, else the smallest m this
-    build has whose residual loss meets the target, or the largest allowed
-    when none does."""
+    rate is unknown or already within the target, else the smallest m up to
+    `max_m` (default: what this build has) whose residual loss meets the
+    target, or `max_m` when none does."""
     if p is None or p <= target:
         return None
+    top = largest_m(k) if max_m is None else max_m
     best = None
-    for m in range(1, AUTO_MAX_M + 1):
-        if fec_check(k, m) is not None:
-            break                   # (m >= 2 without ISA-L; m >= k)
+    for m in range(1, top + 1):
         best = (k, m)
         if residual_loss(p, k, m) <= target:
             break
@@ -77,9 +93,12 @@ class AutoRedundancy:
     """The agreed loss rate of one communicator and the code it calls for."""
 
     def __init__(self, comm: MPI.Intracomm, target: float, k: int = AUTO_K) -> None:
+        """Collective over `comm`: agrees the codes every rank's build has."""
         self.comm = comm            # private: the agreements never meet other traffic
         self.target = target
         self.k = k
+        self.max_m: int = comm.allreduce(largest_m(k), op=MPI.MIN)
+        """The largest m every rank's build has."""
         self.calls = 0
         self.recent: Deque[Tuple[int, int]] = deque(maxlen=WINDOW)   # (missed, read) per call
         self.pending: Deque[Agreement] = deque()
@@ -109,8 +128,15 @@ class AutoRedundancy:
         return spent
 
     def _wait(self, agreement: Agreement) -> float:
+        """Test the agreement until it completes, sleeping between tests
+        (from WAIT_FIRST_SLEEP, doubling to WAIT_MAX_SLEEP): a late peer on
+        the same cores must get the CPU to reach its call, which a loop of
+        Test() holding the GIL and a core would starve."""
         began = time.monotonic()
+        pause = WAIT_FIRST_SLEEP
         while not agreement.request.Test():
+            time.sleep(pause)
+            pause = min(2 * pause, WAIT_MAX_SLEEP)
             if time.monotonic() - began > AGREE_WAIT:
                 raise MPILossyError(
                     f"redundancy='auto': call {self.calls} needs the loss rate agreed at call "
@@ -127,7 +153,8 @@ class AutoRedundancy:
     def code(self, target: Optional[float] = None) -> Code:
         """The code in force for residual-loss `target` (default: the
         communicator's): the same on every rank between two agreements."""
-        return choose(self.loss_rate, self.target if target is None else target, self.k)
+        return choose(self.loss_rate, self.target if target is None else target, self.k,
+                      self.max_m)
 
     def close(self, limit: float = 1.0) -> None:
         finish(self.pending, limit)

@@ -1,0 +1,130 @@
+"""One outcome per call on every rank (issue 38): a call that fails on one
+rank fails on every rank, and a rank that had already returned from it
+learns at its next call, named; a rank reuses the memory of a call only
+once every peer has left it, so a failed call never makes a good one fail
+on a slow rank (src_cython/outcome.pxi, rma.pxi: wait_for_readers)."""
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+import mpilossy
+from mpilossy import _core
+from helpers import is_singleton, mpi_sum, run_mpi_script, small_ints
+
+CHANNELS = ["rma"] + (["ud"] if _core.HAVE_DATAGRAM_AUTH else [])
+
+
+def report(proc, tag):
+    assert proc.returncode == 0, \
+        f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(tag + " ")]
+    assert len(lines) == 1, proc.stdout[-3000:]
+    return json.loads(lines[0][len(tag) + 1:])
+
+
+# -- a failed call between good ones, a slow rank ------------------------------------
+@pytest.mark.skipif(not is_singleton(), reason="starts its own mpiexec: runs at size 1")
+@pytest.mark.parametrize("ranks, channel, algorithm", [
+    (2, "rma", "direct"), (3, "rma", "direct"), (4, "rma", "direct"), (3, "rma", "ring"),
+    (3, "ud", "direct")])
+def test_a_failed_call_never_fails_the_good_call_before_it(ranks, channel, algorithm):
+    """40 good calls without deadline, each followed by one that fails on
+    every rank; the last rank runs at nice 19.  Before (rma): the fast ranks
+    left the failed call at once and rewrote the records of the good call
+    that the slow rank was still reading, and it raised "moved past call N"
+    alone: 6 to 39 of the 40 good calls at 3 and 4 ranks."""
+    if channel == "ud" and not _core.HAVE_DATAGRAM_AUTH:
+        pytest.skip("channel='ud' not built")
+    seen = report(run_mpi_script("slow_reader.py", ranks, channel, algorithm, "1000",
+                                 timeout=120, MPILOSSY_UD_PROVIDER="native"), "SLOW_READER")
+    assert [r["good_failed"] for r in seen] == [0] * ranks, seen
+    assert [r["bad_returned"] for r in seen] == [0] * ranks, seen
+
+
+@pytest.mark.skipif(not is_singleton(), reason="starts its own mpiexec: runs at size 1")
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_ranks_that_disagree_on_having_a_deadline_raise_on_rma(ranks):
+    """The one-sided channel raised already; now every rank raises a
+    MismatchError that says which rank waits without deadline."""
+    seen = report(run_mpi_script("mixed_deadlines.py", ranks, "rma", timeout=60),
+                  "MIXED_DEADLINES")
+    for r in seen:
+        assert all(o.startswith("MismatchError") for o in r["outcomes"][1:]), seen
+        assert r["wrong"] == 0, seen
+    assert "timeout=None" in seen[0]["outcomes"][0] and "with a deadline" in seen[0]["outcomes"][0]
+
+
+# -- a late rank that disagrees ----------------------------------------------------
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_a_late_rank_that_disagrees_makes_every_rank_raise(comm, channel):
+    """The last rank arrives at call 2 after its peers' 50 ms deadline, with
+    another op.  It raises MismatchError there; the others had returned call
+    2 (lossy) and raise at call 3, naming call 2, and so does the late rank:
+    call 3 fails on every rank.  Before: only the late rank raised (ud), or
+    nobody did (rma: the late rank took its peers' records for gone)."""
+    late = comm.rank == comm.size - 1
+    outcomes = []
+    with mpilossy.Communicator(comm, channel=channel, timeout=0.05) as lc:
+        x = small_ints(1000, comm.rank, np.float64)
+        out = np.empty_like(x)
+        for call in (1, 2, 3, 4):
+            comm.Barrier()
+            op = "sum"
+            if call == 2 and late:
+                time.sleep(0.3)
+                op = "avg"
+            try:
+                lc.allreduce(x, out, op=op, algorithm="direct")
+                outcomes.append("returned")
+            except mpilossy.MPILossyError as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+        seen = comm.allgather(outcomes)
+        comm.Barrier()
+        lc.allreduce(x, out, timeout=None)          # in step, exact
+        np.testing.assert_array_equal(out, mpi_sum(comm, x))
+    for rank, o in enumerate(seen):
+        assert o[0] == "returned" and o[3] == "returned", seen
+        if rank == comm.size - 1:
+            assert o[1].startswith("MismatchError") and "ranks disagree on call 2" in o[1], seen
+        else:
+            assert o[1] == "returned", seen
+        assert o[2].startswith("MismatchError: allreduce call 3") and \
+            "call 2 failed after rank" in o[2] and "ranks disagree on call 2" in o[2], seen
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_an_error_after_every_peer_returned_reaches_them_at_their_next_call(comm, channel):
+    """The last rank's buffer is read-only at call 2, which it reaches after
+    its peers returned it: it raises BufferError, they raise at call 3
+    (the call fails on every rank), and call 4 is exact everywhere."""
+    late = comm.rank == comm.size - 1
+    outcomes = []
+    with mpilossy.Communicator(comm, channel=channel, timeout=0.05) as lc:
+        x = small_ints(1000, comm.rank, np.float64)
+        for call in (1, 2, 3):
+            comm.Barrier()
+            out = np.empty_like(x)
+            if call == 2 and late:
+                time.sleep(0.3)
+                out.flags.writeable = False
+            try:
+                lc.allreduce(x, out, algorithm="direct")
+                outcomes.append("returned")
+            except (mpilossy.MPILossyError, BufferError) as exc:
+                outcomes.append(f"{type(exc).__name__}: {exc}")
+        comm.Barrier()
+        out = np.empty_like(x)
+        lc.allreduce(x, out, timeout=None)
+        np.testing.assert_array_equal(out, mpi_sum(comm, x))
+        seen = comm.allgather(outcomes)
+    for rank, o in enumerate(seen):
+        if rank == comm.size - 1:
+            assert o[1].startswith("BufferError"), seen
+        else:
+            assert o[1] == "returned", seen
+        assert o[2].startswith("BufferError: allreduce call 3") and "call 2 failed" in o[2], seen
