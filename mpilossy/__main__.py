@@ -21,7 +21,7 @@ from mpi4py import MPI
 import mpilossy
 from mpilossy import _core
 from mpilossy._loader import loaded_mpi_libraries
-from mpilossy.control import settings
+from mpilossy.call import config
 
 
 def _cpu_model() -> str:
@@ -83,7 +83,7 @@ def report(comm: MPI.Comm) -> Optional[List[str]]:
     if ranks is None:           # not rank 0
         return None
     libraries = loaded_mpi_libraries()
-    env = settings.from_environment()
+    env = config.from_environment()
     lines = [
         f"mpilossy {mpilossy.__version__} ({os.path.dirname(mpilossy.__file__)})",
         f"compiled core: {_core.__file__}",

@@ -60,12 +60,32 @@ def fec_kernel(name: str, blocks: Any, k: int, m: int, present: Any = ...) -> in
 def buffer_address(obj: Any) -> int: ...
 def mac_seconds(payload: int, count: int) -> float: ...
 
+class CallSpec:
+    """One call, resolved (mpilossy/call/spec.py builds it)."""
+    collective: int
+    algorithm: int
+    dtype: int
+    op: int
+    timeout: float
+    budget: float
+    weight: float
+    qbits: int
+    qgroup: int
+    residual: Optional[Any]
+    nbytes: int
+    elements: int
+    kind: Tuple[int, int, int]
+    fec_k: int
+    fec_m: int
+    def __init__(self, collective: int, algorithm: int, dtype: int, op: int, timeout: float,
+                 budget: float, weight: float, qbits: int, qgroup: int, residual: Optional[Any],
+                 nbytes: int, elements: int, kind: Tuple[int, int, int], fec_k: int = ...,
+                 fec_m: int = ...) -> None: ...
+    @property
+    def redundancy(self) -> Optional[Tuple[int, int]]: ...
+
 class Core:
-    def __init__(self, comm: MPI.Comm, capacity: int, block_bytes: int, radix: int,
-                 use_shared: bool, zero_fill: bool = ..., rotate: bool = ..., channel: str = ...,
-                 provider: str = ..., domain: str = ..., datagram_bytes: int = ...,
-                 recv_buffers: int = ..., socket_bytes: int = ..., spin: int = ...,
-                 early_close: float = ...) -> None: ...
+    def __init__(self, comm: MPI.Comm, config: Any, channel: str) -> None: ...
     @property
     def seq(self) -> int: ...
     @property
@@ -78,8 +98,5 @@ class Core:
     def set_offload(self, on: bool) -> bool: ...
     def configure_loss(self, spec: Dict[str, Any]) -> None: ...
     def close(self) -> None: ...
-    def collective(self, sendbuf: Any, recvbuf: Any, coll: int, dtype: int, op: int, algo: int,
-                   timeout: float, weight: float = ..., qbits: int = ...,
-                   qgroup: int = ..., residual: Any = ..., fec_k: int = ...,
-                   fec_m: int = ...) -> CallResult: ...
+    def collective(self, sendbuf: Any, recvbuf: Any, spec: CallSpec) -> CallResult: ...
     def fail(self, kind: int, message: str, timeout: float) -> CallResult: ...

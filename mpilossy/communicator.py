@@ -15,12 +15,12 @@ from mpi4py import MPI
 from ._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER, Core
 from .call.buffers import BufferIntake, chunk_bounds
 from .call.channel import open_core
-from .call.config import DEFAULT_CAPACITY, UNSET, Config, check_fraction, agree
+from .call import environment
+from .call.config import DEFAULTS, UNSET, Config, check_fraction, agree
 from .call.failure import call_error, failure_bound, refuse
 from .call.spec import CallResolver, asks_for_auto
 from .call.stats import ALGORITHM_NAMES, COLLECTIVE_NAMES, AllreduceStats, CollectiveStats, stats_of
 from .call.trace import Trace
-from .control import settings as _settings
 from .control.deadline import AutoDeadline
 from .control.lag import LagWatch
 from .control.redundancy import AutoRedundancy
@@ -69,14 +69,15 @@ class Communicator:
     Construction and free() are collective over `comm`.
     """
 
-    def __init__(self, comm: Optional[MPI.Comm] = None, *, channel: str = "rma",
+    def __init__(self, comm: Optional[MPI.Comm] = None, *, channel: str = DEFAULTS.channel,
                  timeout: Union[float, str, None] = UNSET, loss: Any = UNSET,
-                 algorithm: str = "auto", block_bytes: Optional[int] = None,
-                 capacity: int = DEFAULT_CAPACITY, tree_radix: Optional[int] = None,
-                 scaling: str = "unbiased", rotate: bool = True,
-                 compression: Optional[str] = None, compression_group: int = 64,
-                 redundancy: Union[None, str, Tuple[int, int]] = None,
-                 redundancy_target: float = 0.025) -> None:
+                 algorithm: str = DEFAULTS.algorithm, block_bytes: Optional[int] = None,
+                 capacity: int = DEFAULTS.capacity, tree_radix: Optional[int] = None,
+                 scaling: str = DEFAULTS.scaling, rotate: bool = DEFAULTS.rotate,
+                 compression: Optional[str] = DEFAULTS.compression,
+                 compression_group: int = DEFAULTS.compression_group,
+                 redundancy: Union[None, str, Tuple[int, int]] = DEFAULTS.redundancy,
+                 redundancy_target: float = DEFAULTS.redundancy_target) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -92,8 +93,8 @@ class Communicator:
         try:
             config, env = agree(self._comm, arguments)
             rank = self._comm.Get_rank()
-            _settings.configure_logging(env, rank)
-            _settings.warn_from_environment(env, MPI.COMM_WORLD.Get_rank(), tuple(
+            environment.configure_logging(env, rank)
+            environment.warn_from_environment(env, MPI.COMM_WORLD.Get_rank(), tuple(
                 name for name in ("loss", "timeout") if arguments[name] is UNSET))
             self._core, self._channel = open_core(self._comm, config)
         except BaseException:
@@ -109,7 +110,7 @@ class Communicator:
         self._calls = CallResolver(config, self._size, self._auto, self._codes)
         self._lag = LagWatch(rank, self._size, config.max_behind)
         self._trace = Trace.open(config.trace, self._serial, rank)
-        _settings.log.info("communicator of %d ranks: channel=%s timeout=%s loss=%s "
+        environment.log.info("communicator of %d ranks: channel=%s timeout=%s loss=%s "
                            "block_bytes=%d", self._size, self._channel, self.timeout,
                            list(config.loss) or None, config.block_bytes)
 
@@ -316,9 +317,7 @@ class Communicator:
             raise error from None
         if spec.residual is not None:
             spec.residual[...] = 0       # (the core writes the blocks it quantised)
-        result = core.collective(bufs.send, bufs.recv, collective, spec.dtype, spec.op,
-                                 spec.algorithm, spec.budget, spec.weight, spec.qbits,
-                                 spec.qgroup, spec.residual, *spec.redundancy)
+        result = core.collective(bufs.send, bufs.recv, spec)
         bufs.finish(ok=not result.err_kind)
         self._auto.observe(spec.kind, result)
         if self._codes is not None:
@@ -357,20 +356,31 @@ def default_communicator() -> Communicator:
 def allreduce(sendbuf: Any, recvbuf: Any = None, *, op: str = "sum",
               algorithm: Optional[str] = None, timeout: Any = UNSET,
               weight: Optional[float] = None,
-              compression: Optional[str] = UNSET) -> CollectiveStats:
+              compression: Optional[str] = UNSET,
+              residual: Optional[np.ndarray] = None,
+              redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
     """mpilossy.Communicator.allreduce on default_communicator()."""
     return default_communicator().allreduce(sendbuf, recvbuf, op=op, algorithm=algorithm,
                                             timeout=timeout, weight=weight,
-                                            compression=compression)
+                                            compression=compression, residual=residual,
+                                            redundancy=redundancy)
 
 
 def reduce_scatter(sendbuf: Any, recvbuf: Any, *, op: str = "sum",
-                   timeout: Any = UNSET, weight: Optional[float] = None) -> CollectiveStats:
+                   algorithm: str = "auto", timeout: Any = UNSET,
+                   weight: Optional[float] = None,
+                   compression: Optional[str] = UNSET,
+                   residual: Optional[np.ndarray] = None,
+                   redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
     """mpilossy.Communicator.reduce_scatter on default_communicator()."""
-    return default_communicator().reduce_scatter(sendbuf, recvbuf, op=op, timeout=timeout,
-                                                 weight=weight)
+    return default_communicator().reduce_scatter(sendbuf, recvbuf, op=op, algorithm=algorithm,
+                                                 timeout=timeout, weight=weight,
+                                                 compression=compression, residual=residual,
+                                                 redundancy=redundancy)
 
 
-def allgather(sendbuf: Any, recvbuf: Any, *, timeout: Any = UNSET) -> CollectiveStats:
+def allgather(sendbuf: Any, recvbuf: Any, *, timeout: Any = UNSET,
+              redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
     """mpilossy.Communicator.allgather on default_communicator()."""
-    return default_communicator().allgather(sendbuf, recvbuf, timeout=timeout)
+    return default_communicator().allgather(sendbuf, recvbuf, timeout=timeout,
+                                            redundancy=redundancy)

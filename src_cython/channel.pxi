@@ -117,6 +117,10 @@ cdef struct CallInfo:
                           # ran out); < 0 until then
     int nstages
     double* stage_end     # fraction of the budget at which each stage gives up
+    # The engine's settings, the communicator's (MPILOSSY_SPIN, _EARLY_CLOSE):
+    int spin              # idle passes of the polling loop before it yields the core
+    double early_close    # seconds a block missing after its producer's end mark is
+                          # still waited for (reordering); < 0: no early close
 
 cdef struct Incoming:
     const char* data
@@ -362,3 +366,22 @@ cdef class Channel:
 
     cdef void close(self):
         pass
+
+    # -- what the Python layer asks of a channel (Core forwards) ------------
+    def info(self) -> dict:
+        """What the channel is and what it has seen."""
+        raise NotImplementedError
+
+    def set_rate(self, double rate, double burst):
+        """Pace this rank's sends at `rate` bytes per second, at most `burst`
+        bytes at once (datagram channels)."""
+        raise MPILossyChannelError(f"channel={self.info()['channel']!r} is not paced")
+
+    def set_offload(self, bint on) -> bool:
+        """Segmentation and receive offload on or off (the native datagram
+        transport); whether receive offload is on."""
+        raise MPILossyChannelError(f"channel={self.info()['channel']!r} has no datagram offload")
+
+    def mac_key(self) -> bytes:
+        """The datagram MAC key (tests make authentic replays with it)."""
+        raise MPILossyChannelError(f"channel={self.info()['channel']!r} has no datagram key")

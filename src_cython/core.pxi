@@ -22,12 +22,60 @@ CallResult = namedtuple("CallResult", [
 ], defaults=(0,))
 
 
+
+cdef class CallSpec:
+    """One call, resolved (mpilossy/call/spec.py builds it from the user's
+    arguments and the communicator's config): everything the core needs
+    besides the buffers, and what the statistics and the trace report."""
+    cdef readonly int collective, algorithm, dtype, op
+    cdef readonly double timeout     # the call's deadline in seconds; < 0: none
+    cdef readonly double budget      # what the core gets: the deadline less the auto wait
+    cdef readonly double weight      # this rank's weight; 0: none
+    cdef readonly int qbits          # bits per quantised value; 0: not quantised
+    cdef readonly Py_ssize_t qgroup  # values per quantisation scale
+    cdef readonly object residual    # where quantisation errors go (error feedback), or None
+    cdef readonly Py_ssize_t nbytes  # of this rank's sendbuf
+    cdef readonly Py_ssize_t elements    # of the whole vector
+    cdef readonly tuple kind         # (collective, algorithm, size bucket): the auto deadline's key
+    cdef readonly int fec_k, fec_m   # redundancy: m parity records per group of k; 0: none
+
+    def __init__(self, int collective, int algorithm, int dtype, int op, double timeout,
+                 double budget, double weight, int qbits, Py_ssize_t qgroup, residual,
+                 Py_ssize_t nbytes, Py_ssize_t elements, tuple kind, int fec_k=0, int fec_m=0):
+        self.collective = collective
+        self.algorithm = algorithm
+        self.dtype = dtype
+        self.op = op
+        self.timeout = timeout
+        self.budget = budget
+        self.weight = weight
+        self.qbits = qbits
+        self.qgroup = qgroup
+        self.residual = residual
+        self.nbytes = nbytes
+        self.elements = elements
+        self.kind = kind
+        self.fec_k = fec_k
+        self.fec_m = fec_m
+
+    @property
+    def redundancy(self):
+        """(k, m), or None without redundancy."""
+        return (self.fec_k, self.fec_m) if self.fec_k else None
+
+    def __repr__(self):
+        return (f"CallSpec(collective={self.collective}, algorithm={self.algorithm}, "
+                f"dtype={self.dtype}, op={self.op}, timeout={self.timeout}, "
+                f"budget={self.budget}, weight={self.weight}, qbits={self.qbits}, "
+                f"qgroup={self.qgroup}, nbytes={self.nbytes}, elements={self.elements}, "
+                f"kind={self.kind}, redundancy={self.redundancy})")
+
+
 cdef class Core:
     """Channel, algorithms and call counter of one mpilossy.Communicator."""
     cdef MPI.Comm comm           # the communicator's private duplicate
     cdef int rank, size
     cdef Channel chan
-    cdef RmaChannel rma              # chan, when it is the one-sided channel
     cdef Ring ring
     cdef Tree tree
     cdef Direct direct
@@ -40,37 +88,38 @@ cdef class Core:
     cdef bint closed
     cdef int scaling
     cdef bint rotate
+    cdef int spin                # the engine's settings (CallInfo.spin, early_close)
+    cdef double early_close
 
-    def __cinit__(self, MPI.Comm comm not None, Py_ssize_t capacity, Py_ssize_t block_bytes,
-                  int radix, bint use_shared, bint zero_fill=False, bint rotate=True,
-                  str channel="rma", str provider="", str domain="",
-                  Py_ssize_t datagram_bytes=8192, int recv_buffers=DEFAULT_RECV_BUFFERS,
-                  int socket_bytes=32 << 20, int spin=DEFAULT_SPIN,
-                  double early_close=DEFAULT_EARLY_CLOSE):
-        global SPIN_BEFORE_YIELD, EARLY_CLOSE_GRACE
-        SPIN_BEFORE_YIELD = spin                # (MPILOSSY_SPIN, MPILOSSY_EARLY_CLOSE:
-        EARLY_CLOSE_GRACE = early_close         #  mpilossy/control/settings.py)
+    def __cinit__(self, MPI.Comm comm not None, config, str channel):
+        """The core of a communicator on `comm` (its private duplicate):
+        `config` is its mpilossy.call.config.Config (validated and agreed),
+        `channel` "rma" or "ud" ("auto" resolved)."""
         self.comm = comm
-        self.scaling = SCALE_ZERO_FILL if zero_fill else SCALE_UNBIASED
-        self.rotate = rotate
+        self.scaling = SCALE_ZERO_FILL if config.scaling == "zero-fill" else SCALE_UNBIASED
+        self.rotate = config.rotate
+        self.spin = config.spin
+        self.early_close = config.early_close
         chk(MPI_Comm_rank(comm.ob_mpi, &self.rank))
         chk(MPI_Comm_size(comm.ob_mpi, &self.size))
-        self.block_bytes = block_bytes
+        self.block_bytes = config.block_bytes
         self.ring = Ring(self.rank, self.size)
         self.tree = Tree(self.rank, self.size)
-        self.tree.set_radix(radix)
+        self.tree.set_radix(config.tree_radix)
         self.direct = Direct(self.rank, self.size)
         self.gather = Gather(self.rank, self.size)
         self.loss = LossState(self.size)
         cdef DgramChannel ud
+        cdef RmaChannel rma
         if channel == "ud":
             ud = DgramChannel()
-            ud.setup(comm.ob_mpi, provider, domain, datagram_bytes, recv_buffers, socket_bytes)
+            ud.setup(comm.ob_mpi, config.ud_provider, config.ud_domain, config.ud_mtu,
+                     config.ud_recv_buffers, config.ud_socket_bytes)
             self.chan = ud
         else:
-            self.rma = RmaChannel()
-            self.rma.setup(comm.ob_mpi, capacity, use_shared)
-            self.chan = self.rma
+            rma = RmaChannel()
+            rma.setup(comm.ob_mpi, config.capacity, config.rma_shm)
+            self.chan = rma
 
     @property
     def seq(self) -> int:
@@ -80,56 +129,33 @@ cdef class Core:
     @property
     def capacity(self) -> int:
         """Bytes of this rank's window (0 for the datagram channel)."""
-        return self.rma.capacity if self.rma is not None else 0
+        return self.chan.info().get("window_bytes", 0)
 
     @property
     def shared_peers(self) -> int:
         """Peers read through shared memory (the others through MPI_Rget)."""
-        cdef int p, k = 0
-        if self.rma is None:
-            return 0
-        for p in range(self.size):
-            if p != self.rank and self.rma.peer_base[p] != NULL:
-                k += 1
-        return k
+        return self.chan.info().get("shared_memory_peers", 0)
 
     def channel_info(self) -> dict:
-        """What the channel is and what it has seen (datagram counters)."""
-        cdef DgramChannel ud
-        if self.rma is not None:
-            return {"channel": "rma", "window_bytes": self.rma.capacity,
-                    "shared_memory_peers": self.shared_peers,
-                    "gets_outliving_their_call": self.rma.nzombies}
-        ud = <DgramChannel>self.chan
-        info = {"channel": "ud",
-                "provider": mpl_dg_provider(ud.fab).decode() if ud.fab != NULL else "",
-                "domain": mpl_dg_domain_name(ud.fab).decode() if ud.fab != NULL else "",
-                "datagram_payload": ud.payload_max, "token": ud.token,
-                "address": ud.address(), "seq": self.seq}
-        info.update(ud.counters())
-        return info
+        """What the channel is and what it has seen (datagram counters), and
+        the calls made so far."""
+        return {**self.chan.info(), "seq": self.seq}
 
     def datagram_key(self) -> bytes:
         """The datagram channel's MAC key (tests make authentic replays with
         it; it is never sent on the network)."""
-        if self.rma is not None:
-            raise MPILossyChannelError("channel='rma' has no datagram key")
-        return (<char*>(<DgramChannel>self.chan).key)[:MPL_MAC_KEY_BYTES]
+        return self.chan.mac_key()
 
     def set_send_rate(self, double rate, double burst):
         """channel='ud': pace this rank's datagrams at `rate` bytes per
         second on the wire (0: unpaced), at most `burst` bytes at once."""
-        if self.rma is not None:
-            raise MPILossyChannelError("channel='rma' is not paced")
-        (<DgramChannel>self.chan).set_rate(rate, burst)
+        self.chan.set_rate(rate, burst)
 
     def set_offload(self, bint on) -> bool:
         """channel='ud', native transport: segmentation and receive offload
         on or off (on by default where the kernel has them); whether
         receive offload is on."""
-        if self.rma is not None:
-            raise MPILossyChannelError("channel='rma' has no datagram offload")
-        return (<DgramChannel>self.chan).set_offload(on)
+        return self.chan.set_offload(on)
 
     def configure_loss(self, dict spec):
         self.loss.configure(spec)
@@ -139,61 +165,47 @@ cdef class Core:
             self.closed = True
             self.chan.close()
 
-    def collective(self, sendbuf, recvbuf, int coll, int dtype, int op, int algo, double timeout,
-                   double weight=0.0, int qbits=0, Py_ssize_t qgroup=0, residual=None,
-                   int fec_k=0, int fec_m=0):
-        """Run one collective call (COLL_*) on buffers the Python layer has
-        validated.  `timeout` < 0 waits for everything; `weight` > 0: this
-        rank's weight in a weighted average (direct algorithm, op avg);
-        `qbits` 8 or 4: float32 payloads quantised in groups of `qgroup`
-        (direct algorithm); `residual` (float32, as long as the send buffer,
-        zeros on entry) receives what quantisation took from each sent
-        block of this rank's contribution.  `fec_k`, `fec_m`: redundancy,
-        m parity records per group of k blocks (0: none).  Returns
-        (err_kind, err_rank, err_msg, delivered, elapsed, deadline_hit,
-        fallback_fraction, min_contributors, seq, lost_blocks, timing, agreed,
-        contributors, rebuilt) with timing = (start, anchor, end) on the monotonic clock
-        and contributors (direct only, else None) = (bitmap bytes, entries,
-        nblocks, block_elems, words)."""
+    def collective(self, sendbuf, recvbuf, CallSpec spec not None):
+        """Run one call (spec.collective: COLL_*) on buffers the Python layer
+        has validated, as `spec` says (mpilossy/call/spec.py resolves it).
+        Returns its CallResult."""
         cdef Py_buffer sb, rb, eb
         cdef float* err = NULL
-        if fec_k and mpl_fec_check(fec_k, fec_m) != NULL:
-            raise ValueError(f"redundancy=({fec_k}, {fec_m}): "
-                             f"{mpl_fec_check(fec_k, fec_m).decode()}")
+        if spec.fec_k and mpl_fec_check(spec.fec_k, spec.fec_m) != NULL:
+            raise ValueError(f"redundancy=({spec.fec_k}, {spec.fec_m}): "
+                             f"{mpl_fec_check(spec.fec_k, spec.fec_m).decode()}")
         PyObject_GetBuffer(sendbuf, &sb, PyBUF_SIMPLE)
         try:
             PyObject_GetBuffer(recvbuf, &rb, PyBUF_SIMPLE | PyBUF_WRITABLE)
         except BaseException:
             PyBuffer_Release(&sb)
             raise
-        if residual is not None:
+        if spec.residual is not None:
             try:
-                PyObject_GetBuffer(residual, &eb, PyBUF_SIMPLE | PyBUF_WRITABLE)
+                PyObject_GetBuffer(spec.residual, &eb, PyBUF_SIMPLE | PyBUF_WRITABLE)
             except BaseException:
                 PyBuffer_Release(&rb)
                 PyBuffer_Release(&sb)
                 raise
             err = <float*>eb.buf
         try:
-            if err != NULL and (dtype != DT_F32 or eb.len != sb.len):
+            if err != NULL and (spec.dtype != DT_F32 or eb.len != sb.len):
                 raise ValueError("residual: float32, as long as the send buffer")
             return self.run(<char*>sb.buf, <char*>rb.buf,
-                            rb.len if coll == COLL_ALLGATHER else sb.len,
-                            coll, dtype, op, algo, timeout, weight, qbits, qgroup, err,
-                            fec_k, fec_m)
+                            rb.len if spec.collective == COLL_ALLGATHER else sb.len, spec, err)
         finally:
             if err != NULL:
                 PyBuffer_Release(&eb)
             PyBuffer_Release(&rb)
             PyBuffer_Release(&sb)
 
-    cdef object run(self, char* send, char* recv, Py_ssize_t nbytes, int coll, int dtype,
-                   int op, int algo, double timeout, double weight, int qbits,
-                   Py_ssize_t qgroup, float* residual=NULL, int fec_k=0, int fec_m=0):
+    cdef object run(self, char* send, char* recv, Py_ssize_t nbytes, CallSpec spec,
+                    float* residual):
         """`nbytes`: the whole vector (the send buffer of an all-reduce or a
         reduce-scatter, the receive buffer of an all-gather)."""
         cdef CallInfo* call = &self.call
         cdef Algorithm alg
+        cdef int coll = spec.collective, algo = spec.algorithm, dtype = spec.dtype
         if coll == COLL_ALLGATHER:
             alg = self.gather
             algo = ALGO_DIRECT
@@ -211,29 +223,30 @@ cdef class Core:
         memset(call, 0, sizeof(CallInfo))
         call.seq = self.seq
         call.dtype = dtype
-        call.op = op
+        call.op = spec.op
         call.algo = algo
         call.coll = coll
         call.itemsize = ITEMSIZE[dtype]
         call.count = nbytes // call.itemsize
-        call.timeout = timeout
+        call.timeout = spec.budget
         call.injected = lossy
+        call.spin = self.spin
+        call.early_close = self.early_close
         call.scaling = self.scaling
         call.rotate = self.rotate
-        call.weight = weight
-        call.qbits = qbits
-        call.qgroup = qgroup
-        call.residual = residual if qbits else NULL
-        call.fec_k = fec_k
-        call.fec_m = fec_m if fec_k else 0
+        call.weight = spec.weight
+        call.qbits = spec.qbits
+        call.qgroup = spec.qgroup
+        call.residual = residual if spec.qbits else NULL
+        call.fec_k = spec.fec_k
+        call.fec_m = spec.fec_m if spec.fec_k else 0
         pause = self.loss.delay(call.seq, self.rank)
         with nogil:
             mpl_sleep(pause)
         call.start = mpl_now()
         if self.size == 1:
             k_scale(dtype, 1.0, recv, send, call.count)    # every collective is a copy
-            return CallResult(ERR_NONE, -1, "", 1.0, mpl_now() - t0, False, 0.0, 1, call.seq, (0, 0, 0, 0),
-                    (call.start, call.start, mpl_now()), 1.0, None, 0)
+            return self.result(call, None, False, t0, mpl_now())
         # (a parity record is a block and its 8-byte trailer: blocks shrink to fit)
         call.max_block = self.chan.max_block_bytes() - (8 if call.fec_k else 0)
         call.block_elems = max(1, min(self.block_bytes, call.max_block) // call.itemsize)
@@ -245,11 +258,11 @@ cdef class Core:
             call.records += call.ngroups * call.fec_m
             call.record_bytes += 8
         call.sig = mpl_hash4(<uint64_t>call.count,
-                             <uint64_t>dtype | <uint64_t>op << 8 | <uint64_t>algo << 16
+                             <uint64_t>dtype | <uint64_t>call.op << 8 | <uint64_t>algo << 16
                              | <uint64_t>self.tree.radix << 24 | <uint64_t>coll << 40
-                             | <uint64_t>(weight > 0) << 48 | <uint64_t>qbits << 52
-                             | <uint64_t>(timeout < 0) << 60,
-                             <uint64_t>call.block_elems ^ (<uint64_t>qgroup << 40)
+                             | <uint64_t>(call.weight > 0) << 48 | <uint64_t>call.qbits << 52
+                             | <uint64_t>(call.timeout < 0) << 60,
+                             <uint64_t>call.block_elems ^ (<uint64_t>call.qgroup << 40)
                              ^ (<uint64_t>call.fec_k << 24) ^ (<uint64_t>call.fec_m << 32),
                              <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)) | 1
         if self.chan.late_error(call, &self.err):
@@ -259,7 +272,7 @@ cdef class Core:
                 self.chan.fail(call, &self.err)
                 self.chan.settle(call, True)
                 self.chan.end(call, True)
-            return self.failed_result(call, t0, mpl_now())
+            return self.result(call, None, True, t0, mpl_now())
         try:
             began = self.chan.begin(call)
             if not began:
@@ -298,25 +311,32 @@ cdef class Core:
             # call that waits without deadline, or while its rank waited for
             # its peers to finish (the channel's end).
             raise_pending()
-        if failed:
-            return self.failed_result(call, t0, finished)
-        return CallResult(ERR_NONE, -1, "", alg.delivered(), finished - t0, alg.deadline_hit,
-                alg.fallback_elems / <double>alg.result_elems if alg.result_elems else 0.0,
-                alg.min_count, call.seq,
-                (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
-                (call.start, call.anchor, finished), alg.agreed(),
-                (<Chunked>alg).contributors()
-                if alg is self.direct or alg is self.gather else None, alg.rebuilt_blocks,
-                read_blocks)
+        return self.result(call, alg, failed, t0, finished, read_blocks)
 
-    cdef object failed_result(self, CallInfo* call, double t0, double finished):
-        return CallResult(self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
-                          0.0, finished - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
-                          (call.start, -1.0, finished), 0.0, None, 0)
+    cdef object result(self, CallInfo* call, Algorithm alg, bint failed, double t0,
+                       double finished, Py_ssize_t read_blocks=0):
+        """The CallResult of `call` (the one place one is made): the failure
+        in self.err, a one-rank copy (`alg` None), or the algorithm's account."""
+        if failed:
+            return CallResult(self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
+                              0.0, finished - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
+                              (call.start, -1.0, finished), 0.0, None, 0, 0)
+        if alg is None:
+            return CallResult(ERR_NONE, -1, "", 1.0, finished - t0, False, 0.0, 1, call.seq,
+                              (0, 0, 0, 0), (call.start, call.start, finished), 1.0, None, 0, 0)
+        return CallResult(ERR_NONE, -1, "", alg.delivered(), finished - t0, alg.deadline_hit,
+                          alg.fallback_elems / <double>alg.result_elems if alg.result_elems
+                          else 0.0, alg.min_count, call.seq,
+                          (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
+                          (call.start, call.anchor, finished), alg.agreed(),
+                          (<Chunked>alg).contributors()
+                          if alg is self.direct or alg is self.gather else None,
+                          alg.rebuilt_blocks, read_blocks)
 
     def fail(self, int kind, str message, double timeout):
         """This rank cannot take part in the next call (bad input): count the
-        call, tell the peers why, and return the error tuple to raise."""
+        call, tell the peers why, and return its CallResult (the error to
+        raise)."""
         cdef CallInfo* call = &self.call
         self.seq += 1
         memset(call, 0, sizeof(CallInfo))
@@ -333,8 +353,7 @@ cdef class Core:
                 self.chan.fail(call, &self.err)
                 self.chan.settle(call, True)
                 self.chan.end(call, True)
-        return CallResult(kind, self.rank, message, 0.0, 0.0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
-                (call.start, -1.0, call.start), 0.0, None, 0)
+        return self.result(call, None, True, call.start, call.start)
 
 
 cdef int raise_pending() except -1:

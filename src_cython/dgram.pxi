@@ -156,6 +156,16 @@ cdef class DgramChannel(DgramEndpoint):
         free(self.end_nreaders)
         free(self.stream_of)
 
+    def info(self) -> dict:
+        return {"channel": "ud",
+                "provider": mpl_dg_provider(self.fab).decode() if self.fab != NULL else "",
+                "domain": mpl_dg_domain_name(self.fab).decode() if self.fab != NULL else "",
+                "datagram_payload": self.payload_max, "token": self.token,
+                "address": self.address(), **self.counters()}
+
+    def mac_key(self) -> bytes:
+        return (<char*>self.key)[:MPL_MAC_KEY_BYTES]
+
     def counters(self) -> dict:
         """Datagrams by fate: sent, received, and dropped by cause (docs/ud.md)."""
         return {**DgramEndpoint.counters(self), "foreign": self.n_foreign,

@@ -481,6 +481,14 @@ cdef class RmaChannel(RmaWindow):
             self.seen_next = (self.seen_next + 1) % self.size
         return self.nseen
 
+    def info(self) -> dict:
+        cdef int p, shared = 0
+        for p in range(self.size):
+            if p != self.rank and self.peer_base[p] != NULL:
+                shared += 1
+        return {"channel": "rma", "window_bytes": self.capacity,
+                "shared_memory_peers": shared, "gets_outliving_their_call": self.nzombies}
+
     cdef void progress(self) noexcept nogil:
         cdef int flag
         if not self.all_shared:

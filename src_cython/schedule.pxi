@@ -391,25 +391,16 @@ cdef bint seek_ahead(Algorithm alg, Channel chan, CallInfo* call, Stream* s, bin
         took = True
 
 
-# Idle passes of the polling loop before it yields the core (sched_yield).
-# Set from MPILOSSY_SPIN by the core.
-cdef int DEFAULT_SPIN = 0
-cdef int SPIN_BEFORE_YIELD = DEFAULT_SPIN
-
-# Seconds a missing block is still waited for after its producer's end mark
-# (datagrams may be reordered; one-sided records are visible before the mark).
-# Set from MPILOSSY_EARLY_CLOSE by the core; < 0 turns early close off.
-cdef double DEFAULT_EARLY_CLOSE = 100e-6
-cdef double EARLY_CLOSE_GRACE = DEFAULT_EARLY_CLOSE
 
 
 # How often a waiting call looks for failures told over MPI (seconds).
 cdef double NOTE_CHECK_INTERVAL = 1e-3
 
 
-cdef inline bint stream_ended(Channel chan, Stream* s, double now) noexcept nogil:
-    """Has the producer of `s` sent all it will send, a grace period ago?"""
-    if s.drop_end or EARLY_CLOSE_GRACE < 0:
+cdef inline bint stream_ended(const CallInfo* call, Channel chan, Stream* s,
+                              double now) noexcept nogil:
+    """Has the producer of `s` sent all it will send, call.early_close ago?"""
+    if s.drop_end or call.early_close < 0:
         return False
     # Asked every time: on the one-sided network path a block whose get is
     # in flight is not given up, whenever the mark was seen.
@@ -417,7 +408,7 @@ cdef inline bint stream_ended(Channel chan, Stream* s, double now) noexcept nogi
         return False
     if s.end_at < 0:
         s.end_at = now
-    return now >= s.end_at + EARLY_CLOSE_GRACE
+    return now >= s.end_at + call.early_close
 
 
 cdef bint interrupted(Algorithm alg, Channel chan, CallInfo* call, ErrorInfo* err) noexcept nogil:
@@ -481,7 +472,7 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
                     if exact:
                         ended = False
                     else:
-                        ended = stream_ended(chan, s, now)
+                        ended = stream_ended(call, chan, s, now)
                     if not ended and (exact or now < stage_deadline(call, s.stage)):
                         if look_ahead(alg, chan, call, s, lossy, err, &failed):
                             if failed:
@@ -515,7 +506,7 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
         else:
             chan.progress()
             idle += 1
-            if idle > SPIN_BEFORE_YIELD:
+            if idle > call.spin:
                 mpl_yield()
             if now >= next_signal_check:
                 next_signal_check = now + SIGNAL_CHECK_INTERVAL

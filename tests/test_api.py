@@ -19,6 +19,17 @@ def test_module_level_allreduce(comm, clean_env):
     assert mpilossy.default_communicator() is mpilossy.default_communicator()
 
 
+@pytest.mark.parametrize("name", ["allreduce", "reduce_scatter", "allgather"])
+def test_module_level_functions_take_what_the_methods_take(name):
+    """mpilossy.reduce_scatter once lacked algorithm, compression, residual
+    and redundancy: each module-level function has its method's signature."""
+    import inspect
+    method = inspect.signature(getattr(mpilossy.Communicator, name))
+    function = inspect.signature(getattr(mpilossy, name))
+    assert list(function.parameters.values()) == list(method.parameters.values())[1:]
+    assert function.return_annotation == method.return_annotation
+
+
 @pytest.mark.mpi
 def test_stats_fields(comm, lc):
     stats = lc.allreduce(np.ones(100, np.float64))

@@ -11,8 +11,7 @@ import pytest
 
 import mpilossy
 from mpilossy import _core
-from mpilossy.call.config import UNSET, Config, agree
-from mpilossy.control import settings
+from mpilossy.call.config import UNSET, VARIABLES, Config, agree, variable
 from helpers import all_ranks_raise
 
 
@@ -28,15 +27,16 @@ def test_every_argument_of_communicator_is_a_field():
 
 
 def test_every_environment_variable_is_a_field():
-    linked = {f.metadata["env"] for f in fields(Config) if f.metadata["env"]}
-    assert linked == {v.name for v in settings.VARIABLES}
+    linked = {f.name for f in fields(Config) if f.metadata["env"]}
+    assert linked == {v.name for v in VARIABLES}
+    assert all(v.env == "MPILOSSY_" + v.name.upper() for v in VARIABLES)
 
 
 def test_defaults_come_from_the_variables():
     config, env = Config.build({}, environ={})
     assert config.block_bytes == 256 * 1024 and config.tree_radix == 4
     assert config.timeout is None and config.loss == () and config.channel == "rma"
-    assert config.ud_mtu == settings.variable("ud_mtu").default
+    assert config.ud_mtu == variable("ud_mtu").default
     assert env.source("block_bytes") == "default"
 
 

@@ -10,7 +10,7 @@ import pytest
 from mpi4py import MPI
 
 import mpilossy
-from mpilossy.control import settings
+from mpilossy.call import config, environment
 from helpers import clean_subprocess_env, is_singleton, mpiexec, run_bounded
 
 BAD = {"MPILOSSY_TIMEOUT": "-1", "MPILOSSY_LOSS": "bernouli:0.1", "MPILOSSY_BLOCK_BYTES": "64k",
@@ -24,33 +24,33 @@ BAD = {"MPILOSSY_TIMEOUT": "-1", "MPILOSSY_LOSS": "bernouli:0.1", "MPILOSSY_BLOC
 
 def test_every_variable_is_known_and_checked():
     free_text = {"MPILOSSY_UD_DOMAIN", "MPILOSSY_UD_PROVIDER", "MPILOSSY_TRACE"}   # any text
-    assert {v.env for v in settings.VARIABLES} == set(BAD) | free_text
+    assert {v.env for v in config.VARIABLES} == set(BAD) | free_text
 
 
 @pytest.mark.parametrize("name", sorted(BAD))
 def test_a_bad_value_names_its_variable(name):
     with pytest.raises(ValueError) as err:
-        settings.from_environment({name: BAD[name]})
+        config.from_environment({name: BAD[name]})
     message = str(err.value)
     assert message.startswith(f"{name}={BAD[name]!r}") and "expected" in message, message
 
 
 def test_defaults_sources_and_parsing():
-    env = settings.from_environment({})
+    env = config.from_environment({})
     assert env.timeout is None and env.loss is None and env.block_bytes == 256 * 1024
     assert all(source == "default" for _, _, source in env.rows())
-    env = settings.from_environment({"MPILOSSY_TIMEOUT": "auto", "MPILOSSY_RMA_SHM": "0",
+    env = config.from_environment({"MPILOSSY_TIMEOUT": "auto", "MPILOSSY_RMA_SHM": "0",
                                      "MPILOSSY_BLOCK_BYTES": " ", "MPILOSSY_LOG": "DEBUG"})
     assert env.timeout == "auto" and env.rma_shm is False and env.log == "debug"
     assert env.source("timeout") == "environment" and env.source("block_bytes") == "default"
-    assert settings.from_environment({"MPILOSSY_TIMEOUT": "0.25"}).timeout == 0.25
-    assert settings.from_environment({"MPILOSSY_TIMEOUT": "none"}).timeout is None
+    assert config.from_environment({"MPILOSSY_TIMEOUT": "0.25"}).timeout == 0.25
+    assert config.from_environment({"MPILOSSY_TIMEOUT": "none"}).timeout is None
 
 
 @pytest.mark.mpi
 def test_loss_from_the_environment_is_announced_once_on_rank_0(comm, monkeypatch):
     monkeypatch.setenv("MPILOSSY_LOSS", "bernoulli:0.1")
-    monkeypatch.setattr(settings, "_warned", set())
+    monkeypatch.setattr(environment, "_warned", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):

@@ -100,12 +100,12 @@ def test_a_paced_call_past_its_deadline_gives_up_what_has_not_left(comm, monkeyp
 @pytest.mark.parametrize("text, bits", [("1gbit", 1e9), ("800mbit", 800e6), ("10g", 10e9),
                                         ("2.5e9", 2.5e9), ("none", 0.0), ("0", 0.0)])
 def test_rates_are_read_in_bits_per_second(text, bits):
-    from mpilossy.control.settings import parse_rate
+    from mpilossy.call.environment import parse_rate
     assert parse_rate(text) == bits
 
 
 @pytest.mark.parametrize("text", ["fast", "-1gbit", "1gbyte", "inf", "nan", "1e400"])
 def test_bad_rates_are_refused(text):
-    from mpilossy.control.settings import parse_rate
+    from mpilossy.call.environment import parse_rate
     with pytest.raises(ValueError):
         parse_rate(text)

@@ -35,12 +35,7 @@ def open_core(comm: MPI.Intracomm, config: Config) -> Tuple[Core, str]:
     core: Optional[Core] = None
     error: Optional[BaseException] = None
     try:
-        core = Core(comm, config.capacity, config.block_bytes, config.tree_radix,
-                    config.rma_shm, config.scaling == "zero-fill", config.rotate,
-                    channel=channel, provider=config.ud_provider, domain=config.ud_domain,
-                    datagram_bytes=config.ud_mtu, recv_buffers=config.ud_recv_buffers,
-                    socket_bytes=config.ud_socket_bytes, spin=config.spin,
-                    early_close=config.early_close)
+        core = Core(comm, config, channel)
         core.configure_loss(loss_spec(config.loss))
         if channel == "ud" and not config.ud_offload:
             core.set_offload(False)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numbers
 import math
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, Optional
 
 import numpy as np
 
-from .._core import ALLGATHER, AVG, DIRECT, REDUCE_SCATTER, RING, SUM, TREE
+from .._core import ALLGATHER, AVG, DIRECT, REDUCE_SCATTER, RING, SUM, TREE, CallSpec
 from ..control.deadline import AutoDeadline, size_bucket
 from ..control.redundancy import AutoRedundancy
 from .config import AUTO, COMPRESSIONS, UNSET, Config, check_algorithm, check_compression, \
@@ -33,26 +33,6 @@ TREE_MAX_BYTES_LARGE = 32 * 1024
 # ring (True) or direct (False), whichever was faster without loss
 # (docs/performance.md).  Calls with a deadline take direct.
 RING_WITHOUT_DEADLINE = True
-
-
-class CallSpec(NamedTuple):
-    """Everything the core needs for one call besides the buffers.  (A named
-    tuple: one is built per call.)"""
-
-    collective: int
-    algorithm: int
-    dtype: int
-    op: int
-    timeout: float                  # the call's deadline in seconds; < 0: none
-    budget: float                   # what the core gets: the deadline less the auto wait
-    weight: float                   # this rank's weight; 0: none
-    qbits: int                      # bits per quantised value; 0: not quantised
-    qgroup: int                     # values per quantisation scale
-    residual: Optional[np.ndarray]  # where quantisation errors go (error feedback)
-    nbytes: int                     # of this rank's sendbuf
-    elements: int                   # of the whole vector
-    kind: Tuple[int, int, int]      # (collective, algorithm, size bucket): the auto deadline's key
-    redundancy: Tuple[int, int] = (0, 0)    # (k, m) parity per group of blocks; (0, 0): none
 
 
 def asks_for_auto(timeout: Any, config: Config) -> bool:
@@ -125,10 +105,10 @@ class CallResolver:
                 raise ValueError("redundancy='auto' in a call needs a communicator built with "
                                  "redundancy='auto' (where the ranks agree on the loss rate)")
             redundancy = self.codes.code()
+        k, m = redundancy or (0, 0)
         return CallSpec(collective, algo, DTYPE_CODES[send.dtype], opcode, tmo, budget, w, bits,
                         config.compression_group, err, nbytes,
-                        recv.size if collective == ALLGATHER else send.size, kind,
-                        redundancy or (0, 0))
+                        recv.size if collective == ALLGATHER else send.size, kind, k, m)
 
     def _algorithm(self, algorithm: str, nbytes: int, deadline: bool, tree_ok: bool) -> int:
         """algorithm="auto" (docs/performance.md): the tree up to its measured

@@ -82,4 +82,4 @@ def stats_of(result: CallResult, spec: Any, rank: int, size: int) -> CollectiveS
                            result.lost_blocks, COLLECTIVE_NAMES[spec.collective],
                            None if spec.timeout < 0 else spec.timeout, result.agreed,
                            contributors, result.rebuilt,
-                           spec.redundancy if spec.redundancy[0] else None)
+                           spec.redundancy)

@@ -28,11 +28,9 @@ earlier ones are still pending (they queue, each with its own buffers): the
 collectives match by order, so skipping one on a rank that waits would put
 the ranks' schedules a period apart for good.
 
-A communicator freed while an agreement is still in flight (a peer late,
-or never coming) waits for it at most a second, then keeps the request and
-its buffers in a module-level list that completes them later: MPI cannot
-cancel a collective, and freeing the request or the buffers while a peer
-may still complete into them would be erroneous and unsafe.
+A communicator freed while an agreement is still in flight waits for it at
+most a second, then leaves it to control/agreement.py, which completes it
+later.
 
 Why these numbers: a call spends 40% of its deadline in its stages after the
 anchor (docs/deadlines.md), so FACTOR = 4 gives a lossless call 1.6 times its
@@ -43,18 +41,17 @@ stages, and losses that hit some ranks more than others bias the result.
 
 from __future__ import annotations
 
-import ctypes
 import math
 import time
 from collections import deque
-from typing import Any, Deque, Dict, List, NamedTuple, Tuple
+from typing import Any, Deque, Dict, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
+from .agreement import LAG, PERIOD, Agreement, _lingering, finish, reap  # noqa: F401
+
 WINDOW = 64
-PERIOD = 16
-LAG = 8
 FACTOR = 4.0
 PERCENTILE = 95
 SETTLE_SHARE = 0.25     # of a deadline, at most, spent completing an agreement
@@ -78,54 +75,6 @@ def _slot(key: Key) -> int:
 
 def _key(slot: int) -> Key:
     return (slot // (_ALGORITHMS * _BUCKETS), slot // _BUCKETS % _ALGORITHMS, slot % _BUCKETS)
-
-
-class Agreement(NamedTuple):
-    request: MPI.Request
-    send: np.ndarray            # kept alive until the request completes
-    recv: np.ndarray
-    due: int                    # the call at which the result applies
-
-
-# Agreements that close() could not finish (a peer had not started its
-# part yet, or never will).  MPI cannot cancel a collective, and dropping the
-# request object would free it (mpi4py's Request.__dealloc__ calls
-# MPI_Request_free, erroneous for an active collective) together with the
-# buffers that a late peer's values still land in.  They are kept here until
-# they complete (reap(), at every close() and agreement tick) or the process
-# ends.  The interpreter clears module globals before mpi4py's MPI_Finalize
-# (a Py_AtExit function), so the list holds one reference that is never
-# given back: what is still in it then is never freed, and MPI_Finalize
-# finds the buffers where the collective left them.
-_lingering: List[Agreement] = []
-ctypes.pythonapi.Py_IncRef(ctypes.py_object(_lingering))
-
-
-def reap(limit: float = 0.0) -> int:
-    """Drive the lingering agreements (MPI_Test) for up to `limit` seconds,
-    forget those that completed; returns how many are left."""
-    end = time.monotonic() + limit
-    while True:
-        _lingering[:] = [a for a in _lingering if not a.request.Test()]
-        if not _lingering or time.monotonic() >= end:
-            return len(_lingering)
-        time.sleep(1e-4)
-
-
-def finish(pending: Deque[Agreement], limit: float = 1.0) -> None:
-    """Finish the agreements in flight; after `limit` seconds (a peer that
-    is late, or never gets here) stop waiting rather than hang, and keep
-    what is unfinished, request and buffers, in the module's lingering list
-    until it completes (never freed while active)."""
-    end = time.monotonic() + limit
-    while pending and time.monotonic() < end:
-        if pending[0].request.Test():
-            pending.popleft()
-        else:
-            time.sleep(1e-4)
-    _lingering.extend(pending)
-    pending.clear()
-    reap()
 
 
 class AutoDeadline:

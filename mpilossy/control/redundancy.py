@@ -38,7 +38,7 @@ from mpi4py import MPI
 
 from .._core import fec_check
 from ..errors import MPILossyError
-from .deadline import LAG, PERIOD, Agreement, finish
+from .agreement import LAG, PERIOD, Agreement, finish
 
 __all__ = ["AutoRedundancy", "residual_loss", "choose", "largest_m", "AUTO_K", "AUTO_MAX_M"]
 
