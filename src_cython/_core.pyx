@@ -2,23 +2,36 @@
 # cython: initializedcheck=False, embedsignature=True
 """mpilossy's compiled core: kernels, channels, ring, tree and direct.
 
-One module, one concern per included file (the layout of mpi4py's MPI.pyx):
-  prelude.pxi    the cimports every compiled module shares
-  kernels.pxi    accumulate and unbiased scaling, per dtype, outside the GIL
-  channel.pxi    the interface between algorithms and channels
-  rma_window.pxi the one-sided channel: this rank's window and what it publishes
-  rma.pxi        the one-sided channel: reading peers (loads, MPI_Rget)
-  dgram_wire.pxi the datagram channel's wire format and packet checks
-  dgram_endpoint.pxi  its endpoint: transport, buffers, sending, reaping
-  dgram.pxi      its protocol (HELLO, DATA, END, ERROR, NACK)
-  schedule.pxi   the engine: streams, deadlines, the polling loop
-  coding.pxi     redundancy: parity records of groups of blocks, rebuilding
-  ring.pxi       ring all-reduce and reduce-scatter
-  tree.pxi       k-nomial tree all-reduce
-  direct.pxi     direct (one-hop) all-reduce and reduce-scatter
-  gather.pxi     direct all-gather
-  lossmodel.pxi  injected loss, decided from counters
-  core.pxi       per-communicator state and the entry points
+One module, one concern per included file (the layout of mpi4py's MPI.pyx),
+in folders by what they are:
+  prelude.pxi, native.pxd, mpilossy_native.h
+                 what every compiled module shares: cimports, atomics,
+                 hashing, float16, the window layout
+  codecs/        what turns blocks into bytes and back
+    kernels.pxi    accumulate and unbiased scaling, per dtype, outside the GIL
+    exposed.pxi    the kernels and codes as Python functions (bench, tests)
+    coding.pxi     redundancy: parity records of groups of blocks, rebuilding
+    payload.pxi    how a contribution travels on direct: plain, quantised, weighted
+    mpilossy_quant.h, mpilossy_fec.h, mpilossy_simd.h
+                   low-bit payloads, erasure codes, vector kernels (C)
+  engine/        one call from begin to end, whatever the channel and algorithm
+    channel.pxi    the interface between algorithms and channels; the call record
+    outcome.pxi    one outcome per call on every rank (failures told over MPI)
+    lossmodel.pxi  injected loss, decided from counters
+    core.pxi       per-communicator state and the entry points
+  channels/      how records move
+    rma_window.pxi the one-sided channel: this rank's window and what it publishes
+    rma.pxi        the one-sided channel: reading peers (loads, MPI_Rget)
+    dgram_wire.pxi the datagram channel's wire format and packet checks
+    dgram_endpoint.pxi  its endpoint: transport, buffers, sending, reaping
+    dgram_recovery.pxi  without deadline: what a reader asks for again (NACK)
+    dgram.pxi      its protocol (HELLO, DATA, END, ERROR, NACK)
+    mpilossy_transport.h, _fabric.h, _sockets.h, _pace.h, _mac.h
+                   the datagram transports (libfabric, native UDP), pacing, MACs (C)
+  algorithms/    what to read from whom and what to do with it
+    schedule.pxi   streams, deadlines, the polling loop every algorithm runs on
+    ring.pxi, tree.pxi, direct.pxi, gather.pxi
+  testing/_testing.pyx  the test suite's scaffolding, a module of its own
 """
 
 include "prelude.pxi"
@@ -26,22 +39,25 @@ include "prelude.pxi"
 cdef extern from *:
     const char* MPILOSSY_VERSION      # -D by meson.build, from the file VERSION
 
-include "kernels.pxi"
-include "channel.pxi"
-include "outcome.pxi"
-include "rma_window.pxi"
-include "rma.pxi"
-include "dgram_wire.pxi"
-include "dgram_endpoint.pxi"
-include "dgram.pxi"
-include "schedule.pxi"
-include "coding.pxi"
-include "ring.pxi"
-include "tree.pxi"
-include "direct.pxi"
-include "gather.pxi"
-include "lossmodel.pxi"
-include "core.pxi"
+include "codecs/kernels.pxi"
+include "engine/channel.pxi"
+include "engine/outcome.pxi"
+include "channels/rma_window.pxi"
+include "channels/rma.pxi"
+include "channels/dgram_wire.pxi"
+include "channels/dgram_endpoint.pxi"
+include "channels/dgram_recovery.pxi"
+include "channels/dgram.pxi"
+include "algorithms/schedule.pxi"
+include "codecs/coding.pxi"
+include "algorithms/ring.pxi"
+include "algorithms/tree.pxi"
+include "codecs/payload.pxi"
+include "algorithms/direct.pxi"
+include "algorithms/gather.pxi"
+include "engine/lossmodel.pxi"
+include "engine/core.pxi"
+include "codecs/exposed.pxi"
 
 DTYPE_F16 = DT_F16
 DTYPE_F32 = DT_F32

@@ -81,7 +81,7 @@ cdef extern from "mpilossy_native.h" nogil:
 
 
 
-cdef extern from "mpilossy_mac.h" nogil:
+cdef extern from "channels/mpilossy_mac.h" nogil:
     enum: MPL_HAVE_MAC
     enum: MPL_MAC_KEY_BYTES
     enum: MPL_MAC_TAG_BYTES
@@ -94,7 +94,7 @@ cdef extern from "mpilossy_mac.h" nogil:
     int mpl_mac_equal(const unsigned char *a, const unsigned char *b)
 
 
-cdef extern from "mpilossy_transport.h" nogil:
+cdef extern from "channels/mpilossy_transport.h" nogil:
     ctypedef struct mpl_dg_t:
         pass
     ctypedef struct mpl_fab_event_t:
@@ -132,7 +132,7 @@ cdef extern from "mpilossy_transport.h" nogil:
     long mpl_udp_drops(const void *addr, size_t addrlen)
 
 
-cdef extern from "mpilossy_simd.h" nogil:
+cdef extern from "codecs/mpilossy_simd.h" nogil:
     size_t mpl_f16_mixed(int op, void *dst, const void *a, const void *b, float s, size_t n)
     size_t mpl_f16_fast(int op, uint16_t *dst, const uint16_t *a, const uint16_t *b,
                         float s, size_t n)
@@ -140,7 +140,7 @@ cdef extern from "mpilossy_simd.h" nogil:
     int mpl_stream_f64(int op, double *dst, const double *a, const double *b, double s, size_t n)
 
 
-cdef extern from "mpilossy_quant.h" nogil:
+cdef extern from "codecs/mpilossy_quant.h" nogil:
     size_t mpl_q_bytes(size_t n, size_t group, int bits)
     void mpl_quantize(unsigned char *dst, const float *src, float s, size_t n, size_t group,
                       int bits, uint32_t seed)
@@ -150,7 +150,7 @@ cdef extern from "mpilossy_quant.h" nogil:
                         size_t n, size_t group, int bits)
 
 
-cdef extern from "mpilossy_fec.h" nogil:
+cdef extern from "codecs/mpilossy_fec.h" nogil:
     enum: MPL_HAVE_ISAL
     enum: MPL_FEC_MAX_K
     enum: MPL_FEC_MAX_M

@@ -21,7 +21,10 @@
 - ``WrappedOptimizer``: the type of what the optimizer wrappers return (for
   annotations: ``stats``, ``drift_control``, ``communicator``...).
 
-See docs/training.md.  Tensors must live on the CPU.
+See docs/training.md.  Devices: the DDP hook without compression takes
+CUDA gradients (staged through pinned host memory, which needs CuPy:
+docs/gpu.md, not yet run on a GPU); everything else here takes CPU
+tensors only and says so on every rank for any other device.
 """
 
 try:
@@ -30,14 +33,15 @@ except ImportError as _exc:
     raise ImportError("mpilossy.torch needs PyTorch, which is not installed: "
                       "pip install torch (or pip install 'mpilossy[torch]')") from _exc
 
-from .broadcast import (average_optimizer_state, average_parameters, broadcast_optimizer_state,
-                        broadcast_parameters, check_parameters, group_average_parameters)
+from .averaging import average_optimizer_state, average_parameters, group_average_parameters
+from .broadcast import broadcast_optimizer_state, broadcast_parameters, check_parameters
 from .compression import LowBit, TopK
 from .compute import ComputeDeadline
 from .drift import DriftController, DriftStep, measure_drift
 from .feedback import ErrorFeedback
-from .hooks import AllreduceHookState, allreduce_hook, destroy_process_group, init_process_group
+from .hooks import AllreduceHookState, allreduce_hook
 from .optimizer import DistributedOptimizer, WrappedOptimizer
+from .process_group import destroy_process_group, init_process_group
 from .sharded import ShardedOptimizer
 from .stats import StepStats
 from .tolerance import PhaseAwareTolerance

@@ -13,9 +13,11 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from ._common import CommLike, Flat, check_tensors, named_tensors, reliable_comm
-from .broadcast import (average_optimizer_state, average_tensors, bcast_tensors,
-                        broadcast_optimizer_state)
+from .averaging import average_optimizer_state, average_tensors
+from .broadcast import bcast_tensors, broadcast_optimizer_state
+from .checks import check_tensors
+from .communicators import CommLike, reliable_comm
+from .tensors import Flat, named_tensors
 
 __all__ = ["DriftController", "DriftStep", "measure_drift"]
 

@@ -26,7 +26,8 @@ import torch
 from mpi4py import MPI
 
 from .. import CollectiveStats, Communicator
-from ._common import REDUCIBLE, Flat, reliable_comm
+from .communicators import reliable_comm
+from .tensors import Flat, REDUCIBLE
 
 __all__ = ["ErrorFeedback"]
 

@@ -12,13 +12,14 @@ from mpi4py import MPI
 
 from .. import Communicator
 from ..call.config import UNSET
-from ._common import (Flat, check_tensors, lossy_communicator, optimizer_parameters,
-                      reliable_comm)
+from .checks import check_tensors
+from .communicators import lossy_communicator, reliable_comm
 from .compression import Compression, compression_problem
 from .compute import ComputeDeadline, deadline_problem, weigh
 from .drift import DriftController, every_problem, resync_problem
 from .feedback import ErrorFeedback, feedback_problem
 from .stats import Recorder, StepStats
+from .tensors import Flat, optimizer_parameters
 from .tolerance import PhaseAwareTolerance
 
 __all__ = ["DistributedOptimizer", "WrappedOptimizer"]

@@ -27,15 +27,16 @@ import torch
 from mpi4py import MPI
 
 from .. import CollectiveStats, Communicator
-from ._common import (REDUCIBLE, Flat, as_bytes, as_numpy, check_everywhere, check_tensors,
-                      lossy_communicator, optimizer_parameters, reliable_comm)
 from .broadcast import bcast_tensors
+from .checks import check_everywhere, check_tensors
+from .communicators import lossy_communicator, reliable_comm
 from .compression import Compression, compression_problem
 from .compute import ComputeDeadline, deadline_problem, weigh
 from .drift import DriftController, every_problem
 from .feedback import ErrorFeedback, feedback_problem
 from .optimizer import (Engine, WrappedOptimizer, already_wrapped, check_settings, params_changed,
                         wrap)
+from .tensors import Flat, REDUCIBLE, as_bytes, as_numpy, optimizer_parameters
 
 __all__ = ["ShardedOptimizer"]
 

@@ -1,60 +1,21 @@
-"""What every part of mpilossy.torch shares: tensor intake, the collective
-check that ranks hold the same parameters, the communicator for reliable
-traffic, and packing many tensors into a few flat buffers."""
+"""Tensors in and out of mpilossy.torch: what may go through (host_problem,
+the one place that decides by device), names for them, and many tensors
+packed into a few flat buffers that few collective calls move."""
 
 from __future__ import annotations
 
-import hashlib
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
-from .. import Communicator, default_communicator
 from ..call.device import CUPY_HINT
-from ..errors import MismatchError
 
 # What the lossy collectives reduce (the core's float dtypes).
 REDUCIBLE = (torch.float16, torch.float32, torch.float64)
 NamedTensors = List[Tuple[str, torch.Tensor]]
-CommLike = Union[None, MPI.Intracomm, Communicator]
 
 
-def lossy_communicator(communicator: Optional[Communicator]) -> Communicator:
-    if communicator is None:
-        return default_communicator()
-    if not isinstance(communicator, Communicator):
-        raise TypeError(f"communicator must be an mpilossy.Communicator, "
-                        f"not {type(communicator).__name__}")
-    return communicator
-
-
-_world: Optional[MPI.Intracomm] = None
-
-
-def reliable_comm(comm: CommLike) -> MPI.Intracomm:
-    """The MPI communicator for reliable traffic (validation, broadcasts, the
-    drift meter).  Default: a private duplicate of COMM_WORLD, made on first
-    use (collectively), so that our messages never mix with the caller's.  A
-    Communicator lends its own duplicate: the lossy and reliable calls of one
-    training loop then run in program order on one communicator."""
-    global _world
-    if comm is None:
-        if _world is None:
-            _world = MPI.COMM_WORLD.Dup()
-        return _world
-    if isinstance(comm, Communicator):
-        lent = comm.comm
-        if isinstance(lent, MPI.Intracomm):     # (always: it duplicates one)
-            return lent
-    if isinstance(comm, MPI.Intracomm) and comm != MPI.COMM_NULL:
-        return comm
-    raise TypeError(f"comm must be an mpi4py intracommunicator or an mpilossy.Communicator, "
-                    f"not {type(comm).__name__}")
-
-
-# -- tensor intake -------------------------------------------------------------
 def named_tensors(tensors: Any, what: str = "parameter") -> NamedTensors:
     """(name, tensor) pairs from a module, a mapping (state_dict), an iterable
     of pairs (named_parameters()) or an iterable of tensors."""
@@ -120,63 +81,6 @@ def host_problem(name: str, tensor: torch.Tensor, reducible: bool,
     return None
 
 
-def signature(named: NamedTensors) -> List[Tuple[Any, ...]]:
-    return [(name, tuple(t.shape), str(t.dtype), t.device.type) for name, t in named]
-
-
-# -- collective validation -------------------------------------------------------
-_ERROR_TYPES = {"TypeError": TypeError, "ValueError": ValueError, "BufferError": BufferError,
-                "MismatchError": MismatchError}
-
-
-def check_everywhere(comm: MPI.Intracomm, local_error: Optional[Exception],
-                     entries: Sequence[Any] = (), what: str = "parameters") -> None:
-    """Collective: raise the same exception on every rank if any rank has a
-    local error, or if `entries` differ between ranks (MismatchError naming
-    the first difference).  One small allgather; one more on mismatch."""
-    digest = hashlib.sha256(repr(list(entries)).encode()).hexdigest()
-    error = None if local_error is None else (type(local_error).__name__, str(local_error))
-    outcomes = comm.allgather((error, digest))
-    failed = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
-    if failed:
-        rank, (kind, message) = failed[0]
-        others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-        raise _ERROR_TYPES.get(kind, ValueError)(f"rank {rank}{others}: {message}")
-    if len({d for _, d in outcomes}) > 1:
-        every = comm.allgather(list(entries))
-        raise MismatchError(f"{what} differ across ranks: {_first_difference(every)}")
-
-
-def _first_difference(every: List[List[Any]]) -> str:
-    ref = every[0]
-    for rank, entries in enumerate(every[1:], 1):
-        if entries == ref:
-            continue
-        for i, (a, b) in enumerate(zip(ref, entries)):
-            if a != b:
-                return f"entry {i} is {a} on rank 0 but {b} on rank {rank}"
-        return f"rank 0 has {len(ref)} entries, rank {rank} has {len(entries)}"
-    return "(no difference found)"
-
-
-def check_tensors(comm: MPI.Intracomm, named: NamedTensors, *, reducible: bool,
-                  extra: Any = None, what: str = "parameters",
-                  problem: Optional[Exception] = None, cuda: bool = False) -> None:
-    """Collective: no `problem` (a local error) on any rank, every tensor
-    usable on this rank, and the same names, shapes, dtypes and devices
-    (plus `extra`: settings that must agree) on every rank."""
-    for name, t in named:
-        if problem is not None:
-            break
-        problem = host_problem(f"{what[:-1]} {name!r}", t, reducible, cuda)
-    devices = sorted({str(t.device) for _, t in named})
-    if problem is not None and len(devices) > 1:
-        problem = type(problem)(f"{problem} (the {what} are on several devices: "
-                                f"{', '.join(devices)})")
-    check_everywhere(comm, problem, signature(named) + [("extra", repr(extra))], what)
-
-
-# -- flat buffers ------------------------------------------------------------------
 class Flat:
     """Copies of a list of tensors, held in one contiguous 1-D buffer per
     dtype (or in one buffer of `dtype`, cast), so that few collective calls

@@ -82,6 +82,16 @@ cdef struct ErrorInfo:
     int rank          # rank that detected the error first
     char msg[MPL_MSG_LEN]
 
+cdef struct Payload:
+    # How a contribution travels: what only the direct algorithm does.
+    double weight         # > 0: weighted average, this rank's weight; 0: every
+                          # contribution weighs one
+    int qbits             # 8 or 4: float32 payloads travel quantised
+                          # (mpilossy_quant.h); 0: as they are
+    Py_ssize_t qgroup     # values per quantisation scale
+    float* residual       # not NULL: where the quantisation error of each sent
+                          # contribution goes (x - what travelled), float32
+
 cdef struct CallInfo:
     uint64_t seq
     uint64_t sig          # hash of everything the record layout depends on
@@ -91,13 +101,7 @@ cdef struct CallInfo:
     int coll              # COLL_*
     int scaling           # SCALE_UNBIASED or SCALE_ZERO_FILL
     bint rotate           # move chain starts / tree roots with every call
-    double weight         # > 0: weighted average (direct only), this rank's
-                          # weight; 0: every contribution weighs one
-    int qbits             # 8 or 4: float32 payloads travel quantised (direct
-                          # only, mpilossy_quant.h); 0: as they are
-    Py_ssize_t qgroup     # values per quantisation scale
-    float* residual       # not NULL: where the quantisation error of each sent
-                          # contribution goes (x - what travelled), float32
+    Payload payload       # how contributions travel (the direct algorithm only)
     Py_ssize_t count      # elements of the whole vector
     Py_ssize_t itemsize
     int nslots            # records a rank publishes per block index
@@ -203,7 +207,7 @@ cdef inline void chunk_bounds(Py_ssize_t count, int size, int chunk,
 cdef inline uint32_t announced_op(const CallInfo* call) noexcept nogil:
     """The op as peers see it: a weighted average is an op of its own (for
     the mismatch message; the signature tells them apart already)."""
-    return 2 if call.weight > 0 else <uint32_t>call.op
+    return 2 if call.payload.weight > 0 else <uint32_t>call.op
 
 
 # A call without deadline and one with a deadline cannot meet: the first

@@ -13,14 +13,15 @@ Nothing here is used by the library itself.
 """
 
 include "prelude.pxi"
-include "kernels.pxi"
-include "channel.pxi"
-include "outcome.pxi"
-include "rma_window.pxi"
-include "rma.pxi"
-include "dgram_wire.pxi"
-include "dgram_endpoint.pxi"
-include "dgram.pxi"
+include "codecs/kernels.pxi"
+include "engine/channel.pxi"
+include "engine/outcome.pxi"
+include "channels/rma_window.pxi"
+include "channels/rma.pxi"
+include "channels/dgram_wire.pxi"
+include "channels/dgram_endpoint.pxi"
+include "channels/dgram_recovery.pxi"
+include "channels/dgram.pxi"
 
 
 cdef void test_call(CallInfo* call, uint64_t seq, uint64_t sig, int nslots, int nblocks,
@@ -293,8 +294,7 @@ cdef class DatagramJudge:
         c.stash = <char*>aligned(STASH_PACKETS * c.pkt)
         c.replaying = <char*>aligned(STASH_PACKETS * c.pkt)
         c.stash_cap = STASH_PACKETS
-        c.nack_call = <uint64_t*>calloc(2 * size, sizeof(uint64_t))
-        c.nack_number = <uint32_t*>calloc(2 * size, sizeof(uint32_t))
+        c.requests = Requests(size)
         c.free_slots = <int*>calloc(SEND_SLOTS, sizeof(int))
         c.slot_owner = <int*>calloc(SEND_SLOTS, sizeof(int))
         test_call(&c.cur, seq, sig, nslots, nblocks, block_bytes)

@@ -18,7 +18,7 @@
 #include <stdlib.h>
 #include <errno.h>
 
-#include "mpilossy_sockets.h"     /* mpl_fab_event_t; the udp provider's socket */
+#include "mpilossy_udp.h"         /* mpl_fab_event_t; the udp provider's socket */
 
 typedef struct mpl_fab mpl_fab_t;
 

@@ -32,9 +32,9 @@
 # (count 1).  Stages: the reduction ends at half the budget, the gather at
 # the full budget.
 #
-# Weighted average (call.weight > 0): a contribution travels as m * x, where
-# w = m * 2^e with m in [0.5, 1) (frexp), with w itself (a double) after its
-# data, where the bitmap goes in a reduced record.  The reducer keeps, per
+# Weighted average (call.payload.weight > 0): a contribution travels as
+# m * x, where w = m * 2^e with m in [0.5, 1) (frexp), with w itself (a
+# double) after its data, where the bitmap goes in a reduced record.  The reducer keeps, per
 # block, the largest exponent E that arrived and sum(m 2^(e - E) x) and
 # sum(m 2^(e - E)): scaling by powers of two is exact, every factor is at
 # most 1, so no weight, however large or small, can overflow the data's
@@ -48,9 +48,9 @@
 # once: a sum of values near 65504 must not overflow where their average
 # would not.
 #
-# Low-bit payloads (call.qbits, float32): contributions and reduced blocks
-# travel quantised (mpilossy_quant.h: a scale per group, stochastic
-# rounding); a block's record is smaller, so a block holds more values for
+# Low-bit payloads (call.payload.qbits, float32; codecs/payload.pxi encodes
+# and decodes them): contributions and reduced blocks travel quantised
+# (mpilossy_quant.h: a scale per group, stochastic rounding); a block's record is smaller, so a block holds more values for
 # the same bytes on the wire.  The reducer sums dequantised arrivals in
 # float32, in two private buffers (the record is too small to hold the
 # sum), and quantises the reduced block once; it keeps the decoded record
@@ -135,26 +135,26 @@ cdef class Direct(Chunked):
     cdef int layout(self, CallInfo* call) except -1:
         cdef Py_ssize_t trailer = 8 * self.words
         cdef Py_ssize_t wire, n
+        cdef Payload* pay = &call.payload
         if call.max_block < trailer + 8 + call.itemsize:
             raise ValueError(f"algorithm='direct' needs {trailer + 8 + call.itemsize} bytes per "
                              f"record at {self.size} ranks; the channel moves {call.max_block}")
         # The bitmap goes in the same record as the block it describes.
-        if call.qbits:
+        if pay.qbits:
             # as many values as fit the bytes a plain block would take
             wire = min(call.block_elems * call.itemsize, call.max_block)
-            n = max(1, (wire - trailer - 8) * call.qgroup
-                    // (call.qgroup * call.qbits // 8 + 4))
-            if n > call.qgroup:
-                n -= n % call.qgroup            # whole groups
-            while n > 1 and round_up(mpl_q_bytes(n, call.qgroup, call.qbits), 8) + trailer > wire:
+            n = max(1, (wire - trailer - 8) * pay.qgroup // (pay.qgroup * pay.qbits // 8 + 4))
+            if n > pay.qgroup:
+                n -= n % pay.qgroup            # whole groups
+            while n > 1 and round_up(mpl_q_bytes(n, pay.qgroup, pay.qbits), 8) + trailer > wire:
                 n -= 1
             call.block_elems = n
         elif round_up(call.block_elems * call.itemsize, 8) + trailer > call.max_block:
             call.block_elems = (call.max_block - trailer - 8) // call.itemsize
         self.cut(call)
         # (self.call is bound later: the layout reads `call`)
-        self.data_bytes = round_up(<Py_ssize_t>mpl_q_bytes(call.block_elems, call.qgroup,
-                                                           call.qbits) if call.qbits
+        self.data_bytes = round_up(<Py_ssize_t>mpl_q_bytes(call.block_elems, call.payload.qgroup,
+                                                           call.payload.qbits) if call.payload.qbits
                                    else call.block_elems * call.itemsize, 8)
         self.acc_bytes = round_up(call.block_elems * ITEMSIZE[acc_dtype(call.dtype)], 8)
         call.block_bytes = self.data_bytes + trailer
@@ -187,7 +187,7 @@ cdef class Direct(Chunked):
                 raise MemoryError()
             self.block_cap = nb
         # one running sum per block; two when quantised or float16 (see location)
-        self.wide = c.qbits != 0 or acc_dtype(c.dtype) != c.dtype
+        self.wide = c.payload.qbits != 0 or acc_dtype(c.dtype) != c.dtype
         cdef Py_ssize_t need = <Py_ssize_t>nb * self.acc_bytes * (2 if self.wide else 1)
         if need > self.scratch_cap:
             free(self.scratch)
@@ -254,75 +254,10 @@ cdef class Direct(Chunked):
             return SUM_IN_RECORD if self.size % 2 == 0 else SUM_IN_SCRATCH
         return SUM_IN_SCRATCH if self.where[block] == SUM_IN_RECORD else SUM_IN_RECORD
 
-    cdef inline Py_ssize_t qbytes(self, Py_ssize_t n) noexcept nogil:
-        return <Py_ssize_t>mpl_q_bytes(n, self.call.qgroup, self.call.qbits)
-
-    cdef inline Py_ssize_t payload_bytes(self, Py_ssize_t n) noexcept nogil:
-        """Bytes of `n` values as they travel (quantised or not)."""
-        return self.qbytes(n) if self.call.qbits else n * self.call.itemsize
-
-    cdef inline Py_ssize_t contribution_bytes(self, Py_ssize_t n) noexcept nogil:
-        """Record size of a contribution of `n` elements (with its weight)."""
-        if self.call.weight > 0:
-            return round_up(self.payload_bytes(n), 8) + 8
-        return self.payload_bytes(n)
-
-    cdef inline uint32_t qseed(self, int chunk, int block, int stage) noexcept nogil:
-        """Random bits of a quantised record: new for every call and record."""
-        return <uint32_t>mpl_hash4(self.call.seq, <uint64_t>self.rank,
-                                   <uint64_t>chunk * <uint64_t>self.call.nblocks + block,
-                                   <uint64_t>stage)
-
-    cdef inline void encode(self, char* record, const char* values, double s, Py_ssize_t n,
-                            uint32_t seed, bint summed=False) noexcept nogil:
-        """record = values * s, as it travels; `summed`: values are a running
-        sum (acc_dtype), else data."""
-        if record == values and s == 1.0 and not self.call.qbits:
-            return
-        if self.call.qbits:
-            mpl_quantize(<unsigned char*>record, <const float*>values, <float>s, n,
-                         self.call.qgroup, self.call.qbits, seed)
-        elif summed:
-            k_narrow(self.call.dtype, s, record, values, n)
-        elif s != 1.0:
-            k_scale(self.call.dtype, s, record, values, n)
-        else:
-            memcpy(record, values, n * self.call.itemsize)
-
-    cdef inline void decode(self, char* values, const char* record, double s,
-                            Py_ssize_t n) noexcept nogil:
-        """values = record * s."""
-        if self.call.qbits:
-            mpl_dequantize(<float*>values, NULL, <const unsigned char*>record, <float>s, n,
-                           self.call.qgroup, self.call.qbits)
-        elif s != 1.0:
-            k_scale(self.call.dtype, s, values, record, n)
-        else:
-            memcpy(values, record, n * self.call.itemsize)
-
-    cdef inline void keep_error(self, float* err, const float* values, const char* record,
-                                Py_ssize_t n) noexcept nogil:
-        """err = values - what `record` (a quantised contribution) carries of
-        them: the part error feedback sends again."""
-        cdef double s = self.own_mant if self.call.weight > 0 else 1.0
-        cdef Py_ssize_t i
-        self.decode(<char*>err, record, 1.0 / s, n)
-        for i in range(n):
-            err[i] = values[i] - err[i]
-
-    cdef inline double weight_of(self, const char* data, Py_ssize_t n) noexcept nogil:
-        """The weight a contribution of `n` elements carries (1 unweighted);
-        0 if it is not a positive finite number (the record is refused)."""
-        cdef double w
-        if self.call.weight <= 0:
-            return 1.0
-        memcpy(&w, data + round_up(self.payload_bytes(n), 8), 8)
-        return w if isfinite(w) and w > 0 else 0.0
-
     cdef inline double final_scale(self, uint32_t count, double wsum) noexcept nogil:
         """What turns the sum of `count` contributions (weighing `wsum`, in
         the same powers of two as the sum) into the result."""
-        if self.call.weight > 0:
+        if self.call.payload.weight > 0:
             return 1.0 / wsum
         return call_scale(self.call, count, self.size)
 
@@ -333,17 +268,17 @@ cdef class Direct(Chunked):
         cdef uint64_t* bits
         self.next_row = 0
         self.own_mant, self.own_exp = 1.0, 0
-        if c.weight > 0:
-            self.own_mant = frexp(c.weight, &self.own_exp)
+        if c.payload.weight > 0:
+            self.own_mant = frexp(c.payload.weight, &self.own_exp)
         for b in range(c.nblocks):
             self.chan.claim(me, b)          # withdrawn until reduced
             self.count[b] = 1
             self.pending[b] = self.size - 1
             self.where[b] = SUM_IN_SEND
             self.scaled[b] = 0
-            self.wsum[b] = self.own_mant if c.weight > 0 else 1.0
+            self.wsum[b] = self.own_mant if c.payload.weight > 0 else 1.0
             self.wexp[b] = self.own_exp
-            if c.weight > 0 or (self.wide and not c.qbits):
+            if c.payload.weight > 0 or (self.wide and not c.payload.qbits):
                 k_widen(c.dtype, self.own_mant, self.location(b, SUM_IN_SCRATCH),
                         self.location(b, SUM_IN_SEND), self.block_len(me, b))
                 self.where[b] = SUM_IN_SCRATCH
@@ -370,13 +305,13 @@ cdef class Direct(Chunked):
             n = self.block_len(chunk, b)
             record = self.chan.claim(chunk, b)
             mine = self.send + self.block_first(chunk, b) * isz
-            self.encode(record, mine, self.own_mant, n, self.qseed(chunk, b, 0))
-            if c.residual != NULL:
-                self.keep_error(c.residual + self.block_first(chunk, b), <const float*>mine,
+            pay_encode(self.call, record, mine, self.own_mant, n, pay_seed(self.call, self.rank, chunk, b, 0))
+            if c.payload.residual != NULL:
+                pay_keep_error(self.call, self.own_mant, c.payload.residual + self.block_first(chunk, b), <const float*>mine,
                                 record, n)
-            if c.weight > 0:
-                memcpy(record + round_up(self.payload_bytes(n), 8), &c.weight, 8)
-            self.emit(chunk, b, 1, <uint32_t>self.contribution_bytes(n), &reducer, 1)
+            if c.payload.weight > 0:
+                memcpy(record + round_up(pay_bytes(self.call, n), 8), &c.payload.weight, 8)
+            self.emit(chunk, b, 1, <uint32_t>pay_contribution_bytes(self.call, n), &reducer, 1)
         return True
 
     cdef bint ready(self, Stream* s, int block) noexcept nogil:
@@ -395,17 +330,17 @@ cdef class Direct(Chunked):
         chunk = self.chunk_of(s.tag)
         n = self.block_len(chunk, block)
         if (inc.count == 0 or inc.count > <uint32_t>self.size
-                or inc.nbytes != round_up(self.payload_bytes(n), 8) + 8 * self.words):
+                or inc.nbytes != round_up(pay_bytes(self.call, n), 8) + 8 * self.words):
             return False
         bits = self.result_entry(chunk, block)
-        memcpy(bits, inc.data + round_up(self.payload_bytes(n), 8), 8 * self.words)
+        memcpy(bits, inc.data + round_up(pay_bytes(self.call, n), 8), 8 * self.words)
         for k in range(self.words):
             total += popcount64(bits[k])
         if self.size & 63 and bits[self.words - 1] >> (self.size & 63):
             return False        # a rank that does not exist
         if total != <int>inc.count:
             return False
-        self.decode(self.out(chunk, block), inc.data, 1.0, n)
+        pay_decode(self.call, self.out(chunk, block), inc.data, 1.0, n)
         return True
 
     cdef bint take_contribution(self, Stream* s, int block, Incoming* inc) noexcept nogil:
@@ -420,9 +355,9 @@ cdef class Direct(Chunked):
         cdef double w
         cdef double mants[FUSE_SCAN + 2]
         cdef int exps[FUSE_SCAN + 2]
-        if inc.count != 1 or inc.nbytes != self.contribution_bytes(n):
+        if inc.count != 1 or inc.nbytes != pay_contribution_bytes(self.call, n):
             return False
-        w = self.weight_of(inc.data, n)
+        w = pay_weight(self.call, inc.data, n)
         if w == 0:
             return False
         mants[1] = frexp(w, &exps[1])
@@ -439,9 +374,9 @@ cdef class Direct(Chunked):
                 continue
             if self.chan.poll(t, block, &other) != POLL_READY:
                 continue
-            if other.count != 1 or other.nbytes != self.contribution_bytes(n):
+            if other.count != 1 or other.nbytes != pay_contribution_bytes(self.call, n):
                 continue        # the engine will find it wrong on its own turn
-            w = self.weight_of(other.data, n)
+            w = pay_weight(self.call, other.data, n)
             if w == 0:
                 continue
             mants[nsrc] = frexp(w, &exps[nsrc])
@@ -454,7 +389,7 @@ cdef class Direct(Chunked):
             self.target = SUM_IN_SCRATCH if self.where[block] == SUM_IN_RECORD else SUM_IN_RECORD
         else:
             self.target = self.next_location(block)
-        if c.weight > 0:
+        if c.payload.weight > 0:
             self.weigh(block, nsrc, mants, exps)
         self.add_up(self.location(block, self.target), nsrc, n,
                     self.final_scale(self.count[block] + nsrc - 1, self.taken_wsum)
@@ -469,7 +404,7 @@ cdef class Direct(Chunked):
             for i in range(self.ntaken):
                 other.data = self.sources[2 + i]
                 other.count = 1
-                other.nbytes = <uint32_t>self.contribution_bytes(n)
+                other.nbytes = <uint32_t>pay_contribution_bytes(self.call, n)
                 fec_keep(c, &self.streams[self.taken[i]], block, &other)
         for i in range(self.ntaken):            # read in place: still what it was?
             if not self.chan.confirm(&self.streams[self.taken[i]], block):
@@ -496,9 +431,9 @@ cdef class Direct(Chunked):
         (acc_dtype) and arrivals (data, or quantised records when the call
         says so), each times its factor in a weighted call."""
         cdef CallInfo* c = self.call
-        cdef const double* f = self.factors if c.weight > 0 else NULL
+        cdef const double* f = self.factors if c.payload.weight > 0 else NULL
         cdef int k
-        if not c.qbits:
+        if not c.payload.qbits:
             k_sum_into(c.dtype, s, dst, self.sources, f, nsrc, n)
             return
         if f != NULL and f[0] != 1.0:
@@ -506,11 +441,11 @@ cdef class Direct(Chunked):
             self.sources[0] = dst
         mpl_dequantize(<float*>dst, <const float*>self.sources[0],
                        <const unsigned char*>self.sources[1], f[1] if f != NULL else 1.0,
-                       n, c.qgroup, c.qbits)
+                       n, c.payload.qgroup, c.payload.qbits)
         for k in range(2, nsrc):
             mpl_dequantize(<float*>dst, <const float*>dst,
                            <const unsigned char*>self.sources[k], f[k] if f != NULL else 1.0,
-                           n, c.qgroup, c.qbits)
+                           n, c.payload.qgroup, c.payload.qbits)
         if s != 1.0:
             k_scale(DT_F32, s, dst, dst, n)
 
@@ -522,7 +457,7 @@ cdef class Direct(Chunked):
             self.scaled[block] = self.target_final
             self.where[block] = self.target
             self.count[block] += 1 + self.ntaken
-            if self.call.weight > 0:
+            if self.call.payload.weight > 0:
                 self.wsum[block] = self.taken_wsum
                 self.wexp[block] = self.taken_exp
             bits = self.members + <Py_ssize_t>block * self.words
@@ -559,8 +494,8 @@ cdef class Direct(Chunked):
             self.add_result(0, n, False)
             return
         bits[self.rank >> 6] |= 1ull << (self.rank & 63)
-        self.decode(dst, self.chan.mine(chunk, block),
-                    1.0 / self.own_mant if c.weight > 0 else call_scale(c, 1, self.size), n)
+        pay_decode(self.call, dst, self.chan.mine(chunk, block),
+                    1.0 / self.own_mant if c.payload.weight > 0 else call_scale(c, 1, self.size), n)
         self.add_result(1, n, False)
 
     cdef inline void contribution_done(self, int block) noexcept nogil:
@@ -575,26 +510,26 @@ cdef class Direct(Chunked):
         cdef Py_ssize_t n = self.block_len(me, block)
         cdef char* record = self.chan.mine(me, block)
         cdef uint64_t* bits = self.members + <Py_ssize_t>block * self.words
-        cdef Py_ssize_t at = round_up(self.payload_bytes(n), 8)
+        cdef Py_ssize_t at = round_up(pay_bytes(self.call, n), 8)
         cdef uint32_t nbytes = <uint32_t>(at + 8 * self.words)
         cdef double scale = 1.0 if self.scaled[block] \
             else self.final_scale(self.count[block], self.wsum[block])
-        if c.qbits and c.coll == COLL_REDUCE_SCATTER and me == self.rank:
+        if c.payload.qbits and c.coll == COLL_REDUCE_SCATTER and me == self.rank:
             # My own chunk of a reduce-scatter goes nowhere: not quantised again.
             k_narrow(c.dtype, scale, self.out(me, block),
                      self.location(block, self.where[block]), n)
             memcpy(self.result_entry(me, block), bits, 8 * self.words)
             self.add_result(self.count[block], n)
             return
-        self.encode(record, self.location(block, self.where[block]), scale, n,
-                    self.qseed(me, block, 1), self.where[block] != SUM_IN_SEND)
+        pay_encode(self.call, record, self.location(block, self.where[block]), scale, n,
+                    pay_seed(self.call, self.rank, me, block, 1), self.where[block] != SUM_IN_SEND)
         memcpy(record + at, bits, 8 * self.words)
         if c.coll == COLL_ALLREDUCE:
             self.emit(me, block, self.count[block], nbytes, self.others, self.size - 1)
         elif me != self.rank:
             self.emit(me, block, self.count[block], nbytes, &me, 1)
         if self.wanted(me):
-            self.decode(self.out(me, block), record, 1.0, n)
+            pay_decode(self.call, self.out(me, block), record, 1.0, n)
             memcpy(self.result_entry(me, block), bits, 8 * self.words)
             self.add_result(self.count[block], n)
 

@@ -52,7 +52,6 @@ cdef double ERROR_PROBE_INTERVAL = 1e-3
 # interval then doubles up to END_REPEAT_MAX.
 cdef double END_REPEAT = 2e-3
 cdef double END_REPEAT_MAX = 64e-3
-cdef double NACK_INTERVAL = 0.05   # seconds between repeated requests (no deadline)
 # A peer seen in a later call has sent what it will send for this one, but
 # FI_EP_DGRAM does not promise order: its last datagrams of this call may
 # still be behind its first of the next.  Wait this long before giving up.
@@ -100,9 +99,7 @@ cdef class DgramChannel(DgramEndpoint):
     cdef double next_probe            # when to look for notes over MPI (outcome.pxi)
     # NACKs: per peer and call parity, the call and number of the last one
     # answered; the numbers of this rank's own
-    cdef uint64_t* nack_call
-    cdef uint32_t* nack_number
-    cdef uint32_t nacks_sent
+    cdef Requests requests            # NACK numbers (dgram_recovery.pxi)
     cdef bint failed_call
     # counters of datagrams judged, for the whole life of the channel
     cdef uint64_t n_foreign, n_forged, n_malformed, n_stale, n_future, n_unexpected
@@ -119,10 +116,8 @@ cdef class DgramChannel(DgramEndpoint):
         self.peer_seq = <uint64_t*>calloc(self.size, sizeof(uint64_t))
         self.stash = <char*>aligned(self.stash_cap * self.pkt)
         self.replaying = <char*>aligned(self.stash_cap * self.pkt)
-        self.nack_call = <uint64_t*>calloc(2 * self.size, sizeof(uint64_t))
-        self.nack_number = <uint32_t*>calloc(2 * self.size, sizeof(uint32_t))
-        if not (self.peer_seq and self.stash and self.replaying and self.nack_call
-                and self.nack_number):
+        self.requests = Requests(self.size)
+        if not (self.peer_seq and self.stash and self.replaying):
             raise MemoryError()
         self.outcomes = Outcomes()
         self.outcomes.setup(self.comm)
@@ -137,8 +132,6 @@ cdef class DgramChannel(DgramEndpoint):
         # Close first: the endpoint's close reaps completions, which hands
         # datagrams to accept(), and accept needs what is freed below.
         DgramEndpoint.close(self)
-        free(self.nack_call)
-        free(self.nack_number)
         free(self.peer_seq)
         free(self.stash)
         free(self.replaying)
@@ -216,7 +209,7 @@ cdef class DgramChannel(DgramEndpoint):
         self.error.kind = ERR_NONE
         self.cur = call[0]
         self.armed = False           # until the streams are known: stash, don't place
-        self.nacks_sent = 0
+        self.requests.new_call()
         self.hear_errors()              # (an error of this call told before this rank got here)
         self.send_hello()
         return 0
@@ -450,13 +443,12 @@ cdef class DgramChannel(DgramEndpoint):
         """A reader that waits without deadline asks again for the blocks
         listed in the payload (of slot hdr.slot)."""
         cdef int parity = hdr.seq & 1, i
-        cdef int seen = hdr.src * 2 + parity
         cdef uint32_t block
         cdef Py_ssize_t record
         cdef char* buf
         if self.out_seq[parity] != hdr.seq:
             return
-        if self.nack_call[seen] == hdr.seq and hdr.block <= self.nack_number[seen]:
+        if self.requests.replayed(hdr.src, hdr.seq, hdr.block):
             self.n_nack_replayed += 1       # answered already: a replay makes no resends
             return
         if self.draining > 1:
@@ -464,8 +456,7 @@ cdef class DgramChannel(DgramEndpoint):
             # and drains without bound.  The reader asks again.
             self.n_nack_deferred += 1
             return
-        self.nack_call[seen] = hdr.seq
-        self.nack_number[seen] = hdr.block
+        self.requests.answered(hdr.src, hdr.seq, hdr.block)
         for i in range(hdr.nbytes // 4):
             memcpy(&block, blocks + 4 * i, 4)       # (the buffer may be unaligned)
             if block >= <uint32_t>self.out_slot_records[parity]:
@@ -544,70 +535,17 @@ cdef class DgramChannel(DgramEndpoint):
         return POLL_WAIT
 
     cdef void request_missing(self, Stream* s) noexcept nogil:
-        """No deadline: ask the producer again for every record of `s` that
-        this rank still needs and has not got (as many as fit in one
-        datagram): data blocks, and with redundancy the parity of a group
-        that waits for a block injected loss dropped (such a block is never
-        read; its group must rebuild it, and the group's parity is as
-        exposed to real loss as data)."""
+        """No deadline: ask the producer again for what this rank still needs
+        of `s` (dgram_recovery.pxi), as much as fits in one datagram."""
         cdef CallInfo* c = &self.cur
         cdef uint32_t missing[512]
-        cdef int n = 0, cap = <int>min(512, self.payload_max // 4)
-        cdef int group, first, last
-        cdef Py_ssize_t base = <Py_ssize_t>s.index * c.records
-        if not c.fec_k:
-            self.want_data(s, base, s.cursor, s.nblocks, missing, &n, cap)
-        else:
-            for group in range(s.cursor // c.fec_k, c.ngroups):
-                first = max(s.cursor, group * c.fec_k)
-                last = min(c.nblocks, (group + 1) * c.fec_k)
-                self.want_data(s, base, first, last, missing, &n, cap)
-                if self.group_waits_for_parity(s, first, last):
-                    self.want_parity(s, base, group, missing, &n, cap)
-                if n == cap:
-                    break
+        cdef int n = records_to_ask_for(c, s, self.arrived + <Py_ssize_t>s.index * c.records,
+                                        missing, <int>min(512, self.payload_max // 4))
         if n:
             self.n_nacks += 1
-            self.nacks_sent += 1
-            self.send_control(MPL_PKT_NACK, c.seq, s.slot, self.nacks_sent, missing, 4 * n,
-                              s.peer)
+            self.send_control(MPL_PKT_NACK, c.seq, s.slot, self.requests.next_number(), missing,
+                              4 * n, s.peer)
         self.send_hello(s.peer)         # (if the first was lost, a disagreement would hide)
-
-    cdef inline void want_data(self, Stream* s, Py_ssize_t base, int first, int last,
-                               uint32_t* missing, int* n, int cap) noexcept nogil:
-        """Data blocks first..last-1 of `s` not in hand (a block injected loss
-        dropped is never read: not asked for)."""
-        cdef int b
-        for b in range(first, last):
-            if n[0] == cap:
-                return
-            if not self.arrived[base + b] and not s.done[b] and not s.drop[b]:
-                missing[n[0]] = b
-                n[0] += 1
-
-    cdef inline bint group_waits_for_parity(self, Stream* s, int first, int last) noexcept nogil:
-        """Does a block of data blocks first..last-1 of one group wait to be
-        rebuilt (dropped by injected loss, unresolved, not rebuilt yet)?"""
-        cdef int b
-        for b in range(first, last):
-            if s.drop[b] and not s.done[b] and not s.rebuilt[b]:
-                return True
-        return False
-
-    cdef inline void want_parity(self, Stream* s, Py_ssize_t base, int group,
-                                 uint32_t* missing, int* n, int cap) noexcept nogil:
-        """The parity records of `group` of `s` not in hand."""
-        cdef CallInfo* c = &self.cur
-        cdef int j, r
-        for j in range(c.fec_m):
-            if n[0] == cap:
-                return
-            r = c.nblocks + group * c.fec_m + j
-            # (its row: group * (k + m) + k + j, coding.pxi's fec_row)
-            if (not self.arrived[base + r] and not s.drop[r]
-                    and not s.have[<Py_ssize_t>group * (c.fec_k + c.fec_m) + c.fec_k + j]):
-                missing[n[0]] = r
-                n[0] += 1
 
     cdef bint random_access(self, Stream* s) noexcept nogil:
         return True
