@@ -45,7 +45,7 @@ root, `ip`, `tc` (iproute2), `nft` (nftables), `ethtool`, `unshare` and
 `mount` (util-linux), and a kernel with veth, bridge and tbf: without them
 it says why and exits with status 3.
 
-Also a Python module (tests/test_multinode.py uses it):
+Also a Python module (tests/cluster/test_multinode.py uses it):
 
     with Cluster(nodes=2, rate="1gbit") as c:
         proc = c.run(["python", "job.py"], ppn=2, timeout=120)

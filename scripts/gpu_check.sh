@@ -9,7 +9,7 @@
 #   bash scripts/gpu_check.sh [STAGE...]    (default: env setup tests)
 #     env      what the machine is: GPUs, driver, Python, torch, CuPy, cores
 #     setup    install .whl/*, build mpilossy (editable, build/gpu)
-#     tests    tests/test_gpu.py and tests/test_device.py at 1, 2, 3 and 4 ranks
+#     tests    tests/call/test_gpu.py and tests/call/test_device.py at 1, 2, 3 and 4 ranks
 #     figures  python -m mpilossy.bench device at 1, 2 and 4 ranks (DEVICE=cpu:
 #              host buffers, to try the script where there is no GPU)
 #     cpu16    python -m mpilossy.bench allreduce at 4, 8 and 16 ranks

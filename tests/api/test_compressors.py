@@ -116,3 +116,62 @@ def test_topk_under_loss_averages_what_arrived(comm):
     lo, hi = every.min(axis=0), every.max(axis=0)
     slack = 1e-5 * np.abs(every).max()
     assert np.all(data[chosen] >= lo[chosen] - slack) and np.all(data[chosen] <= hi[chosen] + slack)
+
+
+# -- NaN, infinities and ties: the same blocks on every rank, by construction ------
+def _chosen(result: np.ndarray, block: int) -> list:
+    """The blocks that TopK sent: those of the result that are not all zero."""
+    rows = result.reshape(-1, block)
+    return [b for b in range(rows.shape[0]) if not np.all(rows[b] == 0)]
+
+
+@pytest.mark.mpi
+def test_topk_nan_and_inf_on_one_rank_choose_the_same_blocks_everywhere(comm, lc):
+    """One rank's NaN in a block of little energy, another's -inf: both
+    blocks count as of infinite energy on every rank (a NaN gradient is sent,
+    not hidden), whatever the reduction's order of operands, and each
+    reduced block holds that block's values only (no mix of blocks)."""
+    block, nblocks = 4, 8
+    # rank r, block b: (b + 1) (r + 1) / 8, so block 7 has the most energy
+    mine = np.repeat((np.arange(nblocks) + 1.0) * (comm.rank + 1) / 8, block).astype(np.float32)
+    exact = np.repeat((np.arange(nblocks) + 1.0) * comm.size * (comm.size + 1) / 16, block)
+    topk = TopK(3 / nblocks, error_feedback=False, block=block)
+    for culprit in range(comm.size):
+        data = mine.copy()
+        if comm.rank == culprit:
+            data[2 * block + 1] = np.nan
+        if comm.rank == (culprit + 1) % comm.size:
+            data[5 * block] = -np.inf
+        topk.allreduce(lc, "g", data, op="sum")
+        chosen = comm.allgather(_chosen(data, block))
+        assert all(c == [2, 5, 7] for c in chosen), (culprit, chosen)
+        assert np.isnan(data[2 * block + 1]) and data[5 * block] == -np.inf, data
+        rows = [b for b in range(nblocks) if b not in (2, 5)]
+        got = data.reshape(nblocks, block)[rows]
+        want = np.where(np.isin(rows, [7]), 1.0, 0.0)[:, None] * exact.reshape(nblocks, block)[rows]
+        np.testing.assert_array_equal(got, want.astype(np.float32))
+        np.testing.assert_array_equal(data.reshape(nblocks, block)[5, 1:],
+                                      exact[5 * block + 1:6 * block])
+    # Three blocks, one chosen: before NaN was mapped first, MPICH's maximum
+    # at 4 ranks chose block 1 on some ranks and block 2 on others.
+    few = mine[:3 * block]
+    for culprit in range(comm.size):
+        data = few.copy()
+        if comm.rank == culprit:
+            data[block] = np.nan
+        TopK(1 / 3, error_feedback=False, block=block).allreduce(lc, "h", data, op="sum")
+        chosen = comm.allgather(_chosen(data, block))
+        assert all(c == [1] for c in chosen), (culprit, chosen)
+
+
+@pytest.mark.mpi
+def test_topk_ties_go_to_the_lowest_block_index(comm, lc):
+    """Equal energies: the lower block index wins, a rule (a stable sort by
+    energy, then index) rather than what np.argpartition's build happens to
+    pick among ties."""
+    block, nblocks = 4, 40
+    data = np.repeat(np.tile([1.0, 2.0], nblocks // 2), block).astype(np.float32)
+    TopK(0.07, error_feedback=False, block=block).allreduce(lc, "g", data, op="sum")
+    chosen = comm.allgather(_chosen(data, block))
+    assert all(c == [1, 3, 5] for c in chosen), chosen      # ceil(0.07 * 40) = 3 of the ties
+    np.testing.assert_array_equal(data.reshape(nblocks, block)[[1, 3, 5]], 2.0 * comm.size)

@@ -2,7 +2,7 @@
 device arrays over host memory (the way mpi4py tests its GPU paths without
 a GPU): a fake exposes __cuda_array_interface__, and a fake copy backend
 moves bytes with memmove where CuPy would call cudaMemcpyAsync.  The same
-paths on a real GPU: tests/test_gpu.py."""
+paths on a real GPU: tests/call/test_gpu.py."""
 
 import ctypes
 

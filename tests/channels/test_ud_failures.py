@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from mpilossy import _core
-from helpers import HERE, clean_subprocess_env, is_singleton, mpiexec, run_bounded
+from helpers import clean_subprocess_env, HERE, is_singleton, mpiexec, PROGRAMS, run_bounded
 
 pytestmark = [
     pytest.mark.skipif(not is_singleton(), reason="starts its own mpiexec: runs at size 1"),
@@ -26,7 +26,7 @@ pytestmark = [
 def launch(script, ranks, *args, timeout=120, namespace=None, **env):
     prefix = ["ip", "netns", "exec", namespace] if namespace else []
     proc = run_bounded([*prefix, mpiexec(), "-n", str(ranks), sys.executable,
-                        str(HERE / "scripts" / script), *map(str, args)], timeout,
+                        str(PROGRAMS / script), *map(str, args)], timeout,
                        clean_subprocess_env(MPILOSSY_UD_PROVIDER="native", **env))
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout

@@ -1,4 +1,4 @@
-"""The per-rank half of tests/test_multinode.py: one MPI job across the nodes
+"""The per-rank half of tests/cluster/test_multinode.py: one MPI job across the nodes
 of scripts/cluster.py's emulated cluster runs every check, and rank 0 prints
 one JSON line of what was measured; the test asserts on it.
 

@@ -1,7 +1,7 @@
 """The call path of mpilossy/call/, one layer at a time and without peers:
 the buffers of a call (BufferIntake) and its resolved arguments
 (CallResolver -> CallSpec).  The same rules on every rank are what make an
-error the same everywhere (tests/test_errors.py checks that across ranks)."""
+error the same everywhere (tests/api/test_errors.py checks that across ranks)."""
 
 import numpy as np
 import pytest

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import is_singleton, run_bounded
+from helpers import ROOT, is_singleton, run_bounded
 
 pytestmark = [
     pytest.mark.skipif(not is_singleton(), reason="starts its own mypy: runs at size 1"),
@@ -20,7 +20,6 @@ pytestmark = [
     pytest.mark.builds,     # not a build, but as long and as independent of the others
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 TIMEOUT = 170       # (pytest-timeout: 180 s a test); a cold cache with torch: about a minute
 

@@ -2,7 +2,7 @@
 size-1 sleeps DELAY before PROB of the calls (the same draws on every rank,
 no barrier between calls).  Prints one JSON line from rank 0: for the other
 ranks, the deadline each call used, the time inside each call and how far
-past its deadline it returned.  Used by tests/test_fault_matrix.py and for
+past its deadline it returned.  Used by tests/core/test_fault_matrix.py and for
 docs/deadlines.md."""
 
 import argparse

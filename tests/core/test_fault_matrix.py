@@ -28,7 +28,7 @@ from mpilossy.loss import Bernoulli, GilbertElliott
 from helpers import is_singleton, run_mpi_script
 
 TIMEOUT = 0.05
-MARGIN = 0.03           # as tests/test_deadline.py; docs/deadlines.md has the measured one
+MARGIN = 0.03           # as tests/core/test_deadline.py; docs/deadlines.md has the measured one
 N = 20_011              # elements: several blocks per chunk, not a multiple of anything
 CHANNELS = ["rma"] + (["ud"] if _core.HAVE_LIBFABRIC and _core.HAVE_DATAGRAM_AUTH else [])
 ALGORITHMS = ["ring", "tree", "direct"]

@@ -260,7 +260,7 @@ def test_decoder_under_address_sanitizer(tmp_path):
     import subprocess
     import sys
 
-    from helpers import HERE, build_package, importing_from, is_singleton, run_bounded
+    from helpers import HERE, build_package, importing_from, is_singleton, module_path, run_bounded
 
     if not is_singleton():
         pytest.skip("builds its own copy: runs at size 1")
@@ -275,8 +275,9 @@ def test_decoder_under_address_sanitizer(tmp_path):
     env = importing_from(pkg, HERE, LD_PRELOAD=libasan,
                          ASAN_OPTIONS="detect_leaks=0:abort_on_error=1:allocator_may_return_null=1", MPILOSSY_UNDER_ASAN="1")
     proc = run_bounded([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        "-k", "not address_sanitizer", str(HERE / "test_datagram_decoder.py"),
-                        str(HERE / "test_quant_kernels.py")],
+                        "-k", "not address_sanitizer",
+                        str(module_path("test_datagram_decoder.py")),
+                        str(module_path("test_quant_kernels.py"))],
                        600, env, cwd=tmp_path)
     assert "AddressSanitizer" not in proc.stderr, proc.stderr[-4000:]
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -284,7 +285,8 @@ def test_decoder_under_address_sanitizer(tmp_path):
     from helpers import mpiexec
     proc = run_bounded([mpiexec(), "-n", "2", sys.executable, "-m", "pytest", "--with-mpi", "-q",
                         "-p", "no:cacheprovider", "-m", "mpi", "-k", "any_size or float16",
-                        str(HERE / "test_weighted.py"), str(HERE / "test_float16.py")],
+                        str(module_path("test_weighted.py")),
+                        str(module_path("test_float16.py"))],
                        600, env, cwd=tmp_path)
     assert "AddressSanitizer" not in proc.stderr, proc.stderr[-4000:]
     assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,7 +2,7 @@
 line from rank 0: mean/max elapsed, overshoot past the timeout, delivered,
 lost blocks, queue drops, and the t statistic of the rank-averaged result
 against the exact average (ranks hold different data).  Used by
-tests/test_ud.py (real kernel drops in a network namespace) and for the
+tests/channels/test_ud.py (real kernel drops in a network namespace) and for the
 figures in docs/ud.md."""
 
 import argparse

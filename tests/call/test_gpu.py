@@ -2,7 +2,7 @@
 staged path (docs/gpu.md), against MPI_Allreduce on host copies.  Every
 test here carries the `gpu` marker and skips, saying why, where CuPy finds
 no device (CI has none); scripts/gpu_check.sh runs them on a GPU machine,
-at 1 to 4 ranks sharing its GPU.  tests/test_device.py covers the same
+at 1 to 4 ranks sharing its GPU.  tests/call/test_device.py covers the same
 paths everywhere with fake device arrays."""
 
 import numpy as np

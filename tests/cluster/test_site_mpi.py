@@ -31,7 +31,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster_helpers import cluster_fixture
-from helpers import HERE, clean_subprocess_env, is_singleton, run_bounded
+from helpers import clean_subprocess_env, HERE, is_singleton, PROGRAMS, run_bounded
 
 # The first test also waits for the module's environments (about a minute on
 # an idle machine, four on a busy one), hence a longer bound than the runner's.
@@ -117,10 +117,10 @@ def test_site_build_uses_the_site_mpi_only(site):
 
 @pytest.mark.parametrize("mode", ["lossless", "lossy"])
 def test_site_mpirun_matches_mpi_allreduce(site, mode):
-    """tests/scripts/network_path.py: ring and tree equal MPI_Allreduce
+    """tests/programs/network_path.py: ring and tree equal MPI_Allreduce
     (lossless) or stay bounded and in time (lossy), on 3 ranks."""
     proc = run(["mpirun", "--oversubscribe", "-n", "3", "python",
-                HERE / "scripts" / "network_path.py", mode],
+                PROGRAMS / "network_path.py", mode],
                timeout=150, **site.loaded, **OMPI_ENV)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     assert proc.stdout.count(f"{mode} ok") == 3, proc.stdout

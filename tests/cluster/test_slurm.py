@@ -164,7 +164,7 @@ def test_bench_datagram_channel(slurm, tmp_path):
 
 
 # A tiny model for a few steps: the job's plumbing, not the learning
-# (tests/test_example_lm.py checks that).
+# (tests/bench/test_example_lm.py checks that).
 TINY = ("--width 32 --layers 1 --heads 2 --context 32 --batch 8 --val-windows 32 "
         "--lr 1e-2 --warmup 2 --measure-every 5 --broadcast-every 5")
 
