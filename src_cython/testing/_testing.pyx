@@ -1,13 +1,16 @@
 # cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
 # cython: initializedcheck=False, embedsignature=True
 """Test scaffolding for mpilossy's compiled core (like NumPy's
-_multiarray_tests): it compiles the same channel sources as mpilossy._core
-and drives their validation code without MPI or a network.
+_multiarray_tests): it compiles the same channel, engine and direct sources
+as mpilossy._core and drives them without MPI or a network.
 
   RecordJudge    hand-written one-sided records fed to the RMA read path
   DatagramJudge  datagrams fed to the datagram channel's decoder and placement
   encode_datagram  a datagram exactly as the channel builds it
   BareChannel    a channel that overrides nothing (each required method aborts)
+  DirectRank     rank 0 of a direct all-reduce run by the engine on peers'
+                 records held in memory (MemoryChannel), one of which can
+                 be rewritten right after its confirmation
 
 Nothing here is used by the library itself.
 """
@@ -22,6 +25,10 @@ include "channels/dgram_wire.pxi"
 include "channels/dgram_endpoint.pxi"
 include "channels/dgram_recovery.pxi"
 include "channels/dgram.pxi"
+include "algorithms/schedule.pxi"
+include "codecs/coding.pxi"
+include "codecs/payload.pxi"
+include "algorithms/direct.pxi"
 
 
 cdef void test_call(CallInfo* call, uint64_t seq, uint64_t sig, int nslots, int nblocks,
@@ -60,6 +67,204 @@ cdef class BareChannel(Channel):
             self.confirm(&s, 0)
         else:
             raise ValueError(f"not a method a channel must provide: {name!r}")
+
+
+# -- the engine and direct, on records held in memory ---------------------------
+
+cdef class MemoryChannel(Channel):
+    """This rank's side of a call whose peers published every record before
+    it began, into plain memory: records are read in place and in any order
+    (as through shared memory), and every producer has closed its slots, so
+    a record that is not there is lost at once (early close).  confirm() of
+    one chosen record rewrites its payload just after its check passed, as
+    a producer two calls ahead can; the record is then another call's (not
+    there, and no later confirm passes).  My own records live here too and
+    go nowhere."""
+    cdef CallInfo* call
+    cdef char* mem                  # rank x slot x record, record_bytes each
+    cdef uint32_t* meta             # per record: count, nbytes
+    cdef unsigned char* present
+    cdef Py_ssize_t tear_at         # the record confirm() rewrites; -1: none
+    cdef char* tear_with
+    cdef int tears                  # how many it rewrote
+
+    cdef int setup(self, int size, CallInfo* call) except -1:
+        cdef Py_ssize_t n = <Py_ssize_t>size * call.nslots * call.records
+        self.rank = 0
+        self.size = size
+        self.call = call
+        self.mem = <char*>calloc(n, call.record_bytes)
+        self.meta = <uint32_t*>calloc(2 * n, sizeof(uint32_t))
+        self.present = <unsigned char*>calloc(n, 1)
+        self.tear_with = <char*>calloc(1, call.record_bytes)
+        if not (self.mem and self.meta and self.present and self.tear_with):
+            raise MemoryError()
+        self.tear_at = -1
+        return 0
+
+    def __dealloc__(self):
+        free(self.mem)
+        free(self.meta)
+        free(self.present)
+        free(self.tear_with)
+
+    cdef inline Py_ssize_t at(self, int rank, int slot, int record) noexcept nogil:
+        return (<Py_ssize_t>rank * self.call.nslots + slot) * self.call.records + record
+
+    cdef char* claim(self, int slot, int block) noexcept nogil:
+        return self.mem + self.at(self.rank, slot, block) * self.call.record_bytes
+
+    cdef char* mine(self, int slot, int block) noexcept nogil:
+        return self.mem + self.at(self.rank, slot, block) * self.call.record_bytes
+
+    cdef void publish(self, int slot, int block, uint32_t count, uint32_t nbytes,
+                      const int* dests, int ndests) noexcept nogil:
+        pass
+
+    cdef int poll(self, Stream* s, int block, Incoming* inc) noexcept nogil:
+        cdef Py_ssize_t i = self.at(s.peer, s.slot, block)
+        if not self.present[i]:
+            return POLL_WAIT
+        inc.data = self.mem + i * self.call.record_bytes
+        inc.count = self.meta[2 * i]
+        inc.nbytes = self.meta[2 * i + 1]
+        return POLL_READY
+
+    cdef bint random_access(self, Stream* s) noexcept nogil:
+        return True
+
+    cdef bint confirm(self, Stream* s, int block) noexcept nogil:
+        cdef Py_ssize_t i = self.at(s.peer, s.slot, block)
+        if i == self.tear_at:
+            # The check has passed; now the producer rewrites the record.
+            memcpy(self.mem + i * self.call.record_bytes, self.tear_with, self.meta[2 * i + 1])
+            self.present[i] = 0
+            self.tear_at = -1
+            self.tears += 1
+            return True
+        return self.present[i]
+
+    cdef bint closed(self, Stream* s) noexcept nogil:
+        return True
+
+
+cdef class DirectRank:
+    """Rank 0 of a direct sum all-reduce of `count` elements of `dtype`
+    (rotation off: it reduces chunk 0, in slot 0 of every peer), run by the
+    engine (run_streams) on a MemoryChannel: put() the peers' records,
+    optionally tear() one at its confirmation, then run() the call once with
+    chosen records dropped by injected loss.  The call is filled as Core.run
+    fills it before bind (core.pxi)."""
+    cdef MemoryChannel chan
+    cdef Direct alg
+    cdef CallInfo call
+    cdef bint ran
+
+    def __cinit__(self, int size, int dtype, Py_ssize_t count, Py_ssize_t block_bytes,
+                  int fec_k=0, int fec_m=0, double timeout=10.0):
+        cdef CallInfo* c = &self.call
+        if size < 2 or not 0 <= dtype < 5:
+            raise ValueError("size >= 2 and a DTYPE_*")
+        if fec_k and mpl_fec_check(fec_k, fec_m) != NULL:
+            raise ValueError(f"redundancy=({fec_k}, {fec_m}): "
+                             f"{mpl_fec_check(fec_k, fec_m).decode()}")
+        self.alg = Direct(0, size)
+        memset(c, 0, sizeof(CallInfo))
+        c.seq = 1
+        c.dtype = dtype
+        c.op = OP_SUM
+        c.algo = ALGO_DIRECT
+        c.coll = COLL_ALLREDUCE
+        c.scaling = SCALE_UNBIASED
+        c.itemsize = ITEMSIZE[dtype]
+        c.count = count
+        c.timeout = timeout
+        c.injected = True
+        c.early_close = 0.0             # a missing record is lost once it is looked at
+        c.fec_k = fec_k
+        c.fec_m = fec_m if fec_k else 0
+        c.max_block = (1 << 30) - (8 if fec_k else 0)
+        c.block_elems = max(1, block_bytes // c.itemsize)
+        self.alg.layout(c)
+        c.records = c.nblocks
+        c.record_bytes = c.block_bytes
+        if fec_k:
+            c.ngroups = (c.nblocks + fec_k - 1) // fec_k
+            c.records += c.ngroups * c.fec_m
+            c.record_bytes += 8
+        c.sig = 0x5EED
+        self.chan = MemoryChannel()
+        self.chan.setup(size, c)
+
+    @property
+    def layout(self) -> dict:
+        """nblocks (data records per slot), block_elems, block_bytes,
+        records (with parity), record_bytes, ngroups of the call."""
+        return {"nblocks": self.call.nblocks, "block_elems": self.call.block_elems,
+                "block_bytes": self.call.block_bytes, "records": self.call.records,
+                "record_bytes": self.call.record_bytes, "ngroups": self.call.ngroups}
+
+    cdef Py_ssize_t record(self, int peer, int slot, int record) except -1:
+        if not (0 < peer < self.chan.size and 0 <= slot < self.call.nslots
+                and 0 <= record < self.call.records):
+            raise IndexError(f"no record ({peer}, {slot}, {record})")
+        return self.chan.at(peer, slot, record)
+
+    def put(self, int peer, int slot, int record, uint32_t count, bytes payload):
+        """Peer `peer` published `payload` as its record (slot, record)."""
+        cdef Py_ssize_t i = self.record(peer, slot, record)
+        if len(payload) > self.call.record_bytes:
+            raise ValueError(f"payload: at most {self.call.record_bytes} bytes")
+        memcpy(self.chan.mem + i * self.call.record_bytes, <const char*>payload, len(payload))
+        self.chan.meta[2 * i] = count
+        self.chan.meta[2 * i + 1] = <uint32_t>len(payload)
+        self.chan.present[i] = 1
+
+    def tear(self, int peer, int slot, int record, bytes payload):
+        """When the record (put before) is confirmed, rewrite its payload
+        with `payload` right after the check (the confirmation passes)."""
+        cdef Py_ssize_t i = self.record(peer, slot, record)
+        if not self.chan.present[i] or len(payload) != self.chan.meta[2 * i + 1]:
+            raise ValueError("tear a record put before, with a payload of its length")
+        memcpy(self.chan.tear_with, <const char*>payload, len(payload))
+        self.chan.tear_at = i
+
+    def run(self, bytes send, list drops=None) -> dict:
+        """Run the call on this rank's `send` (the whole vector) with the
+        records `drops` [(peer, slot, record), ...] lost to injected loss.
+        Returns recv (the result), failed, error, rebuilt (blocks),
+        lost (injected, late, gone, torn), tears (records rewritten)."""
+        cdef CallInfo* c = &self.call
+        cdef ErrorInfo err
+        cdef Stream* s
+        cdef int failed, i
+        cdef bytearray out = bytearray(len(send))
+        if self.ran:
+            raise RuntimeError("a DirectRank runs one call")
+        if len(send) != c.count * c.itemsize:
+            raise ValueError(f"send: {c.count * c.itemsize} bytes")
+        self.ran = True
+        memset(&err, 0, sizeof(ErrorInfo))
+        c.start = mpl_now()
+        self.alg.bind(self.chan, c, <char*><const char*>send, <char*>out)
+        for peer, slot, record in drops or ():
+            self.record(peer, slot, record)
+            hits = 0
+            for i in range(self.alg.nstreams):
+                s = &self.alg.streams[i]
+                if s.peer == peer and s.slot == slot:
+                    s.drop[<int>record] = 1
+                    hits += 1
+            if not hits:
+                raise ValueError(f"rank 0 reads no slot {slot} of rank {peer}")
+        with nogil:
+            failed = run_streams(self.alg, self.chan, c, True, &err)
+        return {"recv": bytes(out), "failed": bool(failed),
+                "error": err.msg.decode(errors="replace") if failed else "",
+                "rebuilt": self.alg.rebuilt_blocks,
+                "lost": (self.alg.lost_injected, self.alg.lost_late, self.alg.lost_gone,
+                         self.alg.lost_torn),
+                "tears": self.chan.tears}
 
 
 # -- one-sided records ---------------------------------------------------------

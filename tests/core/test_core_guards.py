@@ -4,9 +4,11 @@ the interface, and failed calls whose wait at the end is bounded.
 
 The record tests drive the one-sided channel's shared-memory read path
 through _testing.RecordJudge (a peer window in plain memory, no MPI); the
-others run at any number of ranks, with expected values computed from rank
-and size."""
+direct test runs one rank of an all-reduce on peers' records in memory
+(_testing.DirectRank, no MPI); the others run at any number of ranks, with
+expected values computed from rank and size."""
 
+import struct
 import sys
 import threading
 import time
@@ -98,6 +100,58 @@ def test_mismatch_names_are_bounds_safe(judge):
     assert kind == _core.ERRORS["mismatch"]
     # (bit 24 of the layout, clear here: the peer's call has a deadline)
     assert "rank 1: ? of 11 x ? op=? algorithm=? with a deadline;" in message, message
+
+
+# -- direct with redundancy: a row is what was confirmed -----------------------
+def xor(*rows: bytes) -> bytes:
+    out = bytearray(rows[0])
+    for row in rows[1:]:
+        for i, b in enumerate(row):
+            out[i] ^= b
+    return bytes(out)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("torn_peer", [1, 2])
+def test_fused_contribution_is_kept_as_confirmed(torn_peer):
+    """Rank 0 of 3 reduces chunk 0 with redundancy (2, 1): while it takes
+    one peer's block, it sums the other peer's block too (fused, read in
+    place) and keeps a copy of it as a row of its group, for rebuilding.
+    The channel confirms that block, and right after its check the
+    producer (two calls ahead) rewrites it.  The next block of that group is
+    dropped and rebuilt from the row and the parity: it must be the
+    contribution that was sent, and the reduced chunk the exact sum.  Failed
+    when the row was copied after the confirmation (the torn payload went
+    into the row; the rebuilt block passed the trailer check and was summed
+    as delivered).  Both peers take the torn role: rank 0 reads peer 2's
+    stream first and fuses peer 1's blocks into it, and the test must not
+    depend on which stream the engine reads first."""
+    size, nblocks, elems, torn_block = 3, 4, 4, 2
+    rank = _testing.DirectRank(size, _core.DTYPE_F64, size * nblocks * elems, elems * 8,
+                               fec_k=2, fec_m=1)
+    lay = rank.layout
+    assert (lay["nblocks"], lay["block_elems"], lay["ngroups"]) == (nblocks, elems, 2)
+    pad = lay["block_bytes"]
+    # every rank's contribution to chunk 0: distinct small integers (exact sums)
+    contrib = [np.arange(nblocks * elems, dtype=np.float64) * (p + 1) + 100 * p
+               for p in range(size)]
+    block = [[c[b * elems:(b + 1) * elems].tobytes() for b in range(nblocks)] for c in contrib]
+    for peer in range(1, size):
+        for b in range(nblocks):
+            rank.put(peer, 0, b, 1, block[peer][b])
+        for g in range(lay["ngroups"]):     # parity: XOR of the rows of the group
+            rows = [block[peer][b].ljust(pad, b"\0") + struct.pack("<II", 1, len(block[peer][b]))
+                    for b in (2 * g, 2 * g + 1)]
+            rank.put(peer, 0, nblocks + g, 0, xor(*rows))
+    rank.tear(torn_peer, 0, torn_block, np.full(elems, -1e6).tobytes())
+    send = np.concatenate([contrib[0], np.zeros((size - 1) * nblocks * elems)])
+    out = rank.run(send.tobytes(), drops=[(torn_peer, 0, torn_block + 1)])
+    assert not out["failed"], out["error"]
+    assert out["tears"] == 1, "the torn record was never confirmed: the test proves nothing"
+    assert out["rebuilt"] == 1
+    assert out["lost"][0] == 0 and out["lost"][3] == 0, out["lost"]   # (injected, torn)
+    reduced = np.frombuffer(out["recv"], np.float64)[:nblocks * elems]
+    np.testing.assert_array_equal(reduced, sum(contrib))
 
 
 # -- integers saturate when rescaled -------------------------------------------
