@@ -79,7 +79,7 @@ def test_channel_info(comm, udc, provider):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 def test_injected_loss_is_unbiased(comm, algorithm):
-    from test_unbiased import T_LIMIT, rank_averaged_t, run
+    from unbiasedness import T_LIMIT, rank_averaged_t, run
     results, _, delivered = run(comm, algorithm, 0.1, channel="ud")
     t = rank_averaged_t(comm, results)
     assert delivered < 0.999

@@ -1,0 +1,57 @@
+"""The unbiasedness check that tests of several channels share
+(core/test_unbiased.py, channels/test_ud.py): many seeded lossy calls on
+data that differs across ranks, and a t statistic per element of the
+rank-averaged result against the exact average."""
+
+import numpy as np
+
+import mpilossy
+
+CALLS = 1000
+CALLS_BIASED = 1500       # enough to expose the biased variants (p = 0.5)
+ELEMENTS = 64
+BLOCK = 64                # bytes: 8 doubles per block, so chunks have several blocks
+TIMEOUT = 0.01
+T_LIMIT = 5.0             # |t| above this on any element means biased
+
+
+def fixed_data(rank):
+    """Rank r's vector: around r, different per element."""
+    e = np.arange(ELEMENTS)
+    return rank + 0.5 * np.sin(1.3 * e + rank)
+
+
+def run(comm, algorithm, p, fresh_noise=False, calls=CALLS, **options):
+    """Results of `calls` calls on this rank, shape (calls, ELEMENTS), and inputs."""
+    loss = mpilossy.loss.Bernoulli(p, seed=11)
+    results = np.empty((calls, ELEMENTS))
+    inputs = np.empty((calls, ELEMENTS))
+    rng = np.random.default_rng(1234 + comm.rank)
+    with mpilossy.Communicator(comm, timeout=TIMEOUT, loss=loss, block_bytes=BLOCK,
+                               **options) as lc:
+        delivered = 0.0
+        for call in range(calls):
+            x = (3.0 + rng.standard_normal(ELEMENTS)) if fresh_noise else fixed_data(comm.rank)
+            inputs[call] = x
+            stats = lc.allreduce(x, results[call], op="avg", algorithm=algorithm)
+            delivered += stats.delivered
+    return results, inputs, delivered / calls
+
+
+def max_t(samples, truth):
+    """Largest |t| over elements of mean(samples) against truth."""
+    mean = samples.mean(axis=0)
+    se = samples.std(axis=0, ddof=1) / np.sqrt(len(samples))
+    t = np.abs(mean - truth) / np.where(se > 0, se, np.inf)
+    exact_miss = np.any((se == 0) & (mean != truth))
+    return np.inf if exact_miss else float(t.max())
+
+
+def rank_averaged_t(comm, results):
+    gathered = comm.gather(results, root=0)
+    verdict = None
+    if comm.rank == 0:
+        z = np.mean(gathered, axis=0)                      # per call, averaged over ranks
+        exact = np.mean([fixed_data(r) for r in range(comm.size)], axis=0)
+        verdict = max_t(z, exact)
+    return comm.bcast(verdict, root=0)
