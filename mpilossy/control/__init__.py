@@ -1,3 +1,4 @@
-"""What steers calls from outside any one of them: the MPILOSSY_* settings
-(settings), the learned, agreed deadline (deadline) and code (redundancy),
-and the watch for a rank that fell behind its peers (lag).  Internal."""
+"""What steers calls from outside any one of them: agreements across ranks
+that never make a call wait (agreement), and on them the learned deadline
+(deadline) and code (redundancy); the watch for a rank that fell behind its
+peers (lag).  Internal."""
