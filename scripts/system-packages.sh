@@ -10,10 +10,10 @@
 #   libisal-dev       Intel ISA-L: erasure codes with m >= 2 parity blocks
 #                     (without it m = 1 only, and those kernel tests skip)
 #   nftables, iproute2  real kernel drops in tests/channels/test_ud.py (network namespace);
-#                     scripts/cluster.py, the emulated cluster (namespaces,
+#                     mpilossy.cluster, the emulated cluster (namespaces,
 #                     bridge, tbf, drops on the switch: tests/cluster/test_cluster.py,
 #                     tests/cluster/test_multinode.py; unshare and mount from util-linux)
-#   ethtool           scripts/cluster.py: segmentation and receive offloads per
+#   ethtool           mpilossy.cluster: segmentation and receive offloads per
 #                     node, so that drops hit wire-sized packets
 #   ShellCheck        lints the shell scripts and jobs/ templates (tests/cluster/test_scripts.py)
 # Never fails: where the packages cannot be installed, those tests skip and

@@ -1,11 +1,12 @@
-"""scripts/cluster.py, the emulated cluster itself: its bench of MPI over TCP
-against mpilossy's datagrams across a dropping switch (and the former
-lossy link, scripts/lossy_link.py, now its loopback mode), a switch port
-that overflows under incast, and cleanup on every way out (SIGTERM, also to
-a program that uses Cluster as a library and while close() runs; a
-SIGKILLed run's leftovers removed by the next start, even where their pid
-was reused).  Needs root and the tools cluster.py names: without them the
-script exits 3 and these tests skip."""
+"""mpilossy.cluster, the emulated cluster itself (and scripts/cluster.py,
+its command line): its bench of MPI over TCP against mpilossy's datagrams
+across a dropping switch (and the former lossy link, scripts/lossy_link.py,
+now its loopback mode), a switch port that overflows under incast, and
+cleanup on every way out (SIGTERM, also to a program that uses Cluster as a
+library and while close() runs; a SIGKILLed run's leftovers removed by the
+next start, even where their pid was reused).  Needs root and the tools
+mpilossy.cluster names: without them the script exits 3 and these tests
+skip."""
 
 import json
 import os
@@ -19,11 +20,9 @@ from pathlib import Path
 
 import pytest
 
+import mpilossy.cluster as emulated
 from mpilossy import _core
 from helpers import HERE, clean_subprocess_env, is_singleton, run_bounded
-
-sys.path.insert(0, str(HERE.parent / "scripts"))
-import cluster as emulated  # noqa: E402
 
 SCRIPT = HERE.parent / "scripts" / "cluster.py"
 ALIAS = HERE.parent / "scripts" / "lossy_link.py"
@@ -241,10 +240,9 @@ def test_sigkilled_run_is_cleaned_up_by_the_next():
 # -- teardown: signals and leftovers ------------------------------------------------
 # A program that uses Cluster as a library (no handler of its own, as a test
 # process), in a child process whose first cluster the test knows by its pid.
-LIBRARY = f"""
+LIBRARY = """
 import json, os, signal, sys, time
-sys.path.insert(0, {str(HERE.parent / "scripts")!r})
-import cluster
+from mpilossy import cluster
 """
 
 
@@ -349,7 +347,7 @@ def kill_in(names, timeout=10.0):
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(0.5)
     real(names, timeout)
-cluster._kill_in = kill_in
+cluster.lifetime._kill_in = kill_in        # the one close() calls
 try:
     c.close()
 except KeyboardInterrupt:

@@ -1,5 +1,5 @@
 """Several nodes: one MPI job across the nodes of an emulated cluster
-(scripts/cluster.py: a network namespace, host name and /dev/shm per node,
+(mpilossy.cluster: a network namespace, host name and /dev/shm per node,
 a switch with 1 Gbit/s ports and 128 KB queues), ranks of a node on shared
 memory, MPI over TCP between nodes, mpilossy's channels rma and ud (native
 sockets) on top.
@@ -7,8 +7,8 @@ sockets) on top.
 One job per topology (2 nodes x 2 ranks, 3 nodes x 1 rank) runs every check
 (tests/programs/multinode.py) and prints what it measured; the tests below
 assert on it, so a topology costs one launch (about 15 s).  Needs root and
-the tools cluster.py names (iproute2, nftables, ethtool, util-linux): where
-they are missing the tests skip and say why.  They start their own mpiexec,
+the tools mpilossy.cluster names (iproute2, nftables, ethtool, util-linux):
+where they are missing the tests skip and say why.  They start their own mpiexec,
 so they run in the single-rank session only."""
 
 import json
@@ -17,11 +17,9 @@ import sys
 
 import pytest
 
+import mpilossy.cluster as emulated
 from mpilossy import _core
-from helpers import HERE, is_singleton, PROGRAMS
-
-sys.path.insert(0, str(HERE.parent / "scripts"))
-import cluster as emulated  # noqa: E402
+from helpers import is_singleton, PROGRAMS
 
 SCRIPT = PROGRAMS / "multinode.py"
 TOPOLOGIES = {"2x2": (2, 2), "3x1": (3, 1)}

@@ -69,7 +69,7 @@ def test_smoke(slurm, tmp_path, launcher):
     assert len(re.findall(r"^  [0-3]: \S+ pid \d+", out, re.M)) == 4, out
 
 
-# How the emulated cluster (scripts/cluster.py) runs a job across nodes, on one
+# How the emulated cluster (mpilossy.cluster) runs a job across nodes, on one
 # node: MPICH over TCP (libfabric's tcp provider) and no shared memory between
 # ranks, mpilossy's datagrams through its own UDP sockets.
 ETHERNET = dict(MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp", MPIR_CVAR_NOLOCAL="1",

@@ -1,5 +1,5 @@
 """The per-rank half of tests/cluster/test_multinode.py: one MPI job across the nodes
-of scripts/cluster.py's emulated cluster runs every check, and rank 0 prints
+of mpilossy.cluster's emulated cluster runs every check, and rank 0 prints
 one JSON line of what was measured; the test asserts on it.
 
     python multinode.py --phases topology,lossless,unbiased,drops,sigstop
@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 
@@ -32,9 +31,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpilossy
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from cluster import request  # noqa: E402  (the emulated cluster's control folder)
+from mpilossy.cluster import request    # the emulated cluster's control folder
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--phases", default="topology,lossless,unbiased,drops,sigstop")
