@@ -1,21 +1,21 @@
 """``mpiexec -n 4 python -m mpilossy.bench allreduce [options]``: lossy
 all-reduce against MPI_Allreduce, side by side, nccl-tests style table on
 rank 0 (the command ``python -m mpilossy.bench`` runs when given none).
-With --scenario, tail latency under a straggler or a microburst instead."""
+With --scenario, tail latency under a straggler or a microburst instead
+(tail.py).
+
+What this command supplies to the harness (harness.py times it): per size,
+the inputs and the exact result (`init`); per algorithm, the calls side by
+side (`contenders`) and the check after each batch (`Check`); the
+all-reduce's bus factor."""
 
 from __future__ import annotations
 
 import argparse
 import math
 import os
-import shutil
-import tempfile
-import time
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
-from typing import (TYPE_CHECKING, Any, Callable, Dict, Iterator, List, Optional, Sequence,
-                    Tuple, Union)
+from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple)
 
 import numpy as np
 from mpi4py import MPI
@@ -23,12 +23,16 @@ from mpi4py import MPI
 import mpilossy
 from mpilossy.call.config import COMPRESSIONS, check_redundancy
 
-from .harness import figure, parse_size, parse_sizes, save_figure, say, size_range, write_json
+from .harness import (BATCH, Contender, Timeout, bandwidth, every_call, max_over_ranks,
+                      mean_over_ranks, parse_size, parse_sizes, parse_timeout, percentile, say,
+                      size_range, time_contenders, write_json)
 
 if TYPE_CHECKING:
-    from matplotlib.axes import Axes
+    from .tail import TailRow
 
-Timeout = Union[float, str, None]     # seconds, "auto" or None
+__all__ = ["BenchConfig", "Row", "Data", "Check", "Timeout", "bus_factor", "small_ints", "init",
+           "contenders", "run_allreduce_bench", "payload_bytes", "format_table", "document",
+           "parse_timeout", "parse_redundancy", "add_arguments", "run"]
 
 TYPE_NAMES = {"float16": "half", "float32": "float", "float64": "double",
               "int32": "int32", "int64": "int64"}
@@ -82,7 +86,7 @@ class Row:
 
 
 def bus_factor(nranks: int) -> float:
-    """nccl-tests: busbw = algbw * 2 (n - 1) / n for all-reduce."""
+    """nccl-tests' getBw for all-reduce: busbw = algbw * 2 (n - 1) / n."""
     return 2.0 * (nranks - 1) / nranks if nranks > 1 else 1.0
 
 
@@ -91,71 +95,55 @@ def small_ints(count: int, rank: int, dtype: np.dtype, salt: int = 0) -> np.ndar
     return ((np.arange(count, dtype=np.int64) * 7 + 3 * rank + salt) % 23).astype(dtype)
 
 
-def run_allreduce_bench(comm: MPI.Comm, cfg: BenchConfig,
-                        progress: Optional[Callable[[str], None]] = None) -> List[Row]:
-    """Measure every (size, algorithm); return rows (identical on all ranks)."""
-    rows: List[Row] = []
-    for channel in cfg.channels:
-        with mpilossy.Communicator(comm, channel=channel, timeout=cfg.timeout, loss=cfg.loss,
-                                   block_bytes=cfg.block_bytes, compression=cfg.compression,
-                                   capacity=max(4 << 20, 2 * max(cfg.sizes) + (1 << 20))) as lc:
-            rows += _sweep(comm, lc, cfg, channel, progress)
-    return rows
+# -- what the harness runs: init, run, check -------------------------------------
+
+@dataclass
+class Data:
+    """One size's inputs (nccl-tests' initData): what every rank sends, the
+    exact result, its largest magnitude, and how far off counts as wrong."""
+    send: np.ndarray
+    exact: np.ndarray
+    scale: float
+    tol: float
 
 
-def _sweep(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channel: str,
-           progress: Optional[Callable[[str], None]]) -> List[Row]:
+def init(comm: MPI.Comm, cfg: BenchConfig, size: int) -> Data:
+    """Small integers and their exact reduction (computed in float64 where
+    the reduction is not exact in the dtype itself)."""
     dtype = np.dtype(cfg.dtype)
-    rows = []
-    for size in cfg.sizes:
-        count = max(size // dtype.itemsize, 0)
-        send = small_ints(count, comm.rank, dtype)
-        exact = np.empty_like(send)
-        if cfg.weighted:
-            wide = np.empty(count, np.float64)
-            comm.Allreduce(send.astype(np.float64) * (comm.rank + 1), wide)
-            exact = (wide / (comm.size * (comm.size + 1) / 2)).astype(dtype)
-        elif dtype == np.float16:
-            wide = np.empty(count, np.float64)
-            comm.Allreduce(send.astype(np.float64), wide)
-            exact = wide.astype(np.float16)
-        else:
-            comm.Allreduce(send, exact)
-        if cfg.op == "avg" and not cfg.weighted:
-            exact = (exact.astype(np.float64) / comm.size).astype(dtype)
-        scale = float(np.max(np.abs(exact.astype(np.float64)))) if count else 1.0
-        for algorithm in cfg.algorithms:
-            if progress:
-                progress(f"{size} B {channel} {algorithm}")
-            rows.append(_measure(comm, lc, cfg, channel, algorithm, send, exact, scale))
-    return rows
-
-
-BATCH = 5   # calls per timed batch
-
-
-def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channel: str,
-             algorithm: str, send: np.ndarray, exact: np.ndarray, scale: float) -> Row:
-    """nccl-tests style: back-to-back calls timed in batches, the slowest
-    rank's batch time divided by its calls.  Batches of MPI_Allreduce and of
-    mpilossy alternate, so that drift in the machine's load hits both alike.
-    p50/p99 come from every call's own duration on every rank."""
-    recv = np.empty_like(send)
-    mpi_send = send.astype(np.float64) if send.dtype == np.float16 else send
-    mpi_recv = np.empty_like(mpi_send)
-    totals = {"mpi": 0.0, "lossy": 0.0, "plain": 0.0}
-    calls: Dict[str, List[float]] = {"mpi": [], "lossy": [], "plain": []}
-    delivered: Dict[str, List[float]] = {"lossy": [], "plain": []}
-    rebuilt: List[int] = []
-    wrong, max_err = 0, 0.0
-    done = 0
+    count = max(size // dtype.itemsize, 0)
+    send = small_ints(count, comm.rank, dtype)
+    exact = np.empty_like(send)
+    if cfg.weighted:
+        wide = np.empty(count, np.float64)
+        comm.Allreduce(send.astype(np.float64) * (comm.rank + 1), wide)
+        exact = (wide / (comm.size * (comm.size + 1) / 2)).astype(dtype)
+    elif dtype == np.float16:
+        wide = np.empty(count, np.float64)
+        comm.Allreduce(send.astype(np.float64), wide)
+        exact = wide.astype(np.float16)
+    else:
+        comm.Allreduce(send, exact)
+    if cfg.op == "avg" and not cfg.weighted:
+        exact = (exact.astype(np.float64) / comm.size).astype(dtype)
+    scale = float(np.max(np.abs(exact.astype(np.float64)))) if count else 1.0
     # quantised payloads: off by up to a step of their group, twice
     tol = (4.0 / (127 if cfg.compression == "int8" else 7) if cfg.compression
-           else 1e-3 if send.dtype == np.float16 else 1e-6)
-    sent_before = lc.channel_info().get("sent", 0)
+           else 1e-3 if dtype == np.float16 else 1e-6)
+    return Data(send, exact, scale, tol)
 
+
+def contenders(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, algorithm: str,
+               send: np.ndarray, recv: np.ndarray) -> List[Contender]:
+    """One call of each side (nccl-tests' runColl): MPI_Allreduce, mpilossy,
+    and with --redundancy the same mpilossy call without it ("plain")."""
+    mpi_send = send.astype(np.float64) if send.dtype == np.float16 else send
+    mpi_recv = np.empty_like(mpi_send)
     weight = float(comm.rank + 1) if cfg.weighted else None
     topk = mpilossy.compression.TopK(cfg.topk, error_feedback=False) if cfg.topk else None
+
+    def mpi() -> None:
+        comm.Allreduce(mpi_send, mpi_recv)
 
     def lossy() -> Optional[mpilossy.CollectiveStats]:
         if topk is not None:        # (its own copy: the compressor reduces in place)
@@ -168,69 +156,91 @@ def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channe
         return lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm, weight=weight,
                             redundancy=None)
 
-    def mpi() -> None:
-        comm.Allreduce(mpi_send, mpi_recv)
+    return ([Contender("mpi", mpi), Contender("lossy", lossy)]
+            + ([Contender("plain", plain)] if cfg.redundancy else []))
 
-    contenders = [("mpi", mpi), ("lossy", lossy)] + ([("plain", plain)] if cfg.redundancy else [])
 
-    fn: Callable[[], Optional[mpilossy.CollectiveStats]]
+class Check:
+    """After each round of batches: mpilossy's result against the exact one.
+    #wrong from the first measured round, the largest error over all of
+    them (relative to the exact result's largest magnitude)."""
 
-    for phase, count in (("warmup", cfg.warmup), ("measure", cfg.iters)):
-        left = count
-        while left > 0:
-            batch = min(BATCH, left)
-            left -= batch
-            for name, fn in contenders:
-                comm.Barrier()
-                began = time.perf_counter()
-                for _ in range(batch):
-                    t0 = time.perf_counter()
-                    stats = fn()
-                    if phase == "measure":
-                        calls[name].append(time.perf_counter() - t0)
-                        if stats is not None:
-                            delivered[name].append(stats.delivered)
-                            if name == "lossy":
-                                rebuilt.append(stats.rebuilt)
-                elapsed = comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
-                if phase == "measure":
-                    totals[name] += elapsed
-            if cfg.redundancy:
-                lossy()     # (the error below is the redundant call's)
-            if phase == "measure" and recv.size:
-                err = np.abs(recv.astype(np.float64) - exact.astype(np.float64))
-                if topk is not None:
-                    err[recv == 0] = 0.0    # (the blocks left out; the sent ones are exact)
-                max_err = max(max_err, float(err.max()) / (scale or 1.0))
-                if done == 0:
-                    wrong = int(np.count_nonzero(err > tol * max(scale, 1.0)))
-                done += 1
+    def __init__(self, data: Data, recv: np.ndarray, topk: bool,
+                 again: Optional[Callable[[], Any]]) -> None:
+        self.data, self.recv, self.topk, self.again = data, recv, topk, again
+        self.wrong, self.max_err, self.done = 0, 0.0, 0
+
+    def __call__(self, measuring: bool) -> None:
+        if self.again is not None:
+            self.again()    # (redundancy: the error below is the redundant call's)
+        recv, d = self.recv, self.data
+        if not measuring or not recv.size:
+            return
+        err = np.abs(recv.astype(np.float64) - d.exact.astype(np.float64))
+        if self.topk:
+            err[recv == 0] = 0.0    # (the blocks left out; the sent ones are exact)
+        self.max_err = max(self.max_err, float(err.max()) / (d.scale or 1.0))
+        if self.done == 0:
+            self.wrong = int(np.count_nonzero(err > d.tol * max(d.scale, 1.0)))
+        self.done += 1
+
+
+# -- the measurement -------------------------------------------------------------
+
+def run_allreduce_bench(comm: MPI.Comm, cfg: BenchConfig,
+                        progress: Optional[Callable[[str], None]] = None) -> List[Row]:
+    """Measure every (size, algorithm); return rows (identical on all ranks)."""
+    rows: List[Row] = []
+    for channel in cfg.channels:
+        with mpilossy.Communicator(comm, channel=channel, timeout=cfg.timeout, loss=cfg.loss,
+                                   block_bytes=cfg.block_bytes, compression=cfg.compression,
+                                   capacity=max(4 << 20, 2 * max(cfg.sizes) + (1 << 20))) as lc:
+            for size in cfg.sizes:
+                data = init(comm, cfg, size)
+                for algorithm in cfg.algorithms:
+                    if progress:
+                        progress(f"{size} B {channel} {algorithm}")
+                    rows.append(_measure(comm, lc, cfg, channel, algorithm, data))
+    return rows
+
+
+def _measure(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, channel: str,
+             algorithm: str, data: Data) -> Row:
+    """Batches of MPI_Allreduce and of mpilossy, alternating (harness.py); the
+    slowest rank's batch time divided by its calls.  p50/p99 come from every
+    call's own duration on every rank."""
+    send = data.send
+    recv = np.empty_like(send)
+    sides = contenders(comm, lc, cfg, algorithm, send, recv)
+    lossy = next(c.call for c in sides if c.name == "lossy")
+    check = Check(data, recv, bool(cfg.topk), lossy if cfg.redundancy else None)
+    sent_before = lc.channel_info().get("sent", 0)
+    timed = time_contenders(comm, sides, cfg.iters, cfg.warmup, after_batch=check)
     datagrams = (lc.channel_info().get("sent", 0) - sent_before) / (cfg.iters + cfg.warmup)
-    n = comm.size
-    t = totals["lossy"] / max(cfg.iters, 1)
-    t_mpi = totals["mpi"] / max(cfg.iters, 1)
-    nbytes = send.nbytes
-    algbw = nbytes / t / 1e9 if t > 0 else 0.0
-    mpi_algbw = nbytes / t_mpi / 1e9 if t_mpi > 0 else 0.0
-    every = np.concatenate(comm.allgather(np.asarray(calls["lossy"]))) * 1e6
-    every_mpi = np.concatenate(comm.allgather(np.asarray(calls["mpi"]))) * 1e6
+    t, t_mpi = timed.seconds("lossy"), timed.seconds("mpi")
+    algbw, busbw = bandwidth(send.nbytes, t, bus_factor(comm.size))
+    _, mpi_busbw = bandwidth(send.nbytes, t_mpi, bus_factor(comm.size))
+    every = every_call(comm, timed.calls["lossy"])
+    every_mpi = every_call(comm, timed.calls["mpi"])
+    lossy_stats = timed.stats["lossy"]
+    plain_stats = timed.stats.get("plain", [])
     return Row(
-        size=nbytes, count=send.size, type=TYPE_NAMES[send.dtype.name],
+        size=send.nbytes, count=send.size, type=TYPE_NAMES[send.dtype.name],
         redop="avg(w)" if cfg.weighted else cfg.op,
         algorithm=algorithm, channel=channel, time_us=t * 1e6, algbw=algbw,
-        busbw=algbw * bus_factor(n), wrong=comm.allreduce(wrong, op=MPI.MAX),
-        mpi_time_us=t_mpi * 1e6, mpi_busbw=mpi_algbw * bus_factor(n),
+        busbw=busbw, wrong=max_over_ranks(comm, check.wrong),
+        mpi_time_us=t_mpi * 1e6, mpi_busbw=mpi_busbw,
         ratio=t_mpi / t if t > 0 else math.nan,
-        delivered=float(np.mean(comm.allgather(float(np.mean(delivered["lossy"]))))),
-        max_err=comm.allreduce(max_err, op=MPI.MAX),
-        p50_us=float(np.percentile(every, 50)), p99_us=float(np.percentile(every, 99)),
-        mpi_p99_us=float(np.percentile(every_mpi, 99)),
+        delivered=mean_over_ranks(comm, float(np.mean([s.delivered for s in lossy_stats]))),
+        max_err=max_over_ranks(comm, check.max_err),
+        p50_us=percentile(every, 50), p99_us=percentile(every, 99),
+        mpi_p99_us=percentile(every_mpi, 99),
         times_us=every.tolist(), mpi_times_us=every_mpi.tolist(),
-        datagrams=float(np.mean(comm.allgather(datagrams))), payload=payload_bytes(send, cfg),
-        rebuilt=float(np.mean(comm.allgather(float(np.mean(rebuilt))))),
-        plain_time_us=totals["plain"] / max(cfg.iters, 1) * 1e6,
-        plain_delivered=float(np.mean(comm.allgather(
-            float(np.mean(delivered["plain"])) if delivered["plain"] else 0.0))))
+        datagrams=mean_over_ranks(comm, datagrams), payload=payload_bytes(send, cfg),
+        rebuilt=mean_over_ranks(comm, float(np.mean([s.rebuilt for s in lossy_stats]))),
+        plain_time_us=timed.seconds("plain") * 1e6 if cfg.redundancy else 0.0,
+        plain_delivered=mean_over_ranks(
+            comm, float(np.mean([s.delivered for s in plain_stats])) if plain_stats else 0.0))
 
 
 def payload_bytes(send: np.ndarray, cfg: BenchConfig) -> int:
@@ -244,6 +254,8 @@ def payload_bytes(send: np.ndarray, cfg: BenchConfig) -> int:
         return mpilossy._core.quant_bytes(send.size, 64, COMPRESSIONS[cfg.compression])
     return send.nbytes
 
+
+# -- the table and the JSON --------------------------------------------------------
 
 HEADER = ("#       size       count    type  redop  root   algo  chan      time   algbw   busbw  #wrong"
           "  mpi-time mpi-busbw  ratio  delivered    max-err   p99-time mpi-p99-time  datagrams"
@@ -305,244 +317,7 @@ def document(rows: Sequence[Row], comm: MPI.Comm, cfg: BenchConfig,
     }
 
 
-# -- tail latency under stragglers and microbursts ------------------------------
-
-@dataclass
-class TailRow:
-    scenario: str
-    size: int
-    algorithm: str
-    channel: str
-    timeout: Optional[float]
-    mpi_p50_us: float
-    mpi_p99_us: float
-    mpi_max_us: float
-    p50_us: float
-    p99_us: float
-    max_us: float
-    p99_ratio: float          # MPI p99 / mpilossy p99 (> 1: mpilossy better)
-    delivered: float
-    lossy_timeouts: List[float] = field(default_factory=list, repr=False)
-    times_us: List[float] = field(default_factory=list, repr=False)
-    mpi_times_us: List[float] = field(default_factory=list, repr=False)
-
-
-def parse_scenario(text: str) -> Dict[str, Any]:
-    """'straggler:rank=3,delay=0.02,prob=0.05',
-    'microburst:p_good_to_bad=0.01,p_bad_to_good=0.2,rto=0.005', or 'link'
-    (nothing injected or emulated: the network itself drops, as in
-    scripts/lossy_link.py)."""
-    kind, _, args = text.partition(":")
-    params: Dict[str, float] = {}
-    for item in filter(None, args.split(",")):
-        key, _, value = item.partition("=")
-        params[key.strip()] = float(value)
-    if kind == "straggler":
-        params.setdefault("rank", -1)
-        params.setdefault("delay", 0.02)
-        params.setdefault("prob", 0.05)
-    elif kind == "microburst":
-        params.setdefault("p_good_to_bad", 0.01)
-        params.setdefault("p_bad_to_good", 0.2)
-        params.setdefault("rto", 0.005)
-    elif kind != "link":
-        raise ValueError(f"unknown scenario {kind!r}: straggler, microburst or link")
-    params.setdefault("seed", 1)
-    return {"kind": kind, **params}
-
-
-def run_tail_bench(comm: MPI.Comm, cfg: BenchConfig, scenario: str) -> List[TailRow]:
-    """The same disturbance applied to MPI_Allreduce and to mpilossy.
-
-    Each rank's time *inside* the call is recorded, over every call and rank:
-    what a slow peer costs everyone else.  straggler: one rank (the last by
-    default) sleeps `delay` before `prob` of the calls, on both sides, decided
-    by the same seeded draws.  microburst: mpilossy runs under a
-    Gilbert-Elliott loss model; MPI_Allreduce, which loses nothing, is
-    charged one retransmission timeout `rto` on every rank in each call where
-    the burst hit any link (a reliable transport resends after a timeout and
-    every rank waits for the slowest) — an emulation, stated as such.  link:
-    neither is touched; the drops, if any, are the network's own."""
-    s = parse_scenario(scenario)
-    rows: List[TailRow] = []
-    straggler = int(s["rank"]) if s["kind"] == "straggler" and s["rank"] >= 0 else comm.size - 1
-    loss = None
-    if s["kind"] == "microburst":
-        loss = mpilossy.loss.GilbertElliott(s["p_good_to_bad"], s["p_bad_to_good"],
-                                            seed=int(s["seed"]))
-    for channel in cfg.channels:
-        with mpilossy.Communicator(comm, channel=channel, timeout=cfg.timeout, loss=loss,
-                                   block_bytes=cfg.block_bytes,
-                                   capacity=max(4 << 20, 2 * max(cfg.sizes) + (1 << 20))) as lc:
-            for size in cfg.sizes:
-                for algorithm in cfg.algorithms:
-                    rows.append(_tail(comm, lc, cfg, s, straggler, size, algorithm, channel))
-    return rows
-
-
-@contextmanager
-def _aligner(comm: MPI.Comm, s: Dict[str, Any]) -> Iterator[Callable[[], None]]:
-    """What lines the ranks up before each call: MPI_Barrier, except on a
-    lossy link with every rank on one host.  There a barrier is itself MPI
-    traffic on the link, and now and then holds one rank back by a TCP
-    retransmission timeout, which the next lossy call would count as a
-    straggler; instead the ranks meet through files in the host's memory
-    (/dev/shm), off the network.  MPILOSSY_BENCH_MEET names a folder that
-    every rank sees where they are on several hosts (the emulated cluster's
-    nodes share the machine's files)."""
-    shared = os.environ.get("MPILOSSY_BENCH_MEET")
-    one_host = len(set(comm.allgather(MPI.Get_processor_name()))) == 1
-    if s["kind"] != "link" or not (one_host or shared):
-        yield comm.Barrier
-        return
-    base = (Path(shared) if shared else
-            Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir()))
-    folder = base / comm.bcast(f"mpilossy-bench-{os.getpid()}-{time.time_ns()}", root=0)
-    if comm.rank == 0:
-        folder.mkdir()
-    comm.Barrier()
-    count = [0]
-
-    def meet() -> None:
-        count[0] += 1
-        (folder / f"{count[0]}.{comm.rank}").touch()
-        while sum(1 for _ in folder.glob(f"{count[0]}.*")) < comm.size:
-            time.sleep(20e-6)
-        (folder / f"{count[0] - 1}.{comm.rank}").unlink(missing_ok=True)
-
-    try:
-        yield meet
-    finally:
-        comm.Barrier()
-        if comm.rank == 0:
-            shutil.rmtree(folder, ignore_errors=True)
-
-
-def _tail(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, s: Dict[str, Any],
-          straggler: int, size: int, algorithm: str, channel: str) -> TailRow:
-    dtype = np.dtype(cfg.dtype)
-    send = small_ints(max(size // dtype.itemsize, 0), comm.rank, dtype)
-    recv, mpi_recv = np.empty_like(send), np.empty_like(send)
-    rng = np.random.default_rng(int(s["seed"]))          # the same draws on every rank
-    mine: List[float] = []
-    mpi_mine: List[float] = []
-    delivered: List[float] = []
-    timeouts: List[Optional[float]] = []
-    with _aligner(comm, s) as align:
-        for it in range(cfg.warmup + cfg.iters):
-            late = s["kind"] == "straggler" and rng.random() < s["prob"]
-            align()
-            if late and comm.rank == straggler:
-                time.sleep(s["delay"])
-            t0 = time.perf_counter()
-            stats = lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm)
-            t_lossy = time.perf_counter() - t0
-            burst = comm.allreduce(stats.lost_blocks[0] > 0, op=MPI.LOR) \
-                if s["kind"] == "microburst" else False
-            align()
-            if late and comm.rank == straggler:
-                time.sleep(s["delay"])
-            t0 = time.perf_counter()
-            comm.Allreduce(send, mpi_recv)
-            if burst:
-                time.sleep(s["rto"])
-            t_mpi = time.perf_counter() - t0
-            if it >= cfg.warmup:
-                mine.append(t_lossy)
-                mpi_mine.append(t_mpi)
-                delivered.append(stats.delivered)
-                timeouts.append(stats.timeout)
-    times = np.concatenate(comm.allgather(np.asarray(mine))) * 1e6
-    mpi_times = np.concatenate(comm.allgather(np.asarray(mpi_mine))) * 1e6
-    p99, mpi_p99 = float(np.percentile(times, 99)), float(np.percentile(mpi_times, 99))
-    name = (f"straggler(rank={straggler},delay={s['delay']},prob={s['prob']})"
-            if s["kind"] == "straggler" else
-            f"microburst(gb={s['p_good_to_bad']},bg={s['p_bad_to_good']},rto={s['rto']})"
-            if s["kind"] == "microburst" else "link")
-    return TailRow(
-        scenario=name, size=send.nbytes, algorithm=algorithm, channel=channel,
-        timeout=cfg.timeout if not isinstance(cfg.timeout, str) else None,
-        mpi_p50_us=float(np.percentile(mpi_times, 50)), mpi_p99_us=mpi_p99,
-        mpi_max_us=float(mpi_times.max()), p50_us=float(np.percentile(times, 50)),
-        p99_us=p99, max_us=float(times.max()), p99_ratio=mpi_p99 / p99 if p99 else math.nan,
-        delivered=float(np.mean(comm.allgather(float(np.mean(delivered))))),
-        lossy_timeouts=[t for t in timeouts if t is not None][-1:],
-        times_us=times.tolist(), mpi_times_us=mpi_times.tolist())
-
-
-def format_tail(rows: Sequence[TailRow], comm: MPI.Comm, cfg: BenchConfig) -> str:
-    lines = [
-        f"# tail latency: {comm.size} ranks, timeout {cfg.timeout}, iters {cfg.iters}; "
-        "time inside the call, every rank and call",
-        "#       size   algo  chan   mpi-p50   mpi-p99   mpi-max   lossy-p50 lossy-p99 "
-        "lossy-max  p99-ratio  delivered  deadline  scenario",
-        "#        (B)                  (us)      (us)      (us)        (us)      (us)      (us)"
-        "  (mpi/lossy)              (s)",
-    ]
-    for r in rows:
-        last = f"{r.lossy_timeouts[-1]:.4f}" if r.lossy_timeouts else "-"
-        lines.append(
-            f"{r.size:12d} {r.algorithm:>6s} {r.channel:>5s} {r.mpi_p50_us:9.1f} {r.mpi_p99_us:9.1f} "
-            f"{r.mpi_max_us:9.1f} {r.p50_us:11.1f} {r.p99_us:9.1f} {r.max_us:9.1f} "
-            f"{r.p99_ratio:10.2f} {r.delivered:10.4f} {last:>9s}  {r.scenario}")
-    return "\n".join(lines)
-
-
-def plot(path: str, rows: Sequence[Row], tail_rows: Sequence[TailRow]) -> None:
-    """busbw against size (mpilossy and MPI_Allreduce), and, with a scenario,
-    the distribution of per-call times (CDF) of both."""
-    panels = (1 if rows else 0) + (1 if tail_rows else 0)
-    fig, axes = figure(max(panels, 1), 6.5, 4.5)
-    if rows:
-        _plot_busbw(axes.pop(0), rows)
-    if tail_rows:
-        _plot_cdf(axes.pop(0), tail_rows)
-    save_figure(fig, path)
-
-
-def _plot_busbw(ax: Axes, rows: Sequence[Row]) -> None:
-    groups = sorted({(r.algorithm, r.channel) for r in rows})
-    for algorithm, channel in groups:
-        sel = sorted((r for r in rows if (r.algorithm, r.channel) == (algorithm, channel)),
-                     key=lambda r: r.size)
-        ax.plot([r.size for r in sel], [r.busbw for r in sel], "o-",
-                label=f"mpilossy {algorithm}/{channel}")
-    if rows:
-        ref: Dict[int, List[float]] = {}
-        for r in rows:
-            ref.setdefault(r.size, []).append(r.mpi_busbw)
-        sizes = sorted(ref)
-        ax.plot(sizes, [float(np.mean(ref[s])) for s in sizes], "k--", label="MPI_Allreduce")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("bus bandwidth (GB/s)")
-    ax.set_title("all-reduce bus bandwidth, same run")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-
-
-def _plot_cdf(ax: Axes, tail_rows: Sequence[TailRow]) -> None:
-    for r in tail_rows:
-        for label, times, style in ((f"mpilossy {r.algorithm}/{r.channel}", r.times_us, "-"),
-                                    ("MPI_Allreduce", r.mpi_times_us, "--")):
-            t = np.sort(np.asarray(times)) / 1e3
-            ax.plot(t, np.arange(1, len(t) + 1) / len(t), style, label=f"{label} ({r.size} B)")
-    ax.set_xscale("log")
-    ax.set_xlabel("time inside the call (ms), every rank")
-    ax.set_ylabel("fraction of calls")
-    ax.set_title(tail_rows[0].scenario, fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-
-
 # -- the command line ------------------------------------------------------------
-
-def parse_timeout(text: str) -> Timeout:
-    text = str(text).strip().lower()
-    if text in ("", "none", "inf"):
-        return None
-    return "auto" if text == "auto" else float(text)
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-b", "--minbytes", type=parse_size, default=parse_size("4K"))
@@ -605,14 +380,16 @@ def run(args: argparse.Namespace) -> int:
                       warmup=args.warmup, block_bytes=args.block_bytes,
                       weighted=args.weighted, compression=args.compression, topk=args.topk,
                       redundancy=args.redundancy)
+    from . import tail as tail_latency      # (imported here: tail.py imports this module)
     rows = run_allreduce_bench(comm, cfg) if not args.scenario else []
-    tail = run_tail_bench(comm, cfg, args.scenario) if args.scenario else []
+    tail = tail_latency.run_tail_bench(comm, cfg, args.scenario) if args.scenario else []
     if rows:
         say(comm, format_table(rows, comm, cfg))
     if tail:
-        say(comm, format_tail(tail, comm, cfg))
+        say(comm, tail_latency.format_tail(tail, comm, cfg))
     if comm.rank == 0:
         write_json(args.json, document(rows, comm, cfg, tail))
         if args.plot:
+            from .plot import plot
             plot(args.plot, rows, tail)
     return 0

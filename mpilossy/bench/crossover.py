@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
+from functools import partial
 from typing import Dict, List
 
 import numpy as np
@@ -15,17 +15,7 @@ from mpi4py import MPI
 
 import mpilossy
 
-from .harness import say, size_range
-
-
-def batch_time(comm: MPI.Comm, lc: mpilossy.Communicator, x: np.ndarray, out: np.ndarray,
-               algorithm: str, iters: int) -> float:
-    """Back-to-back calls (nccl-tests style): the slowest rank's time / calls."""
-    comm.Barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        lc.allreduce(x, out, algorithm=algorithm)
-    return float(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)) / iters
+from .harness import Contender, say, size_range, time_contenders
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,10 +35,13 @@ def run(args: argparse.Namespace) -> int:
             for size in sizes:
                 x = np.ones(size // 4, np.float32)
                 out = np.empty_like(x)
-                for algorithm in ("ring", "tree"):          # warm up both
-                    lc.allreduce(x, out, algorithm=algorithm)
-                ring[size].append(batch_time(comm, lc, x, out, "ring", args.iters))
-                tree[size].append(batch_time(comm, lc, x, out, "tree", args.iters))
+                # one call of each to warm up, then one batch of --iters back-to-back
+                # calls each, the slowest rank's time / calls (nccl-tests style)
+                sides = [Contender(a, partial(lc.allreduce, x, out, algorithm=a))
+                         for a in ("ring", "tree")]
+                timed = time_contenders(comm, sides, args.iters, warmup=1, batch=args.iters)
+                ring[size].append(timed.seconds("ring"))
+                tree[size].append(timed.seconds("tree"))
     lines = [f"# crossover, {comm.size} ranks, float32, lossless, back-to-back calls; "
              f"median of {args.rounds} sweeps",
              "#      bytes   ring(us)   tree(us)  tree/ring"]

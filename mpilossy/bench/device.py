@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import time
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import numpy as np
 from mpi4py import MPI
@@ -31,10 +30,9 @@ from mpi4py import MPI
 import mpilossy
 from mpilossy.call.device import Staging, describe
 
-from .allreduce import parse_timeout, small_ints
-from .harness import parse_sizes, say, write_json
-
-BATCH = 5       # calls per timed batch; the contenders' batches alternate
+from .allreduce import small_ints
+from .harness import (BATCH, Contender, max_over_ranks, mean_over_ranks, parse_sizes,
+                      parse_timeout, say, time_contenders, write_json)
 
 
 @dataclass
@@ -90,28 +88,6 @@ class Buffers:
             self.xp.cuda.get_current_stream().synchronize()
 
 
-def time_batches(comm: MPI.Comm, contenders: Dict[str, Callable[[], Any]], iters: int,
-                 warmup: int) -> Dict[str, float]:
-    """Mean microseconds per call of each contender: batches of BATCH
-    back-to-back calls, the slowest rank's time, contenders alternating so
-    that drift in the machine's load hits them alike."""
-    for fn in contenders.values():
-        for _ in range(warmup):
-            fn()
-    totals = dict.fromkeys(contenders, 0.0)
-    left = iters
-    while left > 0:
-        batch = min(BATCH, left)
-        left -= batch
-        for name, fn in contenders.items():
-            comm.Barrier()
-            began = time.perf_counter()
-            for _ in range(batch):
-                fn()
-            totals[name] += comm.allreduce(time.perf_counter() - began, op=MPI.MAX)
-    return {name: total / max(iters, 1) * 1e6 for name, total in totals.items()}
-
-
 def gloo_allreduce(bufs: Buffers, send: Any) -> Optional[Callable[[], None]]:
     """One Gloo all-reduce of a copy of `send` (a CUDA tensor where `send`
     is on a GPU), or None without torch.distributed."""
@@ -144,16 +120,16 @@ def measure(comm: MPI.Comm, bufs: Buffers, lc: mpilossy.Communicator, loss: str,
     host_recv = np.empty_like(host_send)
     delivered: List[float] = []
 
-    def lossy() -> None:
+    def lossy() -> None:            # (every call counts, warm-up and the check included)
         stats = lc.allreduce(send, recv, algorithm=algorithm)
         delivered.append(stats.delivered)
 
     def on_host() -> None:
         lc.allreduce(host_send, host_recv, algorithm=algorithm)
 
-    contenders: Dict[str, Callable[[], Any]] = {"lossy": lossy}
+    contenders = [Contender("lossy", lossy)]
     if bufs.xp is np:               # (host buffers: the host call is the call itself)
-        contenders["mpi"] = lambda: comm.Allreduce(host_send, host_recv)
+        contenders.append(Contender("mpi", lambda: comm.Allreduce(host_send, host_recv)))
     else:
         staging = Staging()
         dsend, drecv = describe(send, "sendbuf"), describe(recv, "recvbuf")
@@ -172,19 +148,18 @@ def measure(comm: MPI.Comm, bufs: Buffers, lc: mpilossy.Communicator, loss: str,
             recv.set(staged)
             bufs.sync()
 
-        contenders["staging"] = copies
-        contenders["host"] = on_host
-        contenders["mpi"] = mpi_staged
+        contenders += [Contender("staging", copies), Contender("host", on_host),
+                       Contender("mpi", mpi_staged)]
     gloo = None if args.no_gloo else gloo_allreduce(bufs, send)
     if gloo is not None:
-        contenders["gloo"] = gloo
-    times = time_batches(comm, contenders, args.iters, args.warmup)
+        contenders.append(Contender("gloo", gloo))
+    timed = time_contenders(comm, contenders, args.iters, args.warmup)
+    times = {c.name: timed.seconds(c.name) * 1e6 for c in contenders}
     wrong = -1
     if loss == "none":
         lossy()
-        wrong = int(np.count_nonzero(bufs.download(recv) != exact))
-        wrong = comm.allreduce(wrong, op=MPI.MAX)
-    mean_delivered = float(np.mean(comm.allgather(float(np.mean(delivered)))))
+        wrong = max_over_ranks(comm, int(np.count_nonzero(bufs.download(recv) != exact)))
+    mean_delivered = mean_over_ranks(comm, float(np.mean(delivered)))
     return DeviceRow(bufs.device, size, loss, algorithm, times["lossy"],
                      times.get("staging", 0.0), times.get("host", times["lossy"]), times["mpi"],
                      times.get("gloo", math.nan), mean_delivered, wrong)
