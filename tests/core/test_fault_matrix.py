@@ -247,5 +247,9 @@ def test_auto_deadline_holds_with_a_straggler(ranks):
     proc = run_mpi_script("auto_straggler.py", ranks, "--calls", "300", timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    # (Measured 2-6 ms past the deadline at worst after the fix, 32 ms before.)
-    assert result["max_over_deadline_ms"] < 15, result
+    # Before the fix every other rank waited out every sleep (20-33 ms past the
+    # deadline, straggled * (ranks - 1) rows); after it, 2-6 ms at worst on a
+    # quiet machine.  Counting rows rather than taking the worst one keeps a
+    # scheduling hiccup on a loaded machine (23 ms once in CI) from deciding.
+    waited = result["over_15ms"]
+    assert result["straggled"] >= 5 and waited <= result["straggled"] * (ranks - 1) // 4, result
