@@ -32,16 +32,8 @@
 # (count 1).  Stages: the reduction ends at half the budget, the gather at
 # the full budget.
 #
-# Weighted average (call.payload.weight > 0): a contribution travels as
-# m * x, where w = m * 2^e with m in [0.5, 1) (frexp), with w itself (a
-# double) after its data, where the bitmap goes in a reduced record.  The reducer keeps, per
-# block, the largest exponent E that arrived and sum(m 2^(e - E) x) and
-# sum(m 2^(e - E)): scaling by powers of two is exact, every factor is at
-# most 1, so no weight, however large or small, can overflow the data's
-# dtype or the sum of weights, nor round a contribution away that is not
-# negligible beside the others.  Every block is sum(w x) / sum(w) over its
-# own contributors.  The reducer's own m x is made in the scratch at the
-# start.
+# Weighted average (call.payload.weight > 0): algorithms/weights.pxi keeps
+# the sums of weights; a contribution travels as m * x with w after its data.
 #
 # float16: the running sums are kept in float32 (acc_dtype, kernels.pxi) in
 # the two scratch buffers, and the reduced block is rounded to float16
@@ -83,8 +75,7 @@ cdef class Direct(Chunked):
     cdef Py_ssize_t acc_bytes      # bytes of a block's running sum (in the scratch)
     # per block of the chunk I reduce
     cdef uint32_t* count
-    cdef double* wsum                # weights summed, each times 2^-wexp (weighted calls)
-    cdef int* wexp                   # the largest weight exponent in the sum
+    cdef WeightedSums weights        # weighted calls: the sums of weights per block
     cdef int* pending
     cdef unsigned char* where        # where the running sum is: SUM_IN_*
     cdef unsigned char* scaled       # the running sum is already the result
@@ -92,11 +83,6 @@ cdef class Direct(Chunked):
     cdef const char** sources
     cdef int* taken                  # other streams whose block joins it
     cdef int ntaken, target
-    cdef double taken_wsum           # wsum with the arrival being taken and the fused ones
-    cdef int taken_exp               # and its exponent
-    cdef double* factors             # each source's power of two (weighted calls)
-    cdef double own_mant             # this rank's weight = own_mant * 2^own_exp
-    cdef int own_exp
     cdef bint wide                   # running sums in the scratch only (float32 of
                                      # float16 or quantised data)
     cdef bint target_final
@@ -108,10 +94,10 @@ cdef class Direct(Chunked):
     def __cinit__(self, int rank, int size):
         self.others = <int*>calloc(size, sizeof(int))
         self.sources = <const char**>calloc(FUSE_SCAN + 2, sizeof(char*))
-        self.factors = <double*>calloc(FUSE_SCAN + 2, sizeof(double))
         self.taken = <int*>calloc(size, sizeof(int))
-        if not (self.others and self.sources and self.factors and self.taken):
+        if not (self.others and self.sources and self.taken):
             raise MemoryError()
+        ws_init(&self.weights, FUSE_SCAN + 2)
         cdef int k
         for k in range(1, size):
             self.others[k - 1] = (rank - k + size) % size
@@ -121,11 +107,9 @@ cdef class Direct(Chunked):
     def __dealloc__(self):
         free(self.others)
         free(self.sources)
-        free(self.factors)
         free(self.taken)
         free(self.count)
-        free(self.wsum)
-        free(self.wexp)
+        ws_free(&self.weights)
         free(self.pending)
         free(self.where)
         free(self.scaled)
@@ -168,24 +152,20 @@ cdef class Direct(Chunked):
         cdef int n = self.size, nb = c.nblocks, k, reducer
         if nb > self.block_cap:
             free(self.count)
-            free(self.wsum)
-            free(self.wexp)
             free(self.pending)
             free(self.where)
             free(self.scaled)
             free(self.members)
             self.count = <uint32_t*>malloc(nb * sizeof(uint32_t))
-            self.wsum = <double*>malloc(nb * sizeof(double))
-            self.wexp = <int*>malloc(nb * sizeof(int))
             self.pending = <int*>malloc(nb * sizeof(int))
             self.where = <unsigned char*>malloc(nb)
             self.scaled = <unsigned char*>malloc(nb)
             self.members = <uint64_t*>malloc(<Py_ssize_t>nb * self.words * 8)
-            if not (self.count and self.wsum and self.wexp and self.pending and self.where
-                    and self.scaled and self.members):
+            if not (self.count and self.pending and self.where and self.scaled and self.members):
                 self.block_cap = 0
                 raise MemoryError()
             self.block_cap = nb
+        ws_reserve(&self.weights, nb)
         # one running sum per block; two when quantised or float16 (see location)
         self.wide = c.payload.qbits != 0 or acc_dtype(c.dtype) != c.dtype
         cdef Py_ssize_t need = <Py_ssize_t>nb * self.acc_bytes * (2 if self.wide else 1)
@@ -267,19 +247,15 @@ cdef class Direct(Chunked):
         cdef int b, me = self.reduced_chunk
         cdef uint64_t* bits
         self.next_row = 0
-        self.own_mant, self.own_exp = 1.0, 0
-        if c.payload.weight > 0:
-            self.own_mant = frexp(c.payload.weight, &self.own_exp)
+        ws_start(&self.weights, c.payload.weight, c.nblocks)
         for b in range(c.nblocks):
             self.chan.claim(me, b)          # withdrawn until reduced
             self.count[b] = 1
             self.pending[b] = self.size - 1
             self.where[b] = SUM_IN_SEND
             self.scaled[b] = 0
-            self.wsum[b] = self.own_mant if c.payload.weight > 0 else 1.0
-            self.wexp[b] = self.own_exp
             if c.payload.weight > 0 or (self.wide and not c.payload.qbits):
-                k_widen(c.dtype, self.own_mant, self.location(b, SUM_IN_SCRATCH),
+                k_widen(c.dtype, self.weights.own_mant, self.location(b, SUM_IN_SCRATCH),
                         self.location(b, SUM_IN_SEND), self.block_len(me, b))
                 self.where[b] = SUM_IN_SCRATCH
             bits = self.members + <Py_ssize_t>b * self.words
@@ -305,9 +281,9 @@ cdef class Direct(Chunked):
             n = self.block_len(chunk, b)
             record = self.chan.claim(chunk, b)
             mine = self.send + self.block_first(chunk, b) * isz
-            pay_encode(self.call, record, mine, self.own_mant, n, pay_seed(self.call, self.rank, chunk, b, 0))
+            pay_encode(self.call, record, mine, self.weights.own_mant, n, pay_seed(self.call, self.rank, chunk, b, 0))
             if c.payload.residual != NULL:
-                pay_keep_error(self.call, self.own_mant, c.payload.residual + self.block_first(chunk, b), <const float*>mine,
+                pay_keep_error(self.call, self.weights.own_mant, c.payload.residual + self.block_first(chunk, b), <const float*>mine,
                                 record, n)
             if c.payload.weight > 0:
                 memcpy(record + round_up(pay_bytes(self.call, n), 8), &c.payload.weight, 8)
@@ -390,9 +366,9 @@ cdef class Direct(Chunked):
         else:
             self.target = self.next_location(block)
         if c.payload.weight > 0:
-            self.weigh(block, nsrc, mants, exps)
+            ws_weigh(&self.weights, block, nsrc, mants, exps)
         self.add_up(self.location(block, self.target), nsrc, n,
-                    self.final_scale(self.count[block] + nsrc - 1, self.taken_wsum)
+                    self.final_scale(self.count[block] + nsrc - 1, self.weights.taken_wsum)
                     if self.target_final else 1.0)
         if c.fec_k:
             # The engine keeps what arrives for rebuilding the rest of its
@@ -411,27 +387,12 @@ cdef class Direct(Chunked):
                 return False
         return True
 
-    cdef void weigh(self, int block, int nsrc, const double* mants,
-                    const int* exps) noexcept nogil:
-        """The powers of two of a weighted sum (see the top of this file):
-        every source's factor relative to the largest exponent so far, and
-        the sum of weights that goes with it (taken_wsum, taken_exp)."""
-        cdef int k, top = self.wexp[block]
-        for k in range(1, nsrc):
-            top = max(top, exps[k])
-        self.factors[0] = ldexp(1.0, self.wexp[block] - top)
-        self.taken_wsum = self.wsum[block] * self.factors[0]
-        for k in range(1, nsrc):
-            self.factors[k] = ldexp(1.0, exps[k] - top)
-            self.taken_wsum += mants[k] * self.factors[k]
-        self.taken_exp = top
-
     cdef inline void add_up(self, char* dst, int nsrc, Py_ssize_t n, double s) noexcept nogil:
         """dst = (sources[0] + ... + sources[nsrc - 1]) * s: the running sum
         (acc_dtype) and arrivals (data, or quantised records when the call
         says so), each times its factor in a weighted call."""
         cdef CallInfo* c = self.call
-        cdef const double* f = self.factors if c.payload.weight > 0 else NULL
+        cdef const double* f = self.weights.factors if c.payload.weight > 0 else NULL
         cdef int k
         if not c.payload.qbits:
             k_sum_into(c.dtype, s, dst, self.sources, f, nsrc, n)
@@ -458,8 +419,7 @@ cdef class Direct(Chunked):
             self.where[block] = self.target
             self.count[block] += 1 + self.ntaken
             if self.call.payload.weight > 0:
-                self.wsum[block] = self.taken_wsum
-                self.wexp[block] = self.taken_exp
+                ws_commit(&self.weights, block)
             bits = self.members + <Py_ssize_t>block * self.words
             bits[s.peer >> 6] |= 1ull << (s.peer & 63)
             for i in range(self.ntaken):
@@ -495,7 +455,7 @@ cdef class Direct(Chunked):
             return
         bits[self.rank >> 6] |= 1ull << (self.rank & 63)
         pay_decode(self.call, dst, self.chan.mine(chunk, block),
-                    1.0 / self.own_mant if c.payload.weight > 0 else call_scale(c, 1, self.size), n)
+                    1.0 / self.weights.own_mant if c.payload.weight > 0 else call_scale(c, 1, self.size), n)
         self.add_result(1, n, False)
 
     cdef inline void contribution_done(self, int block) noexcept nogil:
@@ -513,7 +473,7 @@ cdef class Direct(Chunked):
         cdef Py_ssize_t at = round_up(pay_bytes(self.call, n), 8)
         cdef uint32_t nbytes = <uint32_t>(at + 8 * self.words)
         cdef double scale = 1.0 if self.scaled[block] \
-            else self.final_scale(self.count[block], self.wsum[block])
+            else self.final_scale(self.count[block], self.weights.wsum[block])
         if c.payload.qbits and c.coll == COLL_REDUCE_SCATTER and me == self.rank:
             # My own chunk of a reduce-scatter goes nowhere: not quantised again.
             k_narrow(c.dtype, scale, self.out(me, block),

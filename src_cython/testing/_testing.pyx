@@ -28,6 +28,7 @@ include "channels/dgram.pxi"
 include "algorithms/schedule.pxi"
 include "codecs/coding.pxi"
 include "codecs/payload.pxi"
+include "algorithms/weights.pxi"
 include "algorithms/direct.pxi"
 
 
