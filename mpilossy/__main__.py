@@ -22,6 +22,7 @@ import mpilossy
 from mpilossy import _core
 from mpilossy._loader import loaded_mpi_libraries
 from mpilossy.call import config
+from mpilossy.hierarchy import NodeLayout
 
 
 def _cpu_model() -> str:
@@ -79,6 +80,8 @@ def _erasure_codes() -> str:
 
 def report(comm: MPI.Comm) -> Optional[List[str]]:
     """The report's lines on rank 0 (None elsewhere).  Collective."""
+    layout, node = NodeLayout.detect(comm)
+    node.Free()
     ranks = comm.gather(_rank_line(), root=0)
     if ranks is None:           # not rank 0
         return None
@@ -102,6 +105,8 @@ def report(comm: MPI.Comm) -> Optional[List[str]]:
     provider = os.environ.get("FI_PROVIDER")
     lines.append(f"  {'FI_PROVIDER':<{width}} = {provider!r} "
                  f"[{'environment' if provider else 'default'}]")
+    lines.append(f"nodes: {layout.describe()} (algorithm='auto' "
+                 f"{'runs the hierarchy' if layout.hierarchical else 'runs flat'}; docs/hierarchy.md)")
     lines.append("ranks:")
     lines += [f"  {r}: {line}" for r, line in enumerate(ranks)]
     return lines

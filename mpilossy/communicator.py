@@ -14,9 +14,9 @@ from mpi4py import MPI
 
 from ._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER, Core
 from .call.buffers import BufferIntake, chunk_bounds
-from .call.channel import open_core
+from .call.channel import open_core, pace
 from .call import environment
-from .call.config import DEFAULTS, UNSET, Config, check_fraction, agree
+from .call.config import DEFAULTS, UNSET, Config, check_fraction, check_timeout, agree
 from .call.failure import call_error, failure_bound, refuse
 from .call.spec import CallResolver, asks_for_auto
 from .call.stats import ALGORITHM_NAMES, COLLECTIVE_NAMES, AllreduceStats, CollectiveStats, stats_of
@@ -25,6 +25,7 @@ from .control.deadline import AutoDeadline
 from .control.lag import LagWatch
 from .control.redundancy import AutoRedundancy
 from .errors import MPILossyError
+from .hierarchy import Hierarchy, NodeLayout
 
 __all__ = ["Communicator", "CollectiveStats", "AllreduceStats", "allreduce",
            "reduce_scatter", "allgather", "default_communicator"]
@@ -48,8 +49,11 @@ class Communicator:
       None waits for everything (the result is then exact).  Default
       $MPILOSSY_TIMEOUT, else None.
     - loss: injected loss, models of mpilossy.loss or MPILOSSY_LOSS syntax.
-    - algorithm: allreduce's default, "ring", "tree", "direct" or "auto"
-      (the tree for small messages, direct above: docs/performance.md).
+    - algorithm: allreduce's default, "ring", "tree", "direct",
+      "hierarchical" (exact within each node, lossy between nodes:
+      docs/hierarchy.md) or "auto" (hierarchical where the communicator
+      spans several nodes and some node holds several ranks; else the tree
+      for small messages, direct above: docs/performance.md).
     - block_bytes (256 KiB), capacity (4 MiB of window allocated up front;
       a larger call grows the windows collectively, the one point not bound
       by the deadline), tree_radix (2..64, default 4).
@@ -110,11 +114,42 @@ class Communicator:
         self._calls = CallResolver(config, self._size, self._auto, self._codes)
         self._lag = LagWatch(rank, self._size, config.max_behind)
         self._trace = Trace.open(config.trace, self._serial, rank)
+        self._layout, self._hierarchy = self._two_levels(arguments)
         environment.log.info("communicator of %d ranks: channel=%s timeout=%s loss=%s "
                            "block_bytes=%d", self._size, self._channel, self.timeout,
                            list(config.loss) or None, config.block_bytes)
 
+    def _two_levels(self, arguments: Dict[str, Any]) -> Tuple[NodeLayout, Optional[Hierarchy]]:
+        """Collective: the node layout and, where it has two levels, the
+        sub-communicators of the hierarchical all-reduce."""
+        layout, node = NodeLayout.detect(self._comm)
+        try:
+            if not layout.hierarchical:
+                return layout, None
+            config = self._config
+
+            def make(comm: MPI.Intracomm, within_node: bool) -> "Communicator":
+                given = dict(arguments, algorithm="auto", loss=config.loss,
+                             timeout=config.timeout)
+                if within_node:      # shared memory: exact, no injected loss
+                    given.update(channel="rma", loss=None, compression=None,
+                                 redundancy=None)
+                sub = Communicator(comm, **given)
+                if not within_node and sub.channel == "ud":
+                    # the owners of a node's slices share its port
+                    pace(comm, sub._core, config.ud_rate, senders=min(layout.sizes))
+                return sub
+
+            return layout, Hierarchy.build(self._comm, layout, node, make)
+        finally:
+            node.Free()
+
     # -- properties ----------------------------------------------------------
+    @property
+    def layout(self) -> NodeLayout:
+        """Which node holds each rank (MPI's COMM_TYPE_SHARED split)."""
+        return self._layout
+
     @property
     def comm(self) -> MPI.Comm:
         """The private duplicate that carries mpilossy's traffic."""
@@ -214,6 +249,9 @@ class Communicator:
             self._trace = None
         core, self._core = self._core, None
         core.close()
+        if self._hierarchy is not None:
+            self._hierarchy.free()
+            self._hierarchy = None
         self._auto.close()
         self._auto.comm.Free()
         if self._codes is not None:
@@ -302,6 +340,9 @@ class Communicator:
         every call, whatever fails, so that the call numbers (and the auto
         deadline's schedule) stay the same on every rank."""
         core = self._alive()
+        if collective == ALLREDUCE and self._two_level(algorithm, weight, residual, sendbuf):
+            return self._hierarchical(sendbuf, recvbuf, op, weight, timeout, compression,
+                                      residual, redundancy)
         try:
             spent = self._auto.tick(asks_for_auto(timeout, self._config))
             if self._codes is not None:
@@ -328,6 +369,40 @@ class Communicator:
             raise call_error(collective, result)
         self._lag.watch(result)
         return stats_of(result, spec, self._rank, self._size)
+
+
+    def _two_level(self, algorithm: Any, weight: Any, residual: Any, sendbuf: Any) -> bool:
+        """Does this all-reduce run the hierarchy?  "auto" picks it only for
+        what it supports (no weight, no residual; on nodes of different
+        sizes, floating-point data)."""
+        if self._hierarchy is None:
+            return False
+        chosen = self._config.algorithm if algorithm is None else algorithm
+        if isinstance(chosen, str) and chosen == "hierarchical":
+            return True
+        return (isinstance(chosen, str) and chosen == "auto" and weight is None
+                and residual is None and self._hierarchy.takes(getattr(sendbuf, "dtype", None)))
+
+    def _hierarchical(self, sendbuf: Any, recvbuf: Any, op: Any, weight: Any, timeout: Any,
+                      compression: Any, residual: Any, redundancy: Any) -> CollectiveStats:
+        """algorithm="hierarchical" (mpilossy/hierarchy/allreduce.py)."""
+        hierarchy = self._hierarchy
+        assert hierarchy is not None
+        if weight is not None or residual is not None:
+            raise ValueError("algorithm='hierarchical' takes no weight= or residual= (yet): "
+                             "use algorithm='direct'")
+        if not isinstance(op, str) or op not in ("sum", "avg"):
+            raise ValueError(f"op must be one of ['avg', 'sum'], got {op!r}")
+        timeout = self._config.timeout if timeout is UNSET else check_timeout("timeout", timeout)
+        bufs = self._buffers.take(ALLREDUCE, sendbuf, recvbuf)
+        ok = False
+        try:
+            stats = hierarchy.allreduce(bufs.send, bufs.recv, op, timeout, compression,
+                                        redundancy)
+            ok = True
+        finally:
+            bufs.finish(ok=ok)
+        return stats
 
 
 # -- module level -----------------------------------------------------------

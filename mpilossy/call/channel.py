@@ -58,14 +58,17 @@ def open_core(comm: MPI.Intracomm, config: Config) -> Tuple[Core, str]:
     return core, channel
 
 
-def pace(comm: MPI.Intracomm, core: Optional[Core], node_rate: float) -> None:
+def pace(comm: MPI.Intracomm, core: Optional[Core], node_rate: float,
+         senders: Optional[int] = None) -> None:
     """Collective: pace every rank's datagrams at its share of its node's
-    port rate (`node_rate`, bits per second)."""
-    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    ranks_here = node.Get_size()
-    node.Free()
+    port rate (`node_rate`, bits per second): shared by `senders` ranks of
+    the node (default: the ranks of `comm` on it)."""
+    if senders is None:
+        node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+        senders = node.Get_size()
+        node.Free()
     if core is not None and node_rate > 0:
-        core.set_send_rate(PACE_SHARE * node_rate / 8 / ranks_here, PACE_BURST)
+        core.set_send_rate(PACE_SHARE * node_rate / 8 / senders, PACE_BURST)
 
 
 def auto_channel(comm: MPI.Intracomm, provider: str) -> str:

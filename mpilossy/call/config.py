@@ -36,7 +36,7 @@ __all__ = ["Config", "UNSET", "DEFAULTS", "VARIABLES", "agree", "from_environmen
 CHANNELS = ("rma", "ud", "auto")
 SCALINGS = ("unbiased", "zero-fill")
 COMPRESSIONS = {"int8": 8, "int4": 4}      # bits per value on the wire
-ALGORITHM_CHOICES = ("ring", "tree", "direct", "auto")
+ALGORITHM_CHOICES = ("ring", "tree", "direct", "hierarchical", "auto")
 DEFAULT_CAPACITY = 4 * 1024 * 1024
 
 Timeout = Union[None, str, float]
@@ -88,7 +88,8 @@ def _one_of(choices: Tuple[Optional[str], ...]) -> Callable[[str, Any], Any]:
 
 def check_algorithm(name: str, value: Any) -> str:
     if value not in ALGORITHM_CHOICES:
-        raise ValueError(f"{name} must be 'ring', 'tree', 'direct' or 'auto', got {value!r}")
+        raise ValueError(f"{name} must be 'ring', 'tree', 'direct', 'hierarchical' or 'auto', "
+                         f"got {value!r}")
     return value
 
 

@@ -78,6 +78,8 @@ class CallResolver:
                 chosen = config.algorithm
             else:
                 chosen = check_algorithm("algorithm", algorithm)
+            if chosen == "hierarchical":
+                chosen = "auto"     # (only where the layout has one level: one node, or one rank per node)
             opcode = _op(op, send)
             w = 0.0 if weight is None else self._weight(weight, op, chosen)
             if compression is UNSET:

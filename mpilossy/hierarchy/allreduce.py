@@ -1,0 +1,224 @@
+"""The hierarchical all-reduce: an exact reduce-scatter within each node,
+the lossy all-reduce of each slice across nodes among the ranks of the same
+local index, an exact all-gather within each node (docs/hierarchy.md).
+
+Slices: with S the fewest ranks of any node, the vector is cut into S
+slices and local rank j < S of every node owns slice j; on nodes that hold
+more ranks the others only take part within the node.  Where every node
+holds S ranks the slices are the node communicator's own chunks and the
+user's buffers are used in place; otherwise each rank lays its vector out
+as S slices of M = ceil(count / S) elements followed by zeros for the local
+ranks that own none (one copy in, one copy out).
+
+Scaling: a node's slice holds all its ranks (the reduce-scatter within the
+node is itself unbiased if a rank there missed its deadline), so across
+nodes a slice that arrives counts its node's ranks: with equal nodes the
+flat scaling over nodes is that; with unequal nodes the slices travel as
+weighted averages, weighing each node by its number of ranks.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from ..call.buffers import chunk_bounds
+from ..call.stats import CollectiveStats
+from .layout import NodeLayout
+
+__all__ = ["Hierarchy", "INTRA_SHARE"]
+
+# With a deadline T, the stage within the node before the network gets
+# INTRA_SHARE * T, the network what is left less INTRA_SHARE * T (at least
+# NETWORK_FLOOR * T), the stage after it the rest: shared memory takes
+# microseconds to milliseconds, so the shares matter only when a rank of
+# the node is stopped or slow.
+INTRA_SHARE = 0.15
+NETWORK_FLOOR = 0.25
+
+
+class Hierarchy:
+    """The sub-communicators of one Communicator's two-level collectives.
+
+    intra: this node's ranks (channel "rma": shared-memory windows, no
+    injected loss).  inter: the ranks of the same local index on every node
+    (the parent's channel and settings); None on local ranks past the
+    fewest ranks of any node."""
+
+    def __init__(self, layout: NodeLayout, intra: Any, inter: Optional[Any],
+                 total: int) -> None:
+        self.layout = layout
+        self.intra, self.inter = intra, inter
+        self.total = total                         # ranks of the parent communicator
+        self.leaders = min(layout.sizes)           # S: slices, owners per node
+        self.calls = 0
+        self._scratch: Dict[Tuple[str, Any, int], np.ndarray] = {}
+
+    @classmethod
+    def build(cls, comm: MPI.Intracomm, layout: NodeLayout, node: MPI.Comm,
+              make: Callable[..., Any]) -> "Hierarchy":
+        """Collective over `comm`.  `make(comm, within_node)` builds a
+        Communicator with the parent's settings on `comm` (within_node: the
+        settings of the stage in shared memory)."""
+        leaders = min(layout.sizes)
+        color = layout.local_rank if layout.local_rank < leaders else MPI.UNDEFINED
+        cross = comm.Split(color, key=layout.node)
+        intra = inter = None
+        try:
+            intra = make(node, True)
+            if cross != MPI.COMM_NULL:
+                inter = make(cross, False)
+        except BaseException:
+            if intra is not None:
+                intra.free()
+            raise
+        finally:
+            if cross != MPI.COMM_NULL:
+                cross.Free()
+        return cls(layout, intra, inter, comm.Get_size())
+
+    def free(self) -> None:
+        if self.inter is not None:
+            self.inter.free()
+        self.intra.free()
+        self._scratch.clear()
+
+    def takes(self, dtype: Any) -> bool:
+        """Can this layout reduce `dtype`?  (Nodes of different sizes:
+        floating point only.)"""
+        if self.layout.uniform:
+            return True
+        try:
+            return np.dtype(dtype).kind == "f"
+        except TypeError:
+            return False
+
+    # -- the call ------------------------------------------------------------------
+    def allreduce(self, send: np.ndarray, recv: np.ndarray, op: str, timeout: Any,
+                  compression: Any, redundancy: Any) -> CollectiveStats:
+        """One hierarchical all-reduce of the host arrays `send` into `recv`
+        (checked by the caller; the same array in place).  timeout: the
+        call's deadline in seconds, None, or "auto" (each stage's learned
+        one)."""
+        began = time.perf_counter()
+        layout, lead, j = self.layout, self.leaders, self.layout.local_rank
+        if not layout.uniform and send.dtype.kind != "f":
+            raise TypeError(f"algorithm='hierarchical' on nodes of different sizes "
+                            f"{list(layout.sizes)} needs floating-point data (the slices "
+                            f"travel as weighted averages), got {send.dtype}")
+        self.calls += 1
+        count = send.size
+        in_place = np.may_share_memory(send, recv)
+        deadline = _Deadline(timeout)
+        if layout.uniform:
+            # the node communicator's own chunks are the slices
+            first, end = chunk_bounds(count, lead, j)
+            wide_send, wide_recv, width = send, recv, 0
+            mine = self._buffer("mine", send.dtype, end - first) if in_place else recv[first:end]
+            slice_len, inner_op, weight = end - first, op, None
+        else:
+            width = -(-count // lead)
+            wide_send = self._buffer("send", send.dtype, layout.local_size * width)
+            wide_recv = self._buffer("recv", send.dtype, layout.local_size * width)
+            wide_send[lead * width:] = 0
+            for s, (lo, hi) in enumerate(self._slices(count, width)):
+                wide_send[s * width:s * width + hi - lo] = send[lo:hi]
+                wide_send[s * width + hi - lo:(s + 1) * width] = 0
+            mine = wide_recv[j * width:(j + 1) * width]
+            slice_len = 0 if j >= lead else min(count, (j + 1) * width) - min(count, j * width)
+            inner_op, weight = "avg", float(layout.local_size)
+
+        # 1. within the node: this rank's slice, reduced over the node
+        s1 = self.intra.reduce_scatter(wide_send, mine, op=inner_op,
+                                       timeout=deadline.stage(INTRA_SHARE))
+        # 2. across nodes, among the owners of the same slice
+        s2 = None
+        if self.inter is not None and slice_len:
+            s2 = self.inter.allreduce(mine[:slice_len], op=inner_op, timeout=deadline.network(),
+                                      weight=weight, compression=compression,
+                                      redundancy=redundancy)
+        if layout.uniform and in_place:
+            recv[first:end] = mine
+            mine = recv[first:end]
+        # 3. within the node: every slice to every rank of the node
+        s3 = self.intra.allgather(mine, wide_recv, timeout=deadline.rest())
+        arrived = s3.contributors.received()
+        if not layout.uniform:
+            arrived = np.concatenate([arrived[s * width:s * width + hi - lo]
+                                      for s, (lo, hi) in enumerate(self._slices(count, width))])
+        missed = ~arrived
+        fallback = int(missed.sum())
+        own = send[missed] if fallback else None    # (before recv, which may be send, changes)
+        if not layout.uniform:
+            for s, (lo, hi) in enumerate(self._slices(count, width)):
+                recv[lo:hi] = wide_recv[s * width:s * width + hi - lo]
+            if op == "sum":
+                recv *= recv.dtype.type(self.total)
+        if own is not None:
+            recv[missed] = self._stand_in(own, op)
+
+        stats = [s for s in (s1, s2, s3) if s is not None]
+        kept = 1.0 - fallback / max(count, 1)
+        return CollectiveStats(
+            delivered=float(np.prod([s.delivered for s in stats])) * kept,
+            elapsed=time.perf_counter() - began,
+            deadline_hit=any(s.deadline_hit for s in stats),
+            fallback=1.0 - kept,
+            min_contributors=min(s.min_contributors for s in stats),
+            algorithm="hierarchical", nbytes=send.nbytes, seq=self.calls,
+            lost_blocks=tuple(sum(s.lost_blocks[k] for s in stats) for k in range(4)),
+            collective="allreduce", timeout=deadline.seconds,
+            agreed=float(np.prod([s.agreed for s in stats])),
+            contributors=None, rebuilt=s2.rebuilt if s2 else 0,
+            redundancy=s2.redundancy if s2 else None)
+
+    def _stand_in(self, own: np.ndarray, op: str) -> np.ndarray:
+        """Where a slice did not come back within the node, this rank's own
+        contribution stands in for it (count 1), as in the flat algorithms."""
+        if self.intra.scaling == "zero-fill":
+            return np.zeros_like(own)
+        return own * own.dtype.type(self.total) if op == "sum" else own
+
+    def _slices(self, count: int, width: int) -> List[Tuple[int, int]]:
+        """(first, end) in the user's vector of every slice (unequal nodes)."""
+        return [(min(count, s * width), min(count, (s + 1) * width))
+                for s in range(self.leaders)]
+
+    def _buffer(self, role: str, dtype: Any, n: int) -> np.ndarray:
+        """Scratch kept between calls (one per role, of the last size asked)."""
+        key = (role, np.dtype(dtype), n)
+        buf = self._scratch.get(key)
+        if buf is None:
+            self._scratch = {k: v for k, v in self._scratch.items() if k[0] != role}
+            buf = self._scratch[key] = np.empty(n, dtype)
+        return buf
+
+
+class _Deadline:
+    """Splits one call's deadline over its three stages (see INTRA_SHARE);
+    None and "auto" go to every stage as they are."""
+
+    def __init__(self, total: Any) -> None:
+        self.total = total
+        self.seconds: Optional[float] = total if isinstance(total, float) else None
+        self.began = time.perf_counter()
+
+    def _left(self) -> float:
+        assert self.seconds is not None
+        return self.seconds - (time.perf_counter() - self.began)
+
+    def stage(self, share: float) -> Any:
+        return self.total if self.seconds is None else share * self.seconds
+
+    def network(self) -> Any:
+        if self.seconds is None:
+            return self.total
+        return max(self._left() - INTRA_SHARE * self.seconds, NETWORK_FLOOR * self.seconds)
+
+    def rest(self) -> Any:
+        if self.seconds is None:
+            return self.total
+        return max(self._left(), 0.5 * INTRA_SHARE * self.seconds)

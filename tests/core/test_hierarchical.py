@@ -1,0 +1,86 @@
+"""The hierarchical all-reduce (mpilossy/hierarchy/).
+
+On one machine, MPICH splits COMM_TYPE_SHARED into fake nodes with
+MPIR_CVAR_NUM_CLIQUES: the layouts below run tests/programs/hierarchical.py
+under their own mpiexec (exact without loss, unbiased or correctly weighted
+under injected loss, a sleeping rank of a node).  In the suite's own jobs
+every rank is on one node, where algorithm='hierarchical' is the flat
+algorithm."""
+
+import json
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpilossy
+from mpilossy import _core
+from mpilossy.hierarchy import NodeLayout
+from helpers import is_singleton, run_mpi_script
+
+# (ranks, fake nodes): 2x2, uneven 2+1 and 3+2, 2 nodes of 3, 3 nodes of 2
+LAYOUTS = [(4, 2), (3, 2), (5, 2), (6, 2), (6, 3)]
+
+
+def run_layout(ranks, cliques, *args):
+    proc = run_mpi_script("hierarchical.py", ranks, "--calls", "400", *args, timeout=240,
+                          MPIR_CVAR_NUM_CLIQUES=str(cliques))
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1])
+    assert proc.returncode == 0 and not result["failures"], result
+    return result
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks,cliques", LAYOUTS)
+def test_fake_nodes(ranks, cliques):
+    if not is_singleton():
+        pytest.skip("starts its own mpiexec: runs at size 1")
+    result = run_layout(ranks, cliques)
+    assert result["layout"].startswith(f"{cliques} nodes"), result
+    # The sleeping rank costs the others one deadline (0.1 s), not its 0.5 s.
+    assert result["others_call_with_sleeper_ms"] < 400, result
+    assert result["exact_after_sleep"], result
+
+
+@pytest.mark.timeout(300)
+def test_fake_nodes_over_datagrams():
+    if not is_singleton():
+        pytest.skip("starts its own mpiexec: runs at size 1")
+    if not _core.HAVE_DATAGRAM_AUTH:
+        pytest.skip("channel='ud' needs OpenSSL's libcrypto at build time")
+    result = run_layout(4, 2, "--channel", "ud")
+    assert result["channel"] == "ud" and result["exact_after_sleep"], result
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+def test_one_node_is_flat():
+    """Every rank on one node: the layout says so, algorithm='auto' stays
+    flat, and 'hierarchical' is the flat algorithm (exact without loss)."""
+    comm = MPI.COMM_WORLD
+    layout, node = NodeLayout.detect(comm)
+    node.Free()
+    assert layout.nodes == 1 and not layout.hierarchical
+    assert layout.local_rank == comm.rank and layout.local_size == comm.size
+    x = (np.arange(1001) + comm.rank).astype(np.float64)
+    want = np.empty_like(x)
+    comm.Allreduce(x, want)
+    with mpilossy.Communicator(comm) as lc:
+        assert lc.layout.describe() == f"1 node: {list(range(comm.size))}"
+        out = np.empty_like(x)
+        stats = lc.allreduce(x, out, algorithm="hierarchical")
+        assert np.array_equal(out, want) and stats.algorithm != "hierarchical"
+        assert lc.allreduce(x, out).algorithm != "hierarchical"
+
+
+def test_layout_of_given_nodes():
+    """The layout's arithmetic, from a given placement (no MPI)."""
+    layout = NodeLayout((0, 1, 0, 1, 0), (0, 0, 1, 1, 2), rank=3)
+    assert layout.sizes == (3, 2) and layout.nodes == 2
+    assert (layout.node, layout.local_rank, layout.local_size) == (1, 1, 2)
+    assert layout.hierarchical and not layout.uniform
+    assert layout.ranks_of(0) == [0, 2, 4]
+    assert layout.describe() == "2 nodes: [0, 2, 4] [1, 3]"
+    assert not NodeLayout((0, 1), (0, 0), rank=0).hierarchical      # one rank per node

@@ -1,0 +1,155 @@
+"""The hierarchical all-reduce on the node layout the job was launched with
+(on one machine: MPIR_CVAR_NUM_CLIQUES=K splits it into K fake nodes).
+
+    MPIR_CVAR_NUM_CLIQUES=2 mpiexec -n 4 python hierarchical.py [--channel ud] [--calls N]
+
+Checks, with one JSON line from rank 0 (and a nonzero exit on any rank
+whose check failed):
+- exact: lossless calls equal MPI_Allreduce (bit for bit where every node
+  holds the same number of ranks and the data are small integers; to 1e-6
+  otherwise), in place and not, op sum and avg, several sizes and dtypes;
+  algorithm='auto' runs the hierarchy;
+- unbiased: under 20% injected loss, the rank-averaged result of N calls
+  against the exact average (tests/unbiasedness.py's t statistic) where
+  every node holds as many ranks; on unequal nodes, that every value is
+  the average of the ranks of the nodes that arrived (docs/hierarchy.md);
+- stopped: one rank of a node sleeps 0.5 s before one call with a 0.1 s
+  deadline: how long the others' call took, and the calls after it exact.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import unbiasedness  # noqa: E402  (tests/unbiasedness.py)
+
+import mpilossy  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--channel", default="rma")
+p.add_argument("--calls", type=int, default=600)
+args = p.parse_args()
+comm = MPI.COMM_WORLD
+failures = []
+
+
+def check(ok, what):
+    if not ok:
+        failures.append(what)
+
+
+def exact(lc):
+    layout = lc.layout
+    want_algorithm = "hierarchical" if layout.hierarchical else None
+    for n in (1, 2, 5, 1000, 70001):
+        for dtype in (np.float32, np.float64, np.int32):
+            x = ((np.arange(n) * 7 + 3 * comm.rank) % 101).astype(dtype)
+            want = np.empty_like(x)
+            comm.Allreduce(x, want)
+            bit_exact = layout.uniform or dtype == np.int32
+            for op in ("sum", "avg"):
+                if op == "avg" and dtype == np.int32:
+                    continue
+                expect = want / comm.size if op == "avg" else want
+                for in_place in (False, True):
+                    out = x.copy() if in_place else np.full_like(x, -1)
+                    stats = lc.allreduce(out, op=op) if in_place else lc.allreduce(x, out, op=op)
+                    same = (np.array_equal(out, expect) if bit_exact and op == "sum"
+                            else np.allclose(out, expect, rtol=1e-6, atol=0))
+                    check(same, f"{n} {np.dtype(dtype).name} {op} in_place={in_place}: "
+                                f"max error {np.abs(out - expect).max()}")
+                    if want_algorithm and (layout.uniform or dtype != np.int32):
+                        check(stats.algorithm == want_algorithm,
+                              f"algorithm='auto' ran {stats.algorithm}")
+                    check(stats.delivered == 1.0, f"delivered {stats.delivered} without loss")
+
+
+with mpilossy.Communicator(comm, channel=args.channel, timeout=None) as lc:
+    layout = lc.layout
+    exact(lc)
+    if not layout.uniform:        # integers on nodes of different sizes: a clear error
+        try:
+            lc.allreduce(np.ones(4, np.int32), algorithm="hierarchical")
+            check(False, "int32 on unequal nodes did not raise")
+        except TypeError:
+            pass
+    if layout.hierarchical:       # what the hierarchy does not take
+        try:
+            lc.allreduce(np.ones(4), op="avg", weight=1.0, algorithm="hierarchical")
+            check(False, "weight= with algorithm='hierarchical' did not raise")
+        except ValueError:
+            pass
+
+if layout.uniform:
+    results, _, delivered = unbiasedness.run(comm, "hierarchical", 0.2, calls=args.calls,
+                                             channel=args.channel)
+    t = unbiasedness.rank_averaged_t(comm, results)
+    check(t < unbiasedness.T_LIMIT, f"biased: |t| = {t:.2f}")
+else:
+    # Unequal nodes: every value is the average over the nodes that arrived,
+    # each node weighing its number of ranks, of each node's own estimate
+    # (the mean of the ranks of that node whose data made its deadline), or
+    # a rank's own value (its fallback); never another mix.
+    t = None
+    values = 2.0 ** np.arange(comm.size)                 # rank r holds 2^r
+
+    def nonempty_subsets(items):
+        return [[v for k, v in enumerate(items) if mask >> k & 1]
+                for mask in range(1, 1 << len(items))]
+
+    estimates = [sorted({float(np.mean(values[s])) for s in nonempty_subsets(layout.ranks_of(n))})
+                 for n in range(layout.nodes)]
+    allowed = set(values.tolist())
+    for nodes in nonempty_subsets(list(range(layout.nodes))):
+        mixes = [0.0]
+        for n in nodes:
+            mixes = [m + layout.sizes[n] * e for m in mixes for e in estimates[n]]
+        allowed.update(m / sum(layout.sizes[n] for n in nodes) for m in mixes)
+    allowed = np.array(sorted(allowed))
+    x = np.full(4096, values[comm.rank])
+    delivered, mixed = 0.0, 0
+    with mpilossy.Communicator(comm, channel=args.channel, timeout=0.01, block_bytes=512,
+                               loss=mpilossy.loss.Bernoulli(0.2, seed=11)) as lc:
+        for call in range(args.calls // 4):
+            out = np.empty_like(x)
+            delivered += lc.allreduce(x, out, op="avg", algorithm="hierarchical").delivered
+            nearest = np.abs(out[:, None] - allowed[None, :]).min(axis=1)
+            mixed += int(np.sum(nearest > 1e-9 * allowed.max()))
+    delivered /= args.calls // 4
+    check(mixed == 0, f"{mixed} values are not the average of the ranks of a set of nodes")
+check(0.5 < delivered < 1.0, f"delivered {delivered} under 20% loss")
+
+# one rank of the last node, not its first, sleeps before call 3
+sleeper = layout.ranks_of(layout.nodes - 1)[-1]
+x = np.full(1 << 16, float(comm.rank), np.float32)
+want = np.empty_like(x)
+comm.Allreduce(x, want)
+took, exact_after = [], []
+with mpilossy.Communicator(comm, channel=args.channel, timeout=0.1) as lc:
+    for call in range(20):
+        if call == 3 and comm.rank == sleeper:
+            time.sleep(0.5)
+        comm_began = time.perf_counter()
+        out = np.empty_like(x)
+        stats = lc.allreduce(x, out)
+        took.append(time.perf_counter() - comm_began)
+        exact_after.append(bool(np.array_equal(out, want)))
+    comm.Barrier()
+slow_call = comm.gather(took[3] if comm.rank != sleeper else None, root=0)
+late_exact = comm.gather(exact_after, root=0)
+failed = comm.gather(failures, root=0)
+if comm.rank == 0:
+    print(json.dumps({
+        "ranks": comm.size, "layout": layout.describe(), "channel": args.channel,
+        "unbiased_t": t, "delivered_under_loss": delivered,
+        "others_call_with_sleeper_ms": max(1e3 * s for s in slow_call if s is not None),
+        "exact_after_sleep": all(all(v[-3:]) for v in late_exact),
+        "inexact_calls": [c for c in range(len(late_exact[0])) if not all(v[c] for v in late_exact)],
+        "failures": [f"rank {r}: {f}" for r, fs in enumerate(failed) for f in fs]}))
+sys.exit(1 if failures else 0)
