@@ -344,15 +344,12 @@ class Communicator:
             return self._hierarchical(sendbuf, recvbuf, op, weight, timeout, compression,
                                       residual, redundancy)
         try:
-            spent = self._auto.tick(asks_for_auto(timeout, self._config))
-            if self._codes is not None:
-                spent += self._codes.tick()
+            spent = self._count_call(timeout)
             bufs = self._buffers.take(collective, sendbuf, recvbuf)
             spec = self._calls.resolve(collective, bufs.send, bufs.recv, op, algorithm, timeout,
                                        weight, compression, residual, spent, redundancy)
         except BaseException as exc:
-            error = refuse(core, collective, exc, self._rank,
-                           failure_bound(self._config.core_timeout, self._auto.cap))
+            error = self._refuse(collective, exc)
             if error is None:
                 raise
             raise error from None
@@ -371,6 +368,30 @@ class Communicator:
         return stats_of(result, spec, self._rank, self._size)
 
 
+    def _count_call(self, timeout: Any) -> float:
+        """Count one call: every rank, every call, before anything about it
+        is checked.  Returns the seconds spent on agreements."""
+        spent = self._auto.tick(asks_for_auto(timeout, self._config))
+        if self._codes is not None:
+            spent += self._codes.tick()
+        return spent
+
+    def _refuse(self, collective: int, exc: BaseException) -> Optional[Exception]:
+        """Fail the call being counted on every rank because of `exc`
+        (call/failure.py's refuse)."""
+        return refuse(self._alive(), collective, exc, self._rank,
+                      failure_bound(self._config.core_timeout, self._auto.cap))
+
+    def _refuse_next(self, collective: int, exc: BaseException, timeout: Any) -> None:
+        """Take part in the next call only to fail it on every rank with
+        `exc`: the hierarchy's stages after one that failed, so that their
+        peers learn of it and every rank counts the same calls."""
+        try:
+            self._count_call(timeout)
+        except BaseException:   # an agreement that failed too: `exc` is what to report
+            pass
+        self._refuse(collective, exc)
+
     def _two_level(self, algorithm: Any, weight: Any, residual: Any, sendbuf: Any) -> bool:
         """Does this all-reduce run the hierarchy?  "auto" picks it only for
         what it supports (no weight, no residual; on nodes of different
@@ -388,13 +409,19 @@ class Communicator:
         """algorithm="hierarchical" (mpilossy/hierarchy/allreduce.py)."""
         hierarchy = self._hierarchy
         assert hierarchy is not None
-        if weight is not None or residual is not None:
-            raise ValueError("algorithm='hierarchical' takes no weight= or residual= (yet): "
-                             "use algorithm='direct'")
-        if not isinstance(op, str) or op not in ("sum", "avg"):
-            raise ValueError(f"op must be one of ['avg', 'sum'], got {op!r}")
-        timeout = self._config.timeout if timeout is UNSET else check_timeout("timeout", timeout)
-        bufs = self._buffers.take(ALLREDUCE, sendbuf, recvbuf)
+        try:
+            if weight is not None or residual is not None:
+                raise ValueError("algorithm='hierarchical' takes no weight= or residual= "
+                                 "(yet): use algorithm='direct'")
+            if not isinstance(op, str) or op not in ("sum", "avg"):
+                raise ValueError(f"op must be one of ['avg', 'sum'], got {op!r}")
+            timeout = (self._config.timeout if timeout is UNSET
+                       else check_timeout("timeout", timeout))
+            bufs = self._buffers.take(ALLREDUCE, sendbuf, recvbuf)
+            hierarchy.check(bufs.send)
+        except BaseException as exc:
+            hierarchy.refuse(exc, self._config.timeout)     # (raises on every rank)
+            raise
         ok = False
         try:
             stats = hierarchy.allreduce(bufs.send, bufs.recv, op, timeout, compression,

@@ -19,7 +19,10 @@ _EXCEPTIONS = {
     ERRORS["protocol"]: MPILossyError,
     ERRORS["mpi"]: MPILossyError,
 }
-_KINDS = {TypeError: "type", ValueError: "value", BufferError: "buffer"}
+# (MismatchError first: it is a ValueError too.  A rank raises one of its
+# own only as a stage of the hierarchy passing on what an earlier stage found.)
+_KINDS = {MismatchError: "mismatch", TypeError: "type", ValueError: "value",
+          BufferError: "buffer"}
 
 
 def refuse(core: Any, collective: int, exc: BaseException, rank: int,
@@ -54,4 +57,8 @@ def call_error(collective: int, result: CallResult,
     cls = _EXCEPTIONS.get(kind, MPILossyError)
     if local is not None and kind != ERRORS["mismatch"]:
         cls = local
-    return cls(f"{COLLECTIVE_NAMES[collective]} call {seq}: rank {rank}: {message}")
+    error = cls(f"{COLLECTIVE_NAMES[collective]} call {seq}: rank {rank}: {message}")
+    # The rank it began at and what it said, apart (the hierarchy passes them on).
+    setattr(error, "origin", rank)
+    setattr(error, "detail", message)
+    return error

@@ -19,14 +19,17 @@ weighted averages, weighing each node by its number of ranks.
 
 from __future__ import annotations
 
+import re
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
+from .._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER
 from ..call.buffers import chunk_bounds
 from ..call.stats import CollectiveStats
+from ..errors import MismatchError, MPILossyError
 from .layout import NodeLayout
 
 __all__ = ["Hierarchy", "INTRA_SHARE"]
@@ -97,27 +100,45 @@ class Hierarchy:
             return False
 
     # -- the call ------------------------------------------------------------------
+    def check(self, send: np.ndarray) -> None:
+        """What this layout cannot reduce (before the call's first stage)."""
+        if not self.takes(send.dtype):
+            raise TypeError(f"algorithm='hierarchical' on nodes of different sizes "
+                            f"{list(self.layout.sizes)} needs floating-point data (the "
+                            f"slices travel as weighted averages), got {send.dtype}")
+
+    def refuse(self, exc: BaseException, timeout: Any) -> None:
+        """This rank's input was refused (`exc`): take part in every stage of
+        the call only to fail it, so that every rank raises (the same
+        exception type, naming this rank) instead of waiting for it.
+        Raises."""
+        self.calls += 1
+        failure = _Failure.own(exc, self.layout.rank)
+        stages = _Stages(self, failure, _Deadline(timeout))
+        stages.intra(lambda d: None, REDUCE_SCATTER)
+        stages.inter(lambda d: None)
+        stages.intra(lambda d: None, ALLGATHER)
+        failure.throw(self.calls)
+
     def allreduce(self, send: np.ndarray, recv: np.ndarray, op: str, timeout: Any,
                   compression: Any, redundancy: Any) -> CollectiveStats:
         """One hierarchical all-reduce of the host arrays `send` into `recv`
-        (checked by the caller; the same array in place).  timeout: the
-        call's deadline in seconds, None, or "auto" (each stage's learned
-        one)."""
+        (checked by the caller and check(); the same array in place).
+        timeout: the call's deadline in seconds, None, or "auto" (each
+        stage's learned one).  A stage that fails on this rank is refused
+        in the stages after it, and the call raises on every rank."""
         began = time.perf_counter()
         layout, lead, j = self.layout, self.leaders, self.layout.local_rank
-        if not layout.uniform and send.dtype.kind != "f":
-            raise TypeError(f"algorithm='hierarchical' on nodes of different sizes "
-                            f"{list(layout.sizes)} needs floating-point data (the slices "
-                            f"travel as weighted averages), got {send.dtype}")
         self.calls += 1
         count = send.size
-        in_place = np.may_share_memory(send, recv)
         deadline = _Deadline(timeout)
         if layout.uniform:
-            # the node communicator's own chunks are the slices
+            # the node communicator's own chunks are the slices; this rank's
+            # is kept in scratch until stage 3, so that a call failing before
+            # leaves recv as it was (in place: the user's data)
             first, end = chunk_bounds(count, lead, j)
             wide_send, wide_recv, width = send, recv, 0
-            mine = self._buffer("mine", send.dtype, end - first) if in_place else recv[first:end]
+            mine = self._buffer("mine", send.dtype, end - first)
             slice_len, inner_op, weight = end - first, op, None
         else:
             width = -(-count // lead)
@@ -130,21 +151,27 @@ class Hierarchy:
             mine = wide_recv[j * width:(j + 1) * width]
             slice_len = 0 if j >= lead else min(count, (j + 1) * width) - min(count, j * width)
             inner_op, weight = "avg", float(layout.local_size)
+        stages = _Stages(self, None, deadline)
 
         # 1. within the node: this rank's slice, reduced over the node
-        s1 = self.intra.reduce_scatter(wide_send, mine, op=inner_op,
-                                       timeout=deadline.stage(INTRA_SHARE))
-        # 2. across nodes, among the owners of the same slice
-        s2 = None
-        if self.inter is not None and slice_len:
-            s2 = self.inter.allreduce(mine[:slice_len], op=inner_op, timeout=deadline.network(),
-                                      weight=weight, compression=compression,
-                                      redundancy=redundancy)
-        if layout.uniform and in_place:
+        s1 = stages.intra(lambda d: self.intra.reduce_scatter(
+            wide_send, mine, op=inner_op, timeout=d.stage(INTRA_SHARE)), REDUCE_SCATTER)
+        # 2. across nodes, among the owners of the same slice (every owner
+        # calls, also with an empty slice: a size that differs across nodes
+        # is then a mismatch every owner sees, not a call some never make)
+        inter: Any = self.inter            # (None: stages.inter does not call)
+        s2 = stages.inter(lambda d: inter.allreduce(
+            mine[:slice_len], op=inner_op, timeout=d.network(), weight=weight,
+            compression=compression, redundancy=redundancy))
+        if layout.uniform and stages.failure is None:
             recv[first:end] = mine
             mine = recv[first:end]
         # 3. within the node: every slice to every rank of the node
-        s3 = self.intra.allgather(mine, wide_recv, timeout=deadline.rest())
+        s3 = stages.intra(lambda d: self.intra.allgather(mine, wide_recv, timeout=d.rest()),
+                          ALLGATHER)
+        if stages.failure is not None:
+            stages.failure.throw(self.calls)
+        assert s1 is not None and s3 is not None
         arrived = s3.contributors.received()
         if not layout.uniform:
             arrived = np.concatenate([arrived[s * width:s * width + hi - lo]
@@ -160,7 +187,7 @@ class Hierarchy:
         if own is not None:
             recv[missed] = self._stand_in(own, op)
 
-        stats = [s for s in (s1, s2, s3) if s is not None]
+        stats = [s for s in (s1, s2, s3) if s is not None and (s is not s2 or slice_len)]
         kept = 1.0 - fallback / max(count, 1)
         return CollectiveStats(
             delivered=float(np.prod([s.delivered for s in stats])) * kept,
@@ -195,6 +222,87 @@ class Hierarchy:
             self._scratch = {k: v for k, v in self._scratch.items() if k[0] != role}
             buf = self._scratch[key] = np.empty(n, dtype)
         return buf
+
+
+class _Failure:
+    """The first failure of a hierarchical call, as every rank raises it:
+    the exception type and "rank R: what", R a rank of the parent
+    communicator."""
+
+    # what a stage passes on as itself; anything else travels as MPILossyError
+    _PASSED = (MismatchError, TypeError, ValueError, BufferError, MPILossyError)
+
+    def __init__(self, cls: type, text: str, original: Optional[BaseException]) -> None:
+        self.cls, self.text, self.original = cls, text, original
+
+    @classmethod
+    def own(cls, exc: BaseException, rank: int) -> "_Failure":
+        """This rank's own error."""
+        kind = next((c for c in cls._PASSED if isinstance(exc, c)), MPILossyError)
+        what = (str(exc) if isinstance(exc, cls._PASSED)
+                else f"could not take part: {type(exc).__name__}: {exc}")
+        return cls(kind, f"rank {rank}: {what}", exc)
+
+    @classmethod
+    def of_stage(cls, exc: BaseException, where: str, ranks: List[int],
+                 rank: int) -> "_Failure":
+        """An error a stage raised: passed on by a peer (its text names the
+        rank it began at), found by the stage itself (its text numbers the
+        stage's ranks: `ranks` are theirs in the parent), or this rank's own."""
+        detail = getattr(exc, "detail", None)
+        if not isinstance(exc, Exception) or detail is None:
+            return cls.own(exc, rank)
+        kind = next((c for c in cls._PASSED if isinstance(exc, c)), MPILossyError)
+        if not _PASSED_ON.match(detail):
+            detail = (f"rank {ranks[getattr(exc, 'origin')]}: in the stage {where}, "
+                      f"whose ranks 0-{len(ranks) - 1} are ranks {ranks}: {detail}")
+        return cls(kind, detail, None)
+
+    def proxy(self) -> BaseException:
+        """What a stage after this failure is refused with."""
+        return self.cls(self.text)
+
+    def throw(self, seq: int) -> NoReturn:
+        if self.original is not None and not isinstance(self.original, Exception):
+            raise self.original                       # Ctrl-C and the like, as they came
+        raise self.cls(f"allreduce call {seq}: {self.text}") from None
+
+
+_PASSED_ON = re.compile(r"rank \d+: ")
+
+
+class _Stages:
+    """Runs one call's stages on this rank; after the first failure, each
+    later stage is refused instead (Communicator._refuse_next), so that the
+    ranks of that stage fail too and every sub-communicator counts the
+    same calls on every rank."""
+
+    def __init__(self, hierarchy: Hierarchy, failure: Optional[_Failure],
+                 deadline: "_Deadline") -> None:
+        self.h, self.failure, self.deadline = hierarchy, failure, deadline
+
+    def intra(self, run: Callable[["_Deadline"], Any], collective: int) -> Any:
+        layout = self.h.layout
+        return self._stage(self.h.intra, collective, run, f"within node {layout.node}",
+                           layout.ranks_of(layout.node))
+
+    def inter(self, run: Callable[["_Deadline"], Any]) -> Any:
+        if self.h.inter is None:
+            return None
+        layout, j = self.h.layout, self.h.layout.local_rank
+        return self._stage(self.h.inter, ALLREDUCE, run, f"across nodes of local rank {j}",
+                           [layout.ranks_of(n)[j] for n in range(layout.nodes)])
+
+    def _stage(self, lc: Any, collective: int, run: Callable[["_Deadline"], Any],
+               where: str, ranks: List[int]) -> Any:
+        if self.failure is not None:
+            lc._refuse_next(collective, self.failure.proxy(), self.deadline.total)
+            return None
+        try:
+            return run(self.deadline)
+        except BaseException as exc:
+            self.failure = _Failure.of_stage(exc, where, ranks, self.h.layout.rank)
+            return None
 
 
 class _Deadline:

@@ -13,10 +13,10 @@ __all__ = ["NodeLayout"]
 class NodeLayout:
     """The nodes of a communicator, as seen from one rank.
 
-    node_of[r]: the node of rank r; sizes[n]: ranks on node n; node,
+    node_of[r]: the node of rank r; sizes[n]: ranks on node n; rank, node,
     local_rank, local_size: this rank's.  Built collectively by detect()."""
 
-    __slots__ = ("node_of", "local_ranks", "sizes", "node", "local_rank", "local_size")
+    __slots__ = ("node_of", "local_ranks", "sizes", "rank", "node", "local_rank", "local_size")
 
     def __init__(self, node_of: Tuple[int, ...], local_ranks: Tuple[int, ...],
                  rank: int) -> None:
@@ -24,6 +24,7 @@ class NodeLayout:
         self.local_ranks = local_ranks
         nodes = max(node_of) + 1
         self.sizes = tuple(node_of.count(n) for n in range(nodes))
+        self.rank = rank
         self.node = node_of[rank]
         self.local_rank = local_ranks[rank]
         self.local_size = self.sizes[self.node]

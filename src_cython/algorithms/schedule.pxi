@@ -272,6 +272,12 @@ cdef int settle(Algorithm alg, Channel chan, CallInfo* call, Stream* s, int bloc
             alg.lost_torn += 1
             alg.lose(s, block)
     elif verdict == POLL_GONE:
+        # The producer left this call.  If it failed it, its note over MPI
+        # left first (its in-band error may already be a later call's).
+        if chan.told_failure(call, err, NOTE_WAIT_EXACT if call.timeout < 0 and not lossy
+                             else NOTE_WAIT_ONCE):
+            chan.fail(call, err)
+            return 1
         if call.timeout < 0 and not lossy:
             err.kind = ERR_PROTOCOL
             err.rank = alg.rank
@@ -479,6 +485,9 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
                                 return 1
                             progressed = True
                         break
+                    if ended and chan.told_failure(call, err, NOTE_LOOK):
+                        chan.fail(call, err)        # (the producer left because it failed)
+                        return 1
                     if not s.drop[block]:
                         chan.abandon(s)     # (a dropped block has no get in flight;
                                             #  one for a block behind it stays)

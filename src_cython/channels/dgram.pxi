@@ -651,5 +651,5 @@ cdef class DgramChannel(DgramEndpoint):
             return
         self.next_probe = mpl_now() + ERROR_PROBE_INTERVAL
         self.outcomes.hear()
-        if self.outcomes.later.seq == self.cur.seq and self.error.kind == ERR_NONE:
-            self.error = self.outcomes.later.err
+        if self.error.kind == ERR_NONE:
+            self.outcomes.pending(self.cur.seq, &self.error)

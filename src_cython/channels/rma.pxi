@@ -26,6 +26,8 @@ cdef class RmaChannel(RmaWindow):
     """The channel interface (channel.pxi) over MPI windows: polling peers'
     records, by loads on the node and MPI_Rget beyond it."""
     cdef unsigned char* consumed_from
+    cdef MPI_Request probe_req        # progress(): a get of a peer's status word
+    cdef uint64_t probe_word
     cdef unsigned char* seen          # peers known to be in this call
     cdef int nseen
     cdef int seen_next                # network path: next peer whose status to get
@@ -51,6 +53,7 @@ cdef class RmaChannel(RmaWindow):
         self.consumed_from = <unsigned char*>calloc(size, 1)
         self.seen = <unsigned char*>calloc(size, 1)
         self.seen_req = MPI_REQUEST_NULL
+        self.probe_req = MPI_REQUEST_NULL
         self.done_out = <uint64_t*>calloc(size, sizeof(uint64_t))
         self.done_req = <MPI_Request*>malloc(size * sizeof(MPI_Request))
         if not (self.consumed_from and self.seen and self.done_out and self.done_req
@@ -66,6 +69,8 @@ cdef class RmaChannel(RmaWindow):
             MPI_Wait(&self.zreq[i], MPI_STATUS_IGNORE)
             free_getbuffers(self.zbuf[i])
         self.nzombies = 0
+        if self.probe_req != MPI_REQUEST_NULL:
+            MPI_Wait(&self.probe_req, MPI_STATUS_IGNORE)
         if self.done_req != NULL:
             for i in range(self.size):
                 if self.done_req[i] != MPI_REQUEST_NULL:
@@ -490,9 +495,26 @@ cdef class RmaChannel(RmaWindow):
                 "shared_memory_peers": shared, "gets_outliving_their_call": self.nzombies}
 
     cdef void progress(self) noexcept nogil:
-        cdef int flag
-        if not self.all_shared:
-            MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, self.comm, &flag, MPI_STATUS_IGNORE)
+        # MPI_Iprobe moves messages; the window's own traffic (peers' gets of
+        # our records and status, their done signals, which MPICH's netmod
+        # serves only while this rank calls into the window) moves when a
+        # request of the window is tested.  A rank with none of its own in
+        # flight (one lingering after a call it failed) keeps a small get of
+        # a peer's status word going for that: without it nobody could read
+        # its status, and every peer waited out its deadline.
+        cdef int flag, k, p
+        if self.all_shared:
+            return
+        MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, self.comm, &flag, MPI_STATUS_IGNORE)
+        if self.probe_req != MPI_REQUEST_NULL:
+            MPI_Test(&self.probe_req, &flag, MPI_STATUS_IGNORE)
+            return
+        for k in range(1, self.size):        # a peer beyond this node (a get of
+            p = (self.rank + k) % self.size   # our own is served without the netmod)
+            if self.peer_base[p] == NULL:
+                MPI_Rget(&self.probe_word, 8, MPI_BYTE, p, 0, 8, MPI_BYTE, self.win,
+                         &self.probe_req)
+                return
 
     # -- end of a call -------------------------------------------------------
     cdef void end(self, CallInfo* call, bint failed) noexcept nogil:
@@ -535,17 +557,28 @@ cdef class RmaChannel(RmaWindow):
 
     cdef void send_done(self, int peer, CallInfo* call, double limit) noexcept nogil:
         cdef int flag = 1
+        cdef double until
         if self.done_req[peer] != MPI_REQUEST_NULL:
+            # The previous signal (an earlier call's) must be out before this
+            # one is written, and it does not tell the peer that this call is
+            # done: a peer lingering for it would wait out its limit (seen
+            # with calls failing back to back).  So wait a little for it.
             MPI_Test(&self.done_req[peer], &flag, MPI_STATUS_IGNORE)
-            while not flag and call.timeout < 0 and mpl_now() < limit:
+            until = limit if call.timeout < 0 else min(limit, mpl_now() + DONE_WAIT)
+            while not flag and mpl_now() < until:
                 mpl_yield()
                 MPI_Test(&self.done_req[peer], &flag, MPI_STATUS_IGNORE)
         if not flag:
-            return      # the previous signal is still in flight; it will do
+            return      # still in flight: the peer stops lingering at its own limit
         self.done_out[peer] = call.seq
         MPI_Rput(&self.done_out[peer], 8, MPI_BYTE, peer,
                  MPL_STATUS_BYTES + 8 * self.rank, 8, MPI_BYTE, self.win, &self.done_req[peer])
         MPI_Test(&self.done_req[peer], &flag, MPI_STATUS_IGNORE)
+
+
+# How long a call with a deadline waits for its previous done signal to a
+# peer to leave before it sends this call's (seconds).
+cdef double DONE_WAIT = 0.002
 
 
 cdef inline double linger_limit(const CallInfo* call, bint failed, double now) noexcept nogil:

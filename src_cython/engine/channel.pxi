@@ -263,6 +263,16 @@ cdef inline double call_scale(const CallInfo* call, uint32_t count, int nranks) 
     return scale_factor(call.scaling, call.op, count, nranks)
 
 
+# How long a rank without deadline waits for the note of a producer that
+# moved past its call, before it calls that a protocol error (seconds).
+cdef double NOTE_WAIT = 1.0
+# The same with a deadline, where a producer also leaves when its deadline
+# ends (then no note comes): once per call.
+cdef double NOTE_WAIT_LOSSY = 0.005
+cdef enum:                    # Channel.told_failure(wait=)
+    NOTE_LOOK, NOTE_WAIT_ONCE, NOTE_WAIT_EXACT
+
+
 cdef class Channel:
     """What an algorithm needs from a channel (all methods but setup nogil).
 
@@ -274,6 +284,7 @@ cdef class Channel:
     cdef int rank, size
     cdef ErrorInfo error          # set when a poll returns POLL_FAIL
     cdef Outcomes outcomes        # errors told over MPI (outcome.pxi); None offline
+    cdef uint64_t gone_waited     # the last call that waited for a gone producer's note
                                   # (the test suite's judges)
 
     cdef int begin(self, CallInfo* call) except -1:
@@ -357,6 +368,31 @@ cdef class Channel:
         if self.outcomes is None:
             return False
         return self.outcomes.failed_elsewhere(call, err)
+
+    cdef bint told_failure(self, CallInfo* call, ErrorInfo* err, int wait) noexcept nogil:
+        """A producer moved past `call` before this rank read its data.  If
+        it failed the call, its note over MPI left before it moved on (a
+        rank that fails calls back to back overwrites its in-band error of
+        the first with the second's): look for it, and wait for it
+        (`wait`): NOTE_WAIT_EXACT, up to NOTE_WAIT seconds where the
+        alternative is a protocol error (no deadline); NOTE_WAIT_ONCE, up to
+        NOTE_WAIT_LOSSY once per call and never past the deadline; NOTE_LOOK,
+        not at all (a stream that ended: the usual way of a lossy call).
+        True, with `err`, if it came."""
+        cdef double now = mpl_now(), seconds = 0.0
+        if self.outcomes is None:
+            return False
+        if wait == NOTE_WAIT_EXACT:
+            seconds = NOTE_WAIT
+        elif wait == NOTE_WAIT_ONCE and self.gone_waited != call.seq:
+            self.gone_waited = call.seq
+            seconds = min(NOTE_WAIT_LOSSY, call.start + call.timeout - now)
+        cdef double limit = now + seconds
+        while not self.failed_elsewhere(call, err):
+            if mpl_now() >= limit:
+                return False
+            mpl_yield()
+        return True
 
     cdef void settle(self, CallInfo* call, bint failed) noexcept nogil:
         """This rank has its outcome of `call` (before end: a rank that waits

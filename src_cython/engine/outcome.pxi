@@ -12,6 +12,10 @@
 
 cdef enum:
     ERROR_TAG = 0x4D45             # MPI tag of the notes
+    # Errors of calls this rank has not settled, kept at once: a peer that
+    # fails calls back to back (a stage of the hierarchy refusing, bad input
+    # in a loop) sends notes of several calls before this rank is in them.
+    LATER_MAX = 8
 
 # How long close() waits for its notes to leave (seconds).
 cdef double NOTE_LINGER = 1.0
@@ -21,6 +25,7 @@ cdef struct ErrorNote:
     # A note told over MPI: the call it is about, and the error that failed
     # it there, or ERR_NONE where the sender has its result of the call.
     # Either way the sender is done with the call and reads no more of it.
+    uint64_t token                  # the communicator's (Outcomes.setup)
     uint64_t seq
     ErrorInfo err
 
@@ -33,16 +38,24 @@ cdef class Outcomes:
     cdef ErrorNote** bufs
     cdef int nnotes, cap
     cdef uint64_t* done_seq           # per peer: the latest call it said it is done with
-    cdef ErrorNote later              # the earliest error of a call this rank has not settled
+    cdef ErrorNote later[LATER_MAX]   # errors of calls this rank has not settled (seq 0: free)
     cdef ErrorNote late               # the earliest error of a call this rank returned from
     cdef uint64_t settled             # the latest call whose outcome this rank has
     cdef uint64_t last_failed         # the latest call that failed on this rank
     cdef uint64_t heard               # error notes heard, for the channel's counters
+    cdef uint64_t token               # drawn at setup, carried by every note
 
     cdef int setup(self, MPI_Comm comm) except -1:
+        """Collective over `comm`.  The token tells this communicator's notes
+        from those of a freed one whose context MPI gave to a new one: a
+        note still unread when its communicator was freed would otherwise
+        fail the new one's call of the same number."""
         self.comm = comm
         chk(MPI_Comm_rank(comm, &self.rank))
         chk(MPI_Comm_size(comm, &self.size))
+        if self.rank == 0:
+            self.token = int.from_bytes(os.urandom(8), "little") | 1
+        chk(MPI_Bcast(&self.token, 1, MPI_UINT64_T, 0, comm))
         self.done_seq = <uint64_t*>calloc(self.size, sizeof(uint64_t))
         if self.done_seq == NULL:
             raise MemoryError()
@@ -69,6 +82,7 @@ cdef class Outcomes:
             note = <ErrorNote*>malloc(sizeof(ErrorNote))
             if note == NULL:
                 return
+            note.token = self.token
             note.seq = seq
             note.err = err[0]
             if MPI_Isend(note, sizeof(ErrorNote), MPI_BYTE, p, ERROR_TAG, self.comm,
@@ -107,7 +121,7 @@ cdef class Outcomes:
     cdef void hear(self) noexcept nogil:
         """Take the notes peers sent: an error of a call this rank has settled
         is `late` (unless this rank failed a call since), one of a call it
-        has not is `later` (the channel fails that call with it)."""
+        has not goes to `later` (the channel fails that call with it)."""
         cdef int flag = 1
         cdef MPI_Status status
         cdef ErrorNote note
@@ -119,6 +133,8 @@ cdef class Outcomes:
             if MPI_Recv(&note, sizeof(ErrorNote), MPI_BYTE, status.MPI_SOURCE, ERROR_TAG,
                         self.comm, MPI_STATUS_IGNORE) != MPI_SUCCESS:
                 return
+            if note.token != self.token:
+                continue                # a freed communicator's
             if note.seq > self.done_seq[status.MPI_SOURCE]:
                 self.done_seq[status.MPI_SOURCE] = note.seq
             if note.err.kind == ERR_NONE:
@@ -128,23 +144,51 @@ cdef class Outcomes:
             if not ERR_NONE < note.err.kind <= ERR_LAST:
                 note.err.kind = ERR_PROTOCOL
             if note.seq <= self.settled:
-                if self.last_failed < note.seq and (self.late.seq == 0 or note.seq < self.late.seq):
-                    self.late = note
-            elif self.later.seq <= self.settled or note.seq < self.later.seq:
-                self.later = note
+                self.keep_late(&note)
+            else:
+                self.keep_later(&note)
+
+    cdef void keep_late(self, const ErrorNote* note) noexcept nogil:
+        if self.last_failed < note.seq and (self.late.seq == 0 or note.seq < self.late.seq):
+            self.late = note[0]
+
+    cdef void keep_later(self, const ErrorNote* note) noexcept nogil:
+        """One error per call (the first heard); when every slot is taken,
+        the latest call's gives way to an earlier one."""
+        cdef int i, slot = 0
+        for i in range(LATER_MAX):
+            if self.later[i].seq == note.seq:
+                return
+        for i in range(LATER_MAX):        # a free slot, else the latest call's
+            if self.later[i].seq == 0:
+                slot = i
+                break
+            if self.later[i].seq > self.later[slot].seq:
+                slot = i
+        if self.later[slot].seq == 0 or note.seq < self.later[slot].seq:
+            self.later[slot] = note[0]
+
+    cdef bint pending(self, uint64_t seq, ErrorInfo* err) noexcept nogil:
+        """Did a peer say that call `seq` (not settled here yet) failed?"""
+        cdef int i
+        for i in range(LATER_MAX):
+            if self.later[i].seq == seq:
+                err[0] = self.later[i].err
+                return True
+        return False
 
     cdef void settle(self, uint64_t seq, bint failed) noexcept nogil:
         """This rank has its outcome of call `seq`.  An error of it heard
         while it ran and not acted on (a channel that reads only its
         in-band paths during a call) becomes late when the call succeeded."""
+        cdef int i
         self.settled = seq
         if failed:
             self.last_failed = seq
-        if 0 < self.later.seq <= seq:
-            if not failed and self.last_failed < self.later.seq and (
-                    self.late.seq == 0 or self.later.seq < self.late.seq):
-                self.late = self.later
-            self.later.seq = 0
+        for i in range(LATER_MAX):
+            if 0 < self.later[i].seq <= seq:
+                self.keep_late(&self.later[i])
+                self.later[i].seq = 0
 
     cdef bint take_late(self, const CallInfo* call, ErrorInfo* err) noexcept nogil:
         """Before `call` begins: did a call this rank returned from fail on
@@ -157,8 +201,7 @@ cdef class Outcomes:
         call this rank returned from did (then this one fails: it is the
         first this rank is in after it heard)?  Then `err` says why."""
         self.hear()
-        if self.later.seq == call.seq:
-            err[0] = self.later.err
+        if self.pending(call.seq, err):
             return True
         return self.late_error(err)
 

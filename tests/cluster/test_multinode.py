@@ -24,7 +24,7 @@ from helpers import is_singleton, PROGRAMS
 SCRIPT = PROGRAMS / "multinode.py"
 TOPOLOGIES = {"2x2": (2, 2), "3x1": (3, 1)}
 CHANNELS = ["rma", "ud"]
-ALGORITHMS = ["direct", "ring", "tree"]
+ALGORITHMS = ["direct", "ring", "tree", "hierarchical"]   # (at 3 x 1: the flat one)
 # How far past its deadline a call may return here: 4 ranks poll on 2 shared
 # cores, so a rank can wait a time slice or two for its turn; a TCP
 # retransmission timeout (200 ms and more) would not fit.

@@ -54,6 +54,28 @@ def test_fake_nodes_over_datagrams():
     assert result["channel"] == "ud" and result["exact_after_sleep"], result
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("ranks,cliques,channel", [(r, c, "rma") for r, c in LAYOUTS]
+                         + [(4, 2, "ud")])
+def test_bad_input_on_one_rank(ranks, cliques, channel):
+    """One rank's (or one node's) bad input in a hierarchical call: the same
+    exception on every rank, naming it, with and without deadline, two bad
+    calls back to back; recvbuf untouched; the call after exact without
+    deadline (tests/programs/hierarchical_errors.py)."""
+    if not is_singleton():
+        pytest.skip("starts its own mpiexec: runs at size 1")
+    if channel == "ud" and not _core.HAVE_DATAGRAM_AUTH:
+        pytest.skip("channel='ud' needs OpenSSL's libcrypto at build time")
+    proc = run_mpi_script("hierarchical_errors.py", ranks, "--channel", channel, timeout=240,
+                          MPIR_CVAR_NUM_CLIQUES=str(cliques))
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1])
+    assert result["layout"].startswith(f"{cliques} nodes"), result
+    assert proc.returncode == 0 and not result["failures"], result
+    assert result["bad_calls"] == 2 * result["good_calls"] > 0, result
+
+
 @pytest.mark.mpi(min_size=1)
 @pytest.mark.timeout(60)
 def test_one_node_is_flat():

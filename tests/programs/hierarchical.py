@@ -87,8 +87,11 @@ with mpilossy.Communicator(comm, channel=args.channel, timeout=None) as lc:
             pass
 
 if layout.uniform:
+    # 0.05 s, not the flat tests' 0.01: up to six ranks share two cores in CI,
+    # and deadlines missed for scheduling (not independent of the rank) bias
+    # the average (|t| = 6.1 seen once at 3 nodes of 2 with 0.01).
     results, _, delivered = unbiasedness.run(comm, "hierarchical", 0.2, calls=args.calls,
-                                             channel=args.channel)
+                                             timeout=0.05, channel=args.channel)
     t = unbiasedness.rank_averaged_t(comm, results)
     check(t < unbiasedness.T_LIMIT, f"biased: |t| = {t:.2f}")
 else:
@@ -126,8 +129,11 @@ else:
     delivered /= args.calls // 4
     check(mixed == 0, f"{mixed} values are not the average of the ranks of a set of nodes")
 # Loss was injected and most of the data still arrived; how much is a
-# matter of scheduling on a shared machine, so the bound is loose.
-check(0.3 < delivered < 1.0, f"delivered {delivered} under 20% loss")
+# matter of scheduling on a shared machine, so the bound is loose.  A rank
+# that owns no slice sees only its node's exact stages (docs/hierarchy.md).
+owns_a_slice = layout.local_rank < min(layout.sizes)
+check(0.3 < delivered and (delivered < 1.0 or not owns_a_slice),
+      f"delivered {delivered} under 20% loss")
 
 # one rank of the last node, not its first, sleeps before call 3
 sleeper = layout.ranks_of(layout.nodes - 1)[-1]

@@ -36,7 +36,7 @@ from mpilossy.cluster import request    # the emulated cluster's control folder
 ap = argparse.ArgumentParser()
 ap.add_argument("--phases", default="topology,lossless,unbiased,drops,sigstop")
 ap.add_argument("--channels", default="rma,ud")
-ap.add_argument("--algorithms", default="direct,ring,tree")
+ap.add_argument("--algorithms", default="direct,ring,tree,hierarchical")
 ap.add_argument("--calls", type=int, default=150, help="unbiased: calls per channel and algorithm")
 ap.add_argument("--loss", type=float, default=0.1, help="unbiased: injected Bernoulli loss")
 ap.add_argument("--timeout", type=float, default=0.2, help="unbiased: deadline per call")
