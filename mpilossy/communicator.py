@@ -388,7 +388,7 @@ class Communicator:
         peers learn of it and every rank counts the same calls."""
         try:
             self._count_call(timeout)
-        except BaseException:   # an agreement that failed too: `exc` is what to report
+        except Exception:       # an agreement that failed too: `exc` is what to report
             pass
         self._refuse(collective, exc)
 
@@ -420,8 +420,7 @@ class Communicator:
             bufs = self._buffers.take(ALLREDUCE, sendbuf, recvbuf)
             hierarchy.check(bufs.send)
         except BaseException as exc:
-            hierarchy.refuse(exc, self._config.timeout)     # (raises on every rank)
-            raise
+            hierarchy.refuse(exc, self._config.timeout)     # (raises, on every rank)
         ok = False
         try:
             stats = hierarchy.allreduce(bufs.send, bufs.recv, op, timeout, compression,

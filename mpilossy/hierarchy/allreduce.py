@@ -107,7 +107,7 @@ class Hierarchy:
                             f"{list(self.layout.sizes)} needs floating-point data (the "
                             f"slices travel as weighted averages), got {send.dtype}")
 
-    def refuse(self, exc: BaseException, timeout: Any) -> None:
+    def refuse(self, exc: BaseException, timeout: Any) -> NoReturn:
         """This rank's input was refused (`exc`): take part in every stage of
         the call only to fail it, so that every rank raises (the same
         exception type, naming this rank) instead of waiting for it.
@@ -187,7 +187,7 @@ class Hierarchy:
         if own is not None:
             recv[missed] = self._stand_in(own, op)
 
-        stats = [s for s in (s1, s2, s3) if s is not None and (s is not s2 or slice_len)]
+        stats = [s for s in (s1, s2 if slice_len else None, s3) if s is not None]
         kept = 1.0 - fallback / max(count, 1)
         return CollectiveStats(
             delivered=float(np.prod([s.delivered for s in stats])) * kept,

@@ -117,6 +117,7 @@ cdef class Algorithm:
             memset(s.done, 0, call.records)
             s.drop_end = False
             s.end_at = -1.0
+            s.note_looked = False
             chan.prepare(s)
         if call.fec_k:
             fec_bind(self)
@@ -274,7 +275,7 @@ cdef int settle(Algorithm alg, Channel chan, CallInfo* call, Stream* s, int bloc
     elif verdict == POLL_GONE:
         # The producer left this call.  If it failed it, its note over MPI
         # left first (its in-band error may already be a later call's).
-        if chan.told_failure(call, err, NOTE_WAIT_EXACT if call.timeout < 0 and not lossy
+        if chan.told_failure(call, s, err, NOTE_WAIT_EXACT if call.timeout < 0 and not lossy
                              else NOTE_WAIT_ONCE):
             chan.fail(call, err)
             return 1
@@ -485,7 +486,7 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
                                 return 1
                             progressed = True
                         break
-                    if ended and chan.told_failure(call, err, NOTE_LOOK):
+                    if ended and chan.told_failure(call, s, err, NOTE_LOOK):
                         chan.fail(call, err)        # (the producer left because it failed)
                         return 1
                     if not s.drop[block]:

@@ -155,6 +155,7 @@ cdef struct Stream:
     int scan              # where the next look-ahead pass resumes
     bint drop_end         # injected loss of the producer's end mark
     double end_at         # when the end mark was seen (< 0: not yet)
+    bint note_looked      # the producer left: its note was looked for (told_failure)
     # Channel.
     int index             # the stream's number in the call (set by the channel)
     int cstate
@@ -369,19 +370,22 @@ cdef class Channel:
             return False
         return self.outcomes.failed_elsewhere(call, err)
 
-    cdef bint told_failure(self, CallInfo* call, ErrorInfo* err, int wait) noexcept nogil:
-        """A producer moved past `call` before this rank read its data.  If
-        it failed the call, its note over MPI left before it moved on (a
+    cdef bint told_failure(self, CallInfo* call, Stream* s, ErrorInfo* err,
+                           int wait) noexcept nogil:
+        """The producer of `s` left `call` before this rank read all of it.
+        If it failed the call, its note over MPI left before it moved on (a
         rank that fails calls back to back overwrites its in-band error of
-        the first with the second's): look for it, and wait for it
-        (`wait`): NOTE_WAIT_EXACT, up to NOTE_WAIT seconds where the
-        alternative is a protocol error (no deadline); NOTE_WAIT_ONCE, up to
-        NOTE_WAIT_LOSSY once per call and never past the deadline; NOTE_LOOK,
-        not at all (a stream that ended: the usual way of a lossy call).
-        True, with `err`, if it came."""
-        cdef double now = mpl_now(), seconds = 0.0
-        if self.outcomes is None:
+        the first with the second's): look for it, once per stream, and
+        wait for it (`wait`): NOTE_WAIT_EXACT, up to NOTE_WAIT seconds where
+        the alternative is a protocol error (no deadline); NOTE_WAIT_ONCE,
+        up to NOTE_WAIT_LOSSY once per call and never past the deadline;
+        NOTE_LOOK, not at all (a stream that ended: the usual way of a lossy
+        call).  True, with `err`, if it came."""
+        cdef double now, seconds = 0.0
+        if self.outcomes is None or s.note_looked:
             return False
+        s.note_looked = True
+        now = mpl_now()
         if wait == NOTE_WAIT_EXACT:
             seconds = NOTE_WAIT
         elif wait == NOTE_WAIT_ONCE and self.gone_waited != call.seq:

@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 
 import mpilossy
-from mpilossy import _core
 from helpers import all_ranks_raise, mpi_sum, small_ints
 
 TIMEOUTS = [None, 0.5]
@@ -203,66 +202,3 @@ def test_error_leaves_inputs_untouched(comm, lct):
     np.testing.assert_array_equal(x, np.arange(100, dtype=np.float32) + comm.rank)
     assert np.all(out == -1)
 
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("channel", ["rma", "ud"])
-@pytest.mark.parametrize("timeout", TIMEOUTS, ids=["no-deadline", "deadline"])
-def test_bad_calls_back_to_back(comm, channel, timeout):
-    """Each rank in turn fails three calls in a row, the others calling as
-    fast as they can (nothing here synchronises the ranks): every rank
-    raises for each of them, and the call after is exact.  (A rank used to
-    keep only the first of several notes peers sent of calls it had not
-    reached, and a rank failing calls back to back overwrites its in-band
-    error: a slow rank returned a partial result of a call that failed
-    elsewhere.)"""
-    if channel == "ud" and not _core.HAVE_DATAGRAM_AUTH:
-        pytest.skip("channel='ud' needs OpenSSL's libcrypto at build time")
-    x = small_ints(1001, comm.rank, np.int64)
-    want = mpi_sum(comm, x)
-    seen = []
-    with mpilossy.Communicator(comm, channel=channel, timeout=timeout, loss=None) as lc:
-        for bad in list(range(comm.size)) * 2:
-            for call in range(4):
-                out = np.full_like(x, -1)
-                recv = out
-                if comm.rank == bad and call < 3:
-                    recv = out.copy()
-                    recv.flags.writeable = False
-                try:
-                    lc.allreduce(x, recv)
-                    seen.append("exact" if np.array_equal(out, want) else "partial")
-                except BufferError:
-                    seen.append("BufferError")
-                except Exception as exc:     # noqa: BLE001 (reported below)
-                    seen.append(f"{type(exc).__name__}: {exc}")
-    every = comm.allgather(seen)
-    # (with a deadline a good call may lose data to a slow rank, never fail)
-    good = {"exact"} if timeout is None else {"exact", "partial"}
-    expected = ([{"BufferError"}] * 3 + [good]) * (2 * comm.size)
-    wrong = [(call, [ranks[call] for ranks in every]) for call in range(len(expected))
-             if any(ranks[call] not in expected[call] for ranks in every)]
-    assert not wrong, wrong[:5]
-
-
-@pytest.mark.mpi(min_size=2)
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("channel", ["rma", "ud"])
-def test_notes_of_a_freed_communicator(comm, channel):
-    """Every rank fails the last call of a communicator (each tells the others
-    over MPI), which is then freed; the next communicator's call of the same
-    number must not take those notes for its own (MPI gives a freed
-    communicator's context to a new one: a note nobody had read failed the
-    new call)."""
-    if channel == "ud" and not _core.HAVE_DATAGRAM_AUTH:
-        pytest.skip("channel='ud' needs OpenSSL's libcrypto at build time")
-    x = small_ints(100, comm.rank, np.int64)
-    want = mpi_sum(comm, x)
-    for good in range(1, 6):
-        with mpilossy.Communicator(comm, channel=channel, timeout=0.5, loss=None) as lc:
-            out = np.empty_like(x)
-            for call in range(good):         # (the last one failed before: call `good`)
-                lc.allreduce(x, out)
-                np.testing.assert_array_equal(out, want)
-            with pytest.raises(ValueError):
-                lc.allreduce(x, out, op="bogus")
