@@ -18,7 +18,7 @@ from .call.channel import open_core, pace
 from .call import environment
 from .call.config import DEFAULTS, UNSET, Config, check_fraction, check_timeout, agree
 from .call.failure import call_error, failure_bound, refuse
-from .call.spec import CallResolver, asks_for_auto
+from .call.spec import CallResolver, asks_for_auto, check_residual
 from .call.stats import ALGORITHM_NAMES, COLLECTIVE_NAMES, AllreduceStats, CollectiveStats, stats_of
 from .call.trace import Trace
 from .control.deadline import AutoDeadline
@@ -140,7 +140,7 @@ class Communicator:
                     pace(comm, sub._core, config.ud_rate, senders=min(layout.sizes))
                 return sub
 
-            return layout, Hierarchy.build(self._comm, layout, node, make)
+            return layout, Hierarchy.build(self._comm, layout, node, make, config.block_bytes)
         finally:
             node.Free()
 
@@ -291,12 +291,13 @@ class Communicator:
         reached each block in time.  Returns this rank's statistics.
 
         weight: this rank's weight w > 0 in a weighted average (op="avg",
-        the direct algorithm, scaling="unbiased"): each block of the result
-        is sum(w_i x_i) / sum(w_i) over the ranks whose data reached it.
-        Every rank passes a weight, or none does.
+        the direct or hierarchical algorithm, scaling="unbiased"): each
+        block of the result is sum(w_i x_i) / sum(w_i) over the ranks whose
+        data reached it.  Every rank passes a weight, or none does.
 
         compression: None, "int8" or "int4" for this call (default: the
-        communicator's); float32 on the direct algorithm only.
+        communicator's); float32 on the direct algorithm only (hierarchical:
+        the stage across nodes).
 
         residual: a float32 NumPy array as long as `sendbuf`, for error
         feedback: receives what quantisation took from this rank's
@@ -340,7 +341,7 @@ class Communicator:
         every call, whatever fails, so that the call numbers (and the auto
         deadline's schedule) stay the same on every rank."""
         core = self._alive()
-        if collective == ALLREDUCE and self._two_level(algorithm, weight, residual, sendbuf):
+        if collective == ALLREDUCE and self._two_level(algorithm, sendbuf):
             return self._hierarchical(sendbuf, recvbuf, op, weight, timeout, compression,
                                       residual, redundancy)
         try:
@@ -392,17 +393,16 @@ class Communicator:
             pass
         self._refuse(collective, exc)
 
-    def _two_level(self, algorithm: Any, weight: Any, residual: Any, sendbuf: Any) -> bool:
+    def _two_level(self, algorithm: Any, sendbuf: Any) -> bool:
         """Does this all-reduce run the hierarchy?  "auto" picks it only for
-        what it supports (no weight, no residual; on nodes of different
-        sizes, floating-point data)."""
+        what it supports (on nodes of different sizes, floating-point data)."""
         if self._hierarchy is None:
             return False
         chosen = self._config.algorithm if algorithm is None else algorithm
         if isinstance(chosen, str) and chosen == "hierarchical":
             return True
-        return (isinstance(chosen, str) and chosen == "auto" and weight is None
-                and residual is None and self._hierarchy.takes(getattr(sendbuf, "dtype", None)))
+        return (isinstance(chosen, str) and chosen == "auto"
+                and self._hierarchy.takes(getattr(sendbuf, "dtype", None)))
 
     def _hierarchical(self, sendbuf: Any, recvbuf: Any, op: Any, weight: Any, timeout: Any,
                       compression: Any, residual: Any, redundancy: Any) -> CollectiveStats:
@@ -410,21 +410,24 @@ class Communicator:
         hierarchy = self._hierarchy
         assert hierarchy is not None
         try:
-            if weight is not None or residual is not None:
-                raise ValueError("algorithm='hierarchical' takes no weight= or residual= "
-                                 "(yet): use algorithm='direct'")
             if not isinstance(op, str) or op not in ("sum", "avg"):
                 raise ValueError(f"op must be one of ['avg', 'sum'], got {op!r}")
             timeout = (self._config.timeout if timeout is UNSET
                        else check_timeout("timeout", timeout))
             bufs = self._buffers.take(ALLREDUCE, sendbuf, recvbuf)
             hierarchy.check(bufs.send)
+            if weight is not None:
+                weight = self._calls.weight(weight, op, "direct")
+            if residual is not None:
+                residual = check_residual(residual, bufs.send, bufs.recv)
         except BaseException as exc:
             hierarchy.refuse(exc, self._config.timeout)     # (raises, on every rank)
+        if residual is not None:
+            residual[...] = 0        # (stage 2 writes what it quantised)
         ok = False
         try:
             stats = hierarchy.allreduce(bufs.send, bufs.recv, op, timeout, compression,
-                                        redundancy)
+                                        redundancy, weight=weight, residual=residual)
             ok = True
         finally:
             bufs.finish(ok=ok)

@@ -118,6 +118,7 @@ cdef extern from "channels/mpilossy_transport.h" nogil:
     int mpl_dg_poll(mpl_dg_t *d, mpl_fab_event_t *events, int maxn)
     void mpl_dg_flush(mpl_dg_t *d)
     void mpl_dg_set_rate(mpl_dg_t *d, double rate, double burst)
+    void mpl_dg_set_local(mpl_dg_t *d, const unsigned char *local, size_t npeers)
     int mpl_dg_set_offload(mpl_dg_t *d, int on)
     size_t mpl_dg_queued(const mpl_dg_t *d)
     void mpl_dg_discard_queued(mpl_dg_t *d)

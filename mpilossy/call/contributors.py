@@ -29,7 +29,7 @@ class Contributors:
     """
 
     __slots__ = ("size", "rank", "count", "block_elems", "_bits", "_entries", "_nblocks",
-                 "_chunks", "_members")
+                 "_chunks", "_members", "_spans")
 
     def __init__(self, raw: Optional[Tuple[bytes, int, int, int, int]], *, size: int, rank: int, count: int,
                  chunks: Tuple[int, ...]) -> None:
@@ -40,12 +40,28 @@ class Contributors:
         self.size, self.rank, self.count = size, rank, count
         self._chunks = chunks
         self._members: Optional[np.ndarray] = None
+        self._spans: Optional[Tuple[np.ndarray, np.ndarray]] = None
         if raw is None:                         # one rank: everything is its own
             self._bits = np.ones((1, 1), np.uint64)
             self._entries, self._nblocks, self.block_elems = 1, 1, max(count, 1)
             return
         data, self._entries, self._nblocks, self.block_elems, words = raw
         self._bits = np.frombuffer(data, np.uint64).reshape(self._entries, words)
+
+    @classmethod
+    def of_blocks(cls, bits: np.ndarray, firsts: np.ndarray, lengths: np.ndarray, *,
+                  size: int, rank: int) -> "Contributors":
+        """A record of a result cut into the given blocks (first, length),
+        every block on every rank, with one bitmap row (uint64 words) per
+        block: the hierarchical all-reduce's (mpilossy/hierarchy/record.py)."""
+        bits = np.ascontiguousarray(bits, np.uint64)
+        record = cls(None, size=size, rank=rank, count=int(np.sum(lengths)),
+                     chunks=tuple(range(size)))
+        record._bits, record._entries = bits, bits.shape[0]
+        record._nblocks = bits.shape[0]
+        record.block_elems = int(lengths.max()) if lengths.size else 0
+        record._spans = (np.asarray(firsts, np.int64), np.asarray(lengths, np.int64))
+        return record
 
     def members(self) -> np.ndarray:
         """Bool array (blocks, size): [b, r] is True if rank r's data is in block b."""
@@ -57,6 +73,8 @@ class Contributors:
 
     def blocks(self) -> Tuple[np.ndarray, np.ndarray]:
         """(first, length) of every block, as offsets into this rank's result."""
+        if self._spans is not None:
+            return self._spans
         firsts, lengths = [], []
         offset = 0
         base, extra = divmod(self.count, self.size)
@@ -109,6 +127,8 @@ class Contributors:
         """A record of the whole reduced vector (every chunk) with the given
         bitmaps, laid out as layout_bits(): for instance the OR of every
         rank's layout_bits(), which is exact wherever one rank knew."""
+        if self._spans is not None:
+            return Contributors.of_blocks(bits, *self._spans, size=self.size, rank=self.rank)
         raw = (np.ascontiguousarray(bits, np.uint64).tobytes(), self.size * self._nblocks,
                self._nblocks, self.block_elems, self._bits.shape[1])
         return Contributors(raw, size=self.size, rank=self.rank, count=self.count,

@@ -18,7 +18,7 @@ from .config import AUTO, COMPRESSIONS, UNSET, Config, check_algorithm, check_co
     check_redundancy, check_timeout, core_timeout
 from .dtypes import DTYPE_CODES
 
-__all__ = ["CallSpec", "CallResolver", "asks_for_auto"]
+__all__ = ["CallSpec", "CallResolver", "asks_for_auto", "check_residual"]
 
 OPS = {"sum": SUM, "avg": AVG}
 ALGORITHMS = {"ring": RING, "tree": TREE, "direct": DIRECT}
@@ -81,11 +81,11 @@ class CallResolver:
             if chosen == "hierarchical":
                 chosen = "auto"     # (only where the layout has one level: one node, or one rank per node)
             opcode = _op(op, send)
-            w = 0.0 if weight is None else self._weight(weight, op, chosen)
+            w = 0.0 if weight is None else self.weight(weight, op, chosen)
             if compression is UNSET:
                 compression = config.compression
             bits = 0 if compression is None else self._bits(compression, send, chosen)
-            err = None if residual is None else _residual(residual, send, recv)
+            err = None if residual is None else check_residual(residual, send, recv)
             if w or bits:
                 algo = DIRECT
             else:
@@ -126,8 +126,9 @@ class CallResolver:
             return DIRECT
         return RING
 
-    def _weight(self, weight: Any, op: str, algorithm: str) -> float:
-        """The weight to pass to the core (a weight was given)."""
+    def weight(self, weight: Any, op: str, algorithm: str) -> float:
+        """The weight to pass to the core (a weight was given); raises
+        TypeError or ValueError for one the call cannot take."""
         if isinstance(weight, bool) or not isinstance(weight, numbers.Real):
             raise TypeError(f"weight must be a real number or None, got {type(weight).__name__}")
         w = float(weight)
@@ -164,7 +165,7 @@ def _op(op: Any, send: np.ndarray) -> int:
     return opcode
 
 
-def _residual(residual: Any, send: np.ndarray, recv: np.ndarray) -> Optional[np.ndarray]:
+def check_residual(residual: Any, send: np.ndarray, recv: np.ndarray) -> Optional[np.ndarray]:
     """The error-feedback buffer of a call (one was given), validated."""
     if not isinstance(residual, np.ndarray):
         raise TypeError(f"residual must be a NumPy array, got {type(residual).__name__}")

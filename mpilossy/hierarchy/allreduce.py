@@ -31,6 +31,7 @@ from ..call.buffers import chunk_bounds
 from ..call.stats import CollectiveStats
 from ..errors import MismatchError, MPILossyError
 from .layout import NodeLayout
+from .record import assemble, capacity, owner_record
 
 __all__ = ["Hierarchy", "INTRA_SHARE"]
 
@@ -52,17 +53,19 @@ class Hierarchy:
     fewest ranks of any node."""
 
     def __init__(self, layout: NodeLayout, intra: Any, inter: Optional[Any],
-                 total: int) -> None:
+                 total: int, block_bytes: int, max_block: int) -> None:
         self.layout = layout
         self.intra, self.inter = intra, inter
         self.total = total                         # ranks of the parent communicator
+        self.block_bytes = block_bytes             # the parent's setting
+        self.max_block = max_block                 # of stage 2's channel
         self.leaders = min(layout.sizes)           # S: slices, owners per node
         self.calls = 0
         self._scratch: Dict[Tuple[str, Any, int], np.ndarray] = {}
 
     @classmethod
     def build(cls, comm: MPI.Intracomm, layout: NodeLayout, node: MPI.Comm,
-              make: Callable[..., Any]) -> "Hierarchy":
+              make: Callable[..., Any], block_bytes: int) -> "Hierarchy":
         """Collective over `comm`.  `make(comm, within_node)` builds a
         Communicator with the parent's settings on `comm` (within_node: the
         settings of the stage in shared memory)."""
@@ -81,7 +84,9 @@ class Hierarchy:
         finally:
             if cross != MPI.COMM_NULL:
                 cross.Free()
-        return cls(layout, intra, inter, comm.Get_size())
+        # local rank 0 owns a slice on every node; its channel is every owner's
+        max_block = node.bcast(inter._alive().max_block if inter is not None else 0, root=0)
+        return cls(layout, intra, inter, comm.Get_size(), block_bytes, max_block)
 
     def free(self) -> None:
         if self.inter is not None:
@@ -118,89 +123,136 @@ class Hierarchy:
         stages.intra(lambda d: None, REDUCE_SCATTER)
         stages.inter(lambda d: None)
         stages.intra(lambda d: None, ALLGATHER)
+        stages.intra(lambda d: None, ALLGATHER)
         failure.throw(self.calls)
 
     def allreduce(self, send: np.ndarray, recv: np.ndarray, op: str, timeout: Any,
-                  compression: Any, redundancy: Any) -> CollectiveStats:
+                  compression: Any, redundancy: Any, weight: Optional[float] = None,
+                  residual: Optional[np.ndarray] = None) -> CollectiveStats:
         """One hierarchical all-reduce of the host arrays `send` into `recv`
         (checked by the caller and check(); the same array in place).
         timeout: the call's deadline in seconds, None, or "auto" (each
-        stage's learned one).  A stage that fails on this rank is refused
-        in the stages after it, and the call raises on every rank."""
+        stage's learned one).  weight: this rank's (op="avg"), or None.
+        residual: float32 as long as `send` (zeroed by the caller), for
+        error feedback of stage 2's compression.  A stage that fails on this
+        rank is refused in the stages after it, and the call raises on
+        every rank."""
         began = time.perf_counter()
         layout, lead, j = self.layout, self.leaders, self.layout.local_rank
         self.calls += 1
         count = send.size
         deadline = _Deadline(timeout)
-        if layout.uniform:
+        weighted = weight is not None or not layout.uniform
+        w = send.dtype.type(1.0 if weight is None else weight)
+        if not weighted:
             # the node communicator's own chunks are the slices; this rank's
-            # is kept in scratch until stage 3, so that a call failing before
-            # leaves recv as it was (in place: the user's data)
-            first, end = chunk_bounds(count, lead, j)
-            wide_send, wide_recv, width = send, recv, 0
-            mine = self._buffer("mine", send.dtype, end - first)
-            slice_len, inner_op, weight = end - first, op, None
+            # is kept in scratch until the last stage, so that a call failing
+            # before leaves recv as it was (in place: the user's data)
+            slices = [chunk_bounds(count, lead, s) for s in range(lead)]
+            wide_send, wide_recv, region = send, recv, 0
+            mine = self._buffer("mine", send.dtype, slices[j][1] - slices[j][0])
+            slice_len = mine.size
         else:
+            # each local rank's region: its slice times this rank's weight,
+            # zeros to the width, then the weight; stage 1 sums them, so the
+            # node's weighted mean and weight travel together (ranks past S
+            # hold zeros and weigh nothing)
             width = -(-count // lead)
-            wide_send = self._buffer("send", send.dtype, layout.local_size * width)
-            wide_recv = self._buffer("recv", send.dtype, layout.local_size * width)
-            wide_send[lead * width:] = 0
-            for s, (lo, hi) in enumerate(self._slices(count, width)):
-                wide_send[s * width:s * width + hi - lo] = send[lo:hi]
-                wide_send[s * width + hi - lo:(s + 1) * width] = 0
-            mine = wide_recv[j * width:(j + 1) * width]
-            slice_len = 0 if j >= lead else min(count, (j + 1) * width) - min(count, j * width)
-            inner_op, weight = "avg", float(layout.local_size)
+            region = width + 1
+            slices = self._slices(count, width)
+            wide_send = self._buffer("send", send.dtype, layout.local_size * region)
+            wide_recv = self._buffer("recv", send.dtype, layout.local_size * region)
+            wide_send[lead * region:] = 0
+            for s, (lo, hi) in enumerate(slices):
+                at = s * region
+                np.multiply(send[lo:hi], w, out=wide_send[at:at + hi - lo])
+                wide_send[at + hi - lo:at + width] = 0
+                wide_send[at + width] = w
+            mine = wide_recv[j * region:(j + 1) * region]
+            slice_len = slices[j][1] - slices[j][0] if j < lead else 0
+        first = slices[j][0] if j < lead else count
+        inter: Any = self.inter            # (None: stages.inter does not call)
+        records = self._buffer("records", np.int64, layout.local_size * self._record_words(
+            -(-count // lead), send.dtype.itemsize)).view(np.uint64)
+        own_record = records[j * records.size // layout.local_size:
+                             (j + 1) * records.size // layout.local_size]
         stages = _Stages(self, None, deadline)
 
         # 1. within the node: this rank's slice, reduced over the node
         s1 = stages.intra(lambda d: self.intra.reduce_scatter(
-            wide_send, mine, op=inner_op, timeout=d.stage(INTRA_SHARE)), REDUCE_SCATTER)
+            wide_send, mine, op="sum" if weighted else op, timeout=d.stage(INTRA_SHARE)),
+            REDUCE_SCATTER)
         # 2. across nodes, among the owners of the same slice (every owner
         # calls, also with an empty slice: a size that differs across nodes
         # is then a mismatch every owner sees, not a call some never make)
-        inter: Any = self.inter            # (None: stages.inter does not call)
+        node_weight = 0.0
+        if weighted and s1 is not None and inter is not None:
+            node_weight = float(mine[region - 1])
+            mine[:slice_len] /= mine.dtype.type(node_weight)
+        feedback = residual[first:first + slice_len] if residual is not None else None
         s2 = stages.inter(lambda d: inter.allreduce(
-            mine[:slice_len], op=inner_op, timeout=d.network(), weight=weight,
-            compression=compression, redundancy=redundancy))
-        if layout.uniform and stages.failure is None:
-            recv[first:end] = mine
-            mine = recv[first:end]
-        # 3. within the node: every slice to every rank of the node
-        s3 = stages.intra(lambda d: self.intra.allgather(mine, wide_recv, timeout=d.rest()),
-                          ALLGATHER)
+            mine[:slice_len], op="avg" if weighted else op, timeout=d.network(),
+            weight=node_weight if weighted else None, compression=compression,
+            redundancy=redundancy, residual=feedback, algorithm="direct"))
+        if feedback is not None and s2 is not None:
+            # what quantisation took from the node's slice, in this rank's
+            # units: adding it to this rank's next input restores it
+            feedback *= np.float32(node_weight / float(w) if weighted
+                                   else layout.local_size if op == "avg" else 1)
+        # 3. within the node: the owners' records of who contributed
+        if s2 is not None:
+            owner_record(layout, slice_len, s1.contributors, s2.contributors, own_record)
+        else:
+            own_record[:] = 0
+        s3 = stages.intra(lambda d: self.intra.allgather(
+            own_record.view(np.int64), records.view(np.int64), timeout=d.record()), ALLGATHER)
+        # 4. within the node: every slice to every rank of the node
+        if not weighted and stages.failure is None:
+            recv[first:first + slice_len] = mine
+            mine = recv[first:first + slice_len]
+        s4 = stages.intra(lambda d: self.intra.allgather(
+            mine, wide_recv, timeout=d.rest()), ALLGATHER)
         if stages.failure is not None:
             stages.failure.throw(self.calls)
-        assert s1 is not None and s3 is not None
-        arrived = s3.contributors.received()
-        if not layout.uniform:
-            arrived = np.concatenate([arrived[s * width:s * width + hi - lo]
-                                      for s, (lo, hi) in enumerate(self._slices(count, width))])
+        assert s1 is not None and s3 is not None and s4 is not None
+        arrived = s4.contributors.received()
+        if weighted:
+            arrived = np.concatenate([arrived[s * region:s * region + hi - lo]
+                                      for s, (lo, hi) in enumerate(slices)])
         missed = ~arrived
         fallback = int(missed.sum())
         own = send[missed] if fallback else None    # (before recv, which may be send, changes)
-        if not layout.uniform:
-            for s, (lo, hi) in enumerate(self._slices(count, width)):
-                recv[lo:hi] = wide_recv[s * width:s * width + hi - lo]
+        if weighted:
+            for s, (lo, hi) in enumerate(slices):
+                recv[lo:hi] = wide_recv[s * region:s * region + hi - lo]
             if op == "sum":
                 recv *= recv.dtype.type(self.total)
         if own is not None:
             recv[missed] = self._stand_in(own, op)
 
-        stats = [s for s in (s1, s2 if slice_len else None, s3) if s is not None]
-        kept = 1.0 - fallback / max(count, 1)
+        per_owner = records.size // layout.local_size
+        came = s3.contributors.received().reshape(layout.local_size, per_owner).all(axis=1)
+        record, delivered, agreed = assemble(
+            layout, slices, records.reshape(layout.local_size, per_owner), came,
+            missed if fallback else None, own=self.intra.scaling != "zero-fill")
+        held = record.members().sum(axis=1)
+        stats = [s for s in (s1, s2, s3, s4) if s is not None]
         return CollectiveStats(
-            delivered=float(np.prod([s.delivered for s in stats])) * kept,
-            elapsed=time.perf_counter() - began,
+            delivered=delivered, elapsed=time.perf_counter() - began,
             deadline_hit=any(s.deadline_hit for s in stats),
-            fallback=1.0 - kept,
-            min_contributors=min(s.min_contributors for s in stats),
+            fallback=fallback / max(count, 1),
+            min_contributors=int(held.min()) if held.size else self.total,
             algorithm="hierarchical", nbytes=send.nbytes, seq=self.calls,
             lost_blocks=tuple(sum(s.lost_blocks[k] for s in stats) for k in range(4)),
-            collective="allreduce", timeout=deadline.seconds,
-            agreed=float(np.prod([s.agreed for s in stats])),
-            contributors=None, rebuilt=s2.rebuilt if s2 else 0,
+            collective="allreduce", timeout=deadline.seconds, agreed=agreed,
+            contributors=record, rebuilt=s2.rebuilt if s2 else 0,
             redundancy=s2.redundancy if s2 else None)
+
+    def _record_words(self, longest: int, itemsize: int) -> int:
+        """Words of one owner's record (stage 3) for slices of at most
+        `longest` elements: the same on every rank of the node."""
+        return capacity(longest, self.layout.nodes, self.total, itemsize, self.block_bytes,
+                        self.max_block)
 
     def _stand_in(self, own: np.ndarray, op: str) -> np.ndarray:
         """Where a slice did not come back within the node, this rank's own
@@ -325,6 +377,12 @@ class _Deadline:
         if self.seconds is None:
             return self.total
         return max(self._left() - INTRA_SHARE * self.seconds, NETWORK_FLOOR * self.seconds)
+
+    def record(self) -> Any:
+        """Stage 3's: half of what is left (the data's stage gets the rest)."""
+        if self.seconds is None:
+            return self.total
+        return max(0.5 * self._left(), 0.25 * INTRA_SHARE * self.seconds)
 
     def rest(self) -> Any:
         if self.seconds is None:

@@ -35,6 +35,7 @@ cdef class DgramEndpoint(Channel):
     cdef size_t local_len
     cdef int socket_bytes             # udp: kernel receive buffer in effect
     cdef double pace_rate             # bytes per second on the wire; 0: unpaced
+    cdef bytes pace_local             # per peer: 1 on this node (pacing charges it nothing)
     # sizes
     cdef Py_ssize_t prefix            # bytes the provider reserves before a message
     cdef Py_ssize_t payload_max       # payload bytes per datagram: the largest block
@@ -238,11 +239,18 @@ cdef class DgramEndpoint(Channel):
         free(self.outbox[0])
         free(self.outbox[1])
 
-    def set_rate(self, double rate, double burst):
+    def set_rate(self, double rate, double burst, bytes local=None):
         """Pace the datagrams this rank sends: `rate` bytes per second on
-        the wire (0: unpaced), at most `burst` bytes at once."""
+        the wire (0: unpaced), at most `burst` bytes at once.  local: one
+        byte per peer, nonzero for a peer on this node, whose datagrams
+        never cross the port and cost nothing."""
+        if local is not None and len(local) != self.size:
+            raise ValueError(f"local has {len(local)} bytes for {self.size} peers")
+        self.pace_local = local
         if self.fab != NULL:
             mpl_dg_set_rate(self.fab, rate, burst)
+            mpl_dg_set_local(self.fab, NULL if local is None else <const unsigned char*>local,
+                             0 if local is None else len(local))
         self.pace_rate = rate
 
     cdef Py_ssize_t max_block_bytes(self) noexcept nogil:
@@ -266,7 +274,10 @@ cdef class DgramEndpoint(Channel):
         if self.fab != NULL:
             queue = mpl_udp_drops(self.local_addr, self.local_len)
         return {"queue_drops": queue, "socket_bytes": self.socket_bytes,
-                "pace_bytes_per_s": self.pace_rate, "sent": self.n_sent,
+                "pace_bytes_per_s": self.pace_rate,
+                "pace_free_peers": 0 if self.pace_local is None else sum(
+                    1 for b in self.pace_local if b),
+                "sent": self.n_sent,
                 "received": self.n_received, "truncated": self.n_truncated,
                 "unsent": self.n_unsent, **self.transport_costs()}
 

@@ -7,7 +7,8 @@
  *
  * Tokens are bytes on the wire: a datagram costs its length plus the IPv4,
  * UDP and Ethernet headers (what a rate-limiting queue counts).  rate 0:
- * unpaced. */
+ * unpaced.  A datagram to a peer on this node (`local`) never crosses the
+ * port: it costs nothing. */
 #ifndef MPILOSSY_PACE_H
 #define MPILOSSY_PACE_H
 
@@ -21,6 +22,8 @@ typedef struct {
     double burst;                /* most tokens ever held */
     double tokens;
     double last;                 /* when tokens were last added */
+    const unsigned char *local;  /* per peer: 1 if on this node (NULL: none is) */
+    size_t npeers;
 } mpl_pace_t;
 
 static inline double mpl_pace_clock(void)
@@ -48,13 +51,30 @@ static inline void mpl_pace_refill(mpl_pace_t *p)
     p->last = now;
 }
 
-static inline double mpl_pace_cost(size_t len) { return (double)(len + MPL_PACE_HEADERS); }
-
-/* May a datagram of `len` bytes leave on the tokens in hand?  Takes them if
- * so.  (A datagram larger than the whole bucket leaves when it is full.) */
-static inline int mpl_pace_spend(mpl_pace_t *p, size_t len)
+/* Peers on this node (`local[peer]` 1), for `npeers` peers; the caller
+ * keeps `local` alive while the endpoint is. */
+static inline void mpl_pace_set_local(mpl_pace_t *p, const unsigned char *local, size_t npeers)
 {
-    double cost = mpl_pace_cost(len);
+    p->local = local;
+    p->npeers = local ? npeers : 0;
+}
+
+/* Tokens a datagram of `len` bytes to `peer` takes. */
+static inline double mpl_pace_cost(const mpl_pace_t *p, int peer, size_t len)
+{
+    if (p->local && peer >= 0 && (size_t)peer < p->npeers && p->local[peer])
+        return 0;
+    return (double)(len + MPL_PACE_HEADERS);
+}
+
+/* May a datagram of `len` bytes to `peer` leave on the tokens in hand?
+ * Takes them if so.  (A datagram larger than the whole bucket leaves when
+ * it is full.) */
+static inline int mpl_pace_spend(mpl_pace_t *p, int peer, size_t len)
+{
+    double cost = mpl_pace_cost(p, peer, len);
+    if (cost == 0)
+        return 1;
     if (p->tokens < cost && p->tokens < p->burst)
         return 0;
     p->tokens -= cost;
@@ -62,12 +82,12 @@ static inline int mpl_pace_spend(mpl_pace_t *p, size_t len)
 }
 
 /* The same, with the tokens earned until now: one datagram at a time. */
-static inline int mpl_pace_take(mpl_pace_t *p, size_t len)
+static inline int mpl_pace_take(mpl_pace_t *p, int peer, size_t len)
 {
     if (p->rate <= 0)
         return 1;
     mpl_pace_refill(p);
-    return mpl_pace_spend(p, len);
+    return mpl_pace_spend(p, peer, len);
 }
 
 #endif /* MPILOSSY_PACE_H */

@@ -312,7 +312,7 @@ static int mpl_sock_flush(mpl_sock_t *s)
         /* Paced: as many from the head of the queue as the tokens allow
          * (one clock read per flush, not per datagram). */
         mpl_pace_refill(&s->pace);
-        for (ready = 0; ready < s->sq_count && mpl_pace_spend(&s->pace, s->sq[ready].len); ready++)
+        for (ready = 0; ready < s->sq_count && mpl_pace_spend(&s->pace, s->sq[ready].peer, s->sq[ready].len); ready++)
             ;
         if (!ready) {
             errno = EAGAIN;
@@ -366,7 +366,7 @@ again:
         if (errno == EAGAIN || errno == EWOULDBLOCK || errno == ENOBUFS || errno == EINTR) {
             if (s->pace.rate > 0)       /* nothing left: every token comes back */
                 for (k = 0; k < ready; k++)
-                    s->pace.tokens += mpl_pace_cost(s->sq[k].len);
+                    s->pace.tokens += mpl_pace_cost(&s->pace, s->sq[k].peer, s->sq[k].len);
             return -1;
         }
         if (s->gso && (errno == EIO || errno == EINVAL || errno == ENOPROTOOPT
@@ -387,7 +387,7 @@ again:
     left = first[sent];
     if (s->pace.rate > 0)               /* the tokens of what did not leave come back */
         for (k = left; k < ready; k++)
-            s->pace.tokens += mpl_pace_cost(s->sq[k].len);
+            s->pace.tokens += mpl_pace_cost(&s->pace, s->sq[k].peer, s->sq[k].len);
     s->sent += left;
     if (left > s->largest_batch)
         s->largest_batch = left;

@@ -92,11 +92,11 @@ static int mpl_dg_send(mpl_dg_t *d, int peer, const void *buf, size_t len, void 
     int rc;
     if (d->sock)
         return mpl_sock_send(d->sock, peer, buf, len, user) ? MPL_FAB_EAGAIN : 0;
-    if (!mpl_pace_take(&d->pace, len))
+    if (!mpl_pace_take(&d->pace, peer, len))
         return MPL_FAB_EAGAIN;
     rc = mpl_fab_send(d->fab, peer, buf, len, desc, slot, user);
     if (rc && d->pace.rate > 0)         /* not sent: its tokens come back */
-        d->pace.tokens += mpl_pace_cost(len);
+        d->pace.tokens += mpl_pace_cost(&d->pace, peer, len);
     return rc;
 }
 
@@ -119,6 +119,13 @@ static void mpl_dg_flush(mpl_dg_t *d)
 static void mpl_dg_set_rate(mpl_dg_t *d, double rate, double burst)
 {
     mpl_pace_set(d->sock ? mpl_sock_pace(d->sock) : &d->pace, rate, burst);
+}
+
+/* Peers on this node (`local[peer]` 1): their datagrams never cross the
+ * port, so pacing does not charge them.  The caller keeps `local` alive. */
+static void mpl_dg_set_local(mpl_dg_t *d, const unsigned char *local, size_t npeers)
+{
+    mpl_pace_set_local(d->sock ? mpl_sock_pace(d->sock) : &d->pace, local, npeers);
 }
 
 /* Segmentation and receive offload of the native transport on or off

@@ -416,9 +416,10 @@ cdef class Channel:
         """What the channel is and what it has seen."""
         raise NotImplementedError
 
-    def set_rate(self, double rate, double burst):
+    def set_rate(self, double rate, double burst, bytes local=None):
         """Pace this rank's sends at `rate` bytes per second, at most `burst`
-        bytes at once (datagram channels)."""
+        bytes at once, charging nothing for peers on this node (`local`: a
+        byte per peer; datagram channels)."""
         raise MPILossyChannelError(f"channel={self.info()['channel']!r} is not paced")
 
     def set_offload(self, bint on) -> bool:

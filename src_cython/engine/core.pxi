@@ -136,6 +136,11 @@ cdef class Core:
         """Peers read through shared memory (the others through MPI_Rget)."""
         return self.chan.info().get("shared_memory_peers", 0)
 
+    @property
+    def max_block(self) -> int:
+        """Largest record payload the channel moves as one unit (bytes)."""
+        return self.chan.max_block_bytes()
+
     def channel_info(self) -> dict:
         """What the channel is and what it has seen (datagram counters), and
         the calls made so far."""
@@ -146,10 +151,12 @@ cdef class Core:
         it; it is never sent on the network)."""
         return self.chan.mac_key()
 
-    def set_send_rate(self, double rate, double burst):
+    def set_send_rate(self, double rate, double burst, bytes local=None):
         """channel='ud': pace this rank's datagrams at `rate` bytes per
-        second on the wire (0: unpaced), at most `burst` bytes at once."""
-        self.chan.set_rate(rate, burst)
+        second on the wire (0: unpaced), at most `burst` bytes at once;
+        `local` (a byte per rank, nonzero on this node): datagrams that
+        never cross the port, which cost nothing."""
+        self.chan.set_rate(rate, burst, local)
 
     def set_offload(self, bint on) -> bool:
         """channel='ud', native transport: segmentation and receive offload

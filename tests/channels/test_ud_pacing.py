@@ -1,8 +1,10 @@
 """Pacing of the datagram channel (MPILOSSY_UD_RATE): each rank sends at
 its share of its node's port rate, on both transports; a paced call that
-runs out of time gives up what has not left and the next call is sound.
-The effect on a switch port is measured on the emulated cluster
-(docs/ud.md, "Pacing"); here the pacer itself is checked."""
+runs out of time gives up what has not left and the next call is sound;
+datagrams to ranks on the same node cost nothing.  The effect on a switch
+port is measured on the emulated cluster (docs/ud.md, "Pacing"); here the
+pacer itself is checked, every peer charged as if on another node
+(PACE_LOCAL_FREE off) but in the last test."""
 
 import time
 
@@ -12,6 +14,7 @@ from mpi4py import MPI
 
 import mpilossy
 from mpilossy import _core
+from mpilossy.call import channel
 from mpilossy.call.channel import PACE_SHARE
 from helpers import mpi_sum, small_ints
 
@@ -30,7 +33,8 @@ def ranks_on_this_node(comm: MPI.Intracomm) -> int:
         node.Free()
 
 
-def paced(comm, monkeypatch, provider, rate="40mbit", **kwargs):
+def paced(comm, monkeypatch, provider, rate="40mbit", local_free=False, **kwargs):
+    monkeypatch.setattr(channel, "PACE_LOCAL_FREE", local_free)
     monkeypatch.setenv("MPILOSSY_UD_PROVIDER", provider)
     monkeypatch.setenv("MPILOSSY_UD_RATE", rate)
     return mpilossy.Communicator(comm, channel="ud", **kwargs)
@@ -109,3 +113,25 @@ def test_bad_rates_are_refused(text):
     from mpilossy.call.environment import parse_rate
     with pytest.raises(ValueError):
         parse_rate(text)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("provider", PROVIDERS)
+def test_datagrams_within_the_node_cost_nothing(comm, monkeypatch, provider):
+    """Every rank of the suite's jobs is on one node: nothing crosses a
+    port, so at 8 Mbit/s a 1 MiB direct allreduce takes what it takes
+    unpaced, not the second per rank the rate would make it (the test
+    above, with every peer charged)."""
+    x = small_ints(1 << 18, comm.rank, np.float32)
+    out = np.empty_like(x)
+    with paced(comm, monkeypatch, provider, rate="8mbit", local_free=True, timeout=None) as lc:
+        info = lc.channel_info()
+        comm.Barrier()
+        start = time.perf_counter()
+        lc.allreduce(x, out, algorithm="direct")
+        took = comm.allreduce(time.perf_counter() - start, op=MPI.MAX)
+    np.testing.assert_array_equal(out, mpi_sum(comm, x))
+    assert info["pace_free_peers"] == ranks_on_this_node(comm) == comm.size
+    wire = 2 * (comm.size - 1) / comm.size * x.nbytes
+    assert took < 0.25 * (wire - 16384) / info["pace_bytes_per_s"], took

@@ -30,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import unbiasedness  # noqa: E402  (tests/unbiasedness.py)
 
 import mpilossy  # noqa: E402
+from mpilossy.call.buffers import chunk_bounds  # noqa: E402
 
 p = argparse.ArgumentParser()
 p.add_argument("--channel", default="rma")
@@ -70,6 +71,95 @@ def exact(lc):
                     check(stats.delivered == 1.0, f"delivered {stats.delivered} without loss")
 
 
+def weighted(lc):
+    """weight=: sum(w x) / sum(w), exact without loss, in place and not."""
+    w = 1.0 + comm.rank
+    for n in (1, 5, 70001):
+        for dtype in (np.float32, np.float64):
+            x = ((np.arange(n) * 5 + 11 * comm.rank) % 97).astype(dtype)
+            want = comm.allreduce(w * x.astype(np.float64)) / comm.allreduce(w)
+            for in_place in (False, True):
+                out = x.copy() if in_place else np.full_like(x, -1)
+                stats = lc.allreduce(out, op="avg", weight=w) if in_place \
+                    else lc.allreduce(x, out, op="avg", weight=w)
+                check(np.allclose(out, want, rtol=1e-6 if dtype == np.float32 else 1e-12),
+                      f"weighted {n} {np.dtype(dtype).name} in_place={in_place}: "
+                      f"max error {np.abs(out - want).max()}")
+                if lc.layout.hierarchical:
+                    check(stats.algorithm == "hierarchical", f"weighted ran {stats.algorithm}")
+                check(stats.delivered == 1.0 and stats.contributed(0) == 1.0,
+                      f"weighted without loss: delivered {stats.delivered}")
+
+
+def fed_back(lc):
+    """residual= with int8 compression: zeros outside the slice this rank
+    sends across nodes, nonzero in it, and in this rank's units: of the
+    means of x - s * residual, the result is nearest to s = 1's, the mean of
+    what travelled (not equal to it: the reduced values are quantised again
+    on their way back)."""
+    layout = lc.layout
+    owner = layout.local_rank < min(layout.sizes)
+    rng = np.random.default_rng(comm.rank)
+    x = rng.standard_normal(20001).astype(np.float32)
+    for weight in (None, 1.0 + comm.rank):
+        residual = np.full_like(x, 7.0)
+        out = np.empty_like(x)
+        w = 1.0 if weight is None else weight
+        lc.allreduce(x, out, op="avg", weight=weight, compression="int8", residual=residual)
+        nonzero = np.flatnonzero(residual)
+        if owner:
+            width = (-(-x.size // min(layout.sizes)) if weight is not None or not layout.uniform
+                     else None)
+            lo, hi = ((min(x.size, layout.local_rank * width),
+                       min(x.size, (layout.local_rank + 1) * width)) if width
+                      else chunk_bounds(x.size, layout.local_size, layout.local_rank))
+            check(nonzero.size > 0 and nonzero.min() >= lo and nonzero.max() < hi,
+                  f"residual nonzero at {nonzero.min() if nonzero.size else None}.."
+                  f"{nonzero.max() if nonzero.size else None}, slice {lo}..{hi}")
+        else:
+            check(nonzero.size == 0, "a rank that sends nothing across nodes has a residual")
+        # the scale of the residual that best explains the result is 1
+        total = comm.allreduce(w)
+        error = {scale: np.abs(out - comm.allreduce(w * (x - scale * residual).astype(
+            np.float64)) / total).mean() for scale in (0.5, 1.0, 2.0)}
+        check(error[1.0] < min(error[0.5], error[2.0]),
+              f"weight={weight}: mean distance of the result to the mean of x - s * residual "
+              f"{error}")
+
+
+def recorded(channel):
+    """Under 20% injected loss (across nodes only) with a deadline long
+    enough that no rank misses the stages within its node: every block of
+    the result is the (weighted) mean of 2^r over the ranks its record
+    names, and delivered is what the record holds.  Returns delivered."""
+    values = 2.0 ** np.arange(comm.size)
+    weights = 1.0 + np.arange(comm.size)
+    delivered, wrong = [], []
+    with mpilossy.Communicator(comm, channel=channel, timeout=0.5, block_bytes=512,
+                               loss=mpilossy.loss.Bernoulli(0.2, seed=5)) as lc:
+        for call in range(40):
+            weigh = call % 2 == 1
+            x = np.full(3001, values[comm.rank])
+            out = np.empty_like(x)
+            stats = (lc.allreduce(x, out, op="avg", weight=weights[comm.rank]) if weigh
+                     else lc.allreduce(x, out, op="avg"))
+            record = stats.contributors
+            members = record.members()
+            w = weights if weigh else np.ones(comm.size)
+            expect = (members * (w * values)).sum(axis=1) / (members * w).sum(axis=1)
+            firsts, lengths = record.blocks()
+            got = out[firsts]
+            same = np.all([np.all(out[f:f + n] == out[f]) for f, n in zip(firsts, lengths)])
+            if not (same and np.allclose(got, expect, rtol=1e-12)):
+                wrong.append(call)
+            held = float((lengths * members.sum(axis=1)).sum()) / (x.size * comm.size)
+            if abs(held - stats.delivered) > 1e-12 or int(lengths.sum()) != x.size:
+                wrong.append(("delivered", call, held, stats.delivered))
+            delivered.append(stats.delivered)
+    check(not wrong, f"blocks that are not the mean of the ranks their record names: {wrong}")
+    return float(np.mean(delivered))
+
+
 with mpilossy.Communicator(comm, channel=args.channel, timeout=None) as lc:
     layout = lc.layout
     exact(lc)
@@ -79,12 +169,9 @@ with mpilossy.Communicator(comm, channel=args.channel, timeout=None) as lc:
             check(False, "int32 on unequal nodes did not raise")
         except TypeError:
             pass
-    if layout.hierarchical:       # what the hierarchy does not take
-        try:
-            lc.allreduce(np.ones(4), op="avg", weight=1.0, algorithm="hierarchical")
-            check(False, "weight= with algorithm='hierarchical' did not raise")
-        except ValueError:
-            pass
+    weighted(lc)
+    if layout.hierarchical:
+        fed_back(lc)
 
 if layout.uniform:
     # 0.05 s, not the flat tests' 0.01: up to six ranks share two cores in CI,
@@ -128,6 +215,7 @@ else:
             mixed += int(np.sum(nearest > 1e-9 * allowed.max()))
     delivered /= args.calls // 4
     check(mixed == 0, f"{mixed} values are not the average of the ranks of a set of nodes")
+recorded_delivered = recorded(args.channel) if layout.hierarchical else None
 # Loss was injected and most of the data still arrived; how much is a
 # matter of scheduling on a shared machine, so the bound is loose.  A rank
 # that owns no slice sees only its node's exact stages (docs/hierarchy.md).
@@ -158,6 +246,7 @@ if comm.rank == 0:
     print(json.dumps({
         "ranks": comm.size, "layout": layout.describe(), "channel": args.channel,
         "unbiased_t": t, "delivered_under_loss": delivered,
+        "recorded_delivered": recorded_delivered,
         "others_call_with_sleeper_ms": max(1e3 * s for s in slow_call if s is not None),
         "exact_after_sleep": all(all(v[-3:]) for v in late_exact),
         "inexact_calls": [c for c in range(len(late_exact[0])) if not all(v[c] for v in late_exact)],
