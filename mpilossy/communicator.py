@@ -319,8 +319,11 @@ class Communicator:
                        redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
         """Lossy reduce-scatter: `recvbuf` receives this rank's chunk
         (chunk_bounds) of the reduction of every rank's `sendbuf`, scaled as
-        in allreduce.  algorithm: "ring", "direct" or "auto" (as allreduce
-        chooses above the tree's sizes); unbiased like allreduce.  weight,
+        in allreduce.  algorithm: "ring", "direct", "hierarchical" (exact
+        within each node, lossy between nodes; nodes of equal size:
+        docs/hierarchy.md) or "auto" (as allreduce chooses above the tree's
+        sizes; hierarchical where allreduce would be, on nodes of equal size,
+        without weight or residual); unbiased like allreduce.  weight,
         compression, residual, redundancy: as in allreduce."""
         return self._run(REDUCE_SCATTER, sendbuf, recvbuf, op, algorithm, timeout, weight,
                          compression, residual, redundancy)
@@ -341,9 +344,10 @@ class Communicator:
         every call, whatever fails, so that the call numbers (and the auto
         deadline's schedule) stay the same on every rank."""
         core = self._alive()
-        if collective == ALLREDUCE and self._two_level(algorithm, sendbuf):
-            return self._hierarchical(sendbuf, recvbuf, op, weight, timeout, compression,
-                                      residual, redundancy)
+        if collective != ALLGATHER and self._two_level(collective, algorithm, sendbuf, weight,
+                                                       residual):
+            return self._hierarchical(collective, sendbuf, recvbuf, op, weight, timeout,
+                                      compression, residual, redundancy)
         try:
             spent = self._count_call(timeout)
             bufs = self._buffers.take(collective, sendbuf, recvbuf)
@@ -393,20 +397,26 @@ class Communicator:
             pass
         self._refuse(collective, exc)
 
-    def _two_level(self, algorithm: Any, sendbuf: Any) -> bool:
-        """Does this all-reduce run the hierarchy?  "auto" picks it only for
-        what it supports (on nodes of different sizes, floating-point data)."""
+    def _two_level(self, collective: int, algorithm: Any, sendbuf: Any, weight: Any,
+                   residual: Any) -> bool:
+        """Does this call run the hierarchy?  "auto" picks it only for what
+        it supports: on nodes of different sizes, floating-point data; the
+        reduce-scatter, nodes of equal size and no weight or residual."""
         if self._hierarchy is None:
             return False
         chosen = self._config.algorithm if algorithm is None else algorithm
         if isinstance(chosen, str) and chosen == "hierarchical":
             return True
-        return (isinstance(chosen, str) and chosen == "auto"
-                and self._hierarchy.takes(getattr(sendbuf, "dtype", None)))
+        if not (isinstance(chosen, str) and chosen == "auto"):
+            return False
+        if collective == REDUCE_SCATTER:
+            return self._layout.uniform and weight is None and residual is None
+        return self._hierarchy.takes(getattr(sendbuf, "dtype", None))
 
-    def _hierarchical(self, sendbuf: Any, recvbuf: Any, op: Any, weight: Any, timeout: Any,
-                      compression: Any, residual: Any, redundancy: Any) -> CollectiveStats:
-        """algorithm="hierarchical" (mpilossy/hierarchy/allreduce.py)."""
+    def _hierarchical(self, collective: int, sendbuf: Any, recvbuf: Any, op: Any, weight: Any,
+                      timeout: Any, compression: Any, residual: Any,
+                      redundancy: Any) -> CollectiveStats:
+        """algorithm="hierarchical" (mpilossy/hierarchy/)."""
         hierarchy = self._hierarchy
         assert hierarchy is not None
         try:
@@ -414,20 +424,27 @@ class Communicator:
                 raise ValueError(f"op must be one of ['avg', 'sum'], got {op!r}")
             timeout = (self._config.timeout if timeout is UNSET
                        else check_timeout("timeout", timeout))
-            bufs = self._buffers.take(ALLREDUCE, sendbuf, recvbuf)
-            hierarchy.check(bufs.send)
+            bufs = self._buffers.take(collective, sendbuf, recvbuf)
+            hierarchy.check(bufs.send, collective)
+            if collective == REDUCE_SCATTER and (weight is not None or residual is not None):
+                raise ValueError("the two-level reduce_scatter takes no weight= or residual= "
+                                 "(yet): use algorithm='direct'")
             if weight is not None:
                 weight = self._calls.weight(weight, op, "direct")
             if residual is not None:
                 residual = check_residual(residual, bufs.send, bufs.recv)
         except BaseException as exc:
-            hierarchy.refuse(exc, self._config.timeout)     # (raises, on every rank)
+            hierarchy.refuse(exc, self._config.timeout, collective)     # (raises, on every rank)
         if residual is not None:
             residual[...] = 0        # (stage 2 writes what it quantised)
         ok = False
         try:
-            stats = hierarchy.allreduce(bufs.send, bufs.recv, op, timeout, compression,
-                                        redundancy, weight=weight, residual=residual)
+            if collective == REDUCE_SCATTER:
+                stats = hierarchy.reduce_scatter(bufs.send, bufs.recv, op, timeout, compression,
+                                                 redundancy)
+            else:
+                stats = hierarchy.allreduce(bufs.send, bufs.recv, op, timeout, compression,
+                                            redundancy, weight=weight, residual=residual)
             ok = True
         finally:
             bufs.finish(ok=ok)

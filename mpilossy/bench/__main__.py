@@ -24,6 +24,7 @@ COMMANDS: Dict[str, str] = {
     "torch": "training under loss: drift (optimizer wrappers), overlap (DDP hook)",
     "device": "GPU buffers: staged mpilossy against mpi4py with host staging and Gloo",
     "group": "group averaging (GroupAverager, Moshpit) against a full lossy all-reduce",
+    "node": "the hierarchy's stages within a node against MPI's reduce-scatter + allgather",
 }
 
 

@@ -70,9 +70,9 @@ class CallResolver:
             opcode, algo, w, bits, err = SUM, DIRECT, 0.0, 0, None
         else:
             if collective == REDUCE_SCATTER:
-                if algorithm not in ("ring", "direct", "auto"):
-                    raise ValueError(f"reduce_scatter's algorithm must be 'ring', 'direct' or "
-                                     f"'auto', got {algorithm!r}")
+                if algorithm not in ("ring", "direct", "auto", "hierarchical"):
+                    raise ValueError(f"reduce_scatter's algorithm must be 'ring', 'direct', "
+                                     f"'hierarchical' or 'auto', got {algorithm!r}")
                 chosen = algorithm
             elif algorithm is None:
                 chosen = config.algorithm

@@ -1,6 +1,9 @@
 """The hierarchical all-reduce: an exact reduce-scatter within each node,
 the lossy all-reduce of each slice across nodes among the ranks of the same
-local index, an exact all-gather within each node (docs/hierarchy.md).
+local index, the owners' records of who contributed and an exact all-gather
+within each node (docs/hierarchy.md).  The sub-communicators live here; the
+two-level reduce-scatter is hierarchy/scatter.py, the stages' deadline and
+failures hierarchy/stages.py.
 
 Slices: with S the fewest ranks of any node, the vector is cut into S
 slices and local rank j < S of every node owns slice j; on nodes that hold
@@ -19,7 +22,6 @@ weighted averages, weighing each node by its number of ranks.
 
 from __future__ import annotations
 
-import re
 import time
 from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
 
@@ -29,19 +31,12 @@ from mpi4py import MPI
 from .._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER
 from ..call.buffers import chunk_bounds
 from ..call.stats import CollectiveStats
-from ..errors import MismatchError, MPILossyError
 from .layout import NodeLayout
 from .record import assemble, capacity, owner_record
+from .scatter import Pieces, reduce_scatter
+from .stages import INTRA_SHARE, Deadline, Failure, Stages
 
 __all__ = ["Hierarchy", "INTRA_SHARE"]
-
-# With a deadline T, the stage within the node before the network gets
-# INTRA_SHARE * T, the network what is left less INTRA_SHARE * T (at least
-# NETWORK_FLOOR * T), the stage after it the rest: shared memory takes
-# microseconds to milliseconds, so the shares matter only when a rank of
-# the node is stopped or slow.
-INTRA_SHARE = 0.15
-NETWORK_FLOOR = 0.25
 
 
 class Hierarchy:
@@ -62,6 +57,7 @@ class Hierarchy:
         self.leaders = min(layout.sizes)           # S: slices, owners per node
         self.calls = 0
         self._scratch: Dict[Tuple[str, Any, int], np.ndarray] = {}
+        self._pieces: Optional[Tuple[int, Pieces]] = None
 
     @classmethod
     def build(cls, comm: MPI.Intracomm, layout: NodeLayout, node: MPI.Comm,
@@ -105,26 +101,45 @@ class Hierarchy:
             return False
 
     # -- the call ------------------------------------------------------------------
-    def check(self, send: np.ndarray) -> None:
+    def check(self, send: np.ndarray, collective: int = ALLREDUCE) -> None:
         """What this layout cannot reduce (before the call's first stage)."""
+        if collective == REDUCE_SCATTER and not self.layout.uniform:
+            raise ValueError(f"algorithm='hierarchical' reduce_scatter needs nodes of equal "
+                             f"size, got {list(self.layout.sizes)}; use 'auto' (flat there)")
         if not self.takes(send.dtype):
             raise TypeError(f"algorithm='hierarchical' on nodes of different sizes "
                             f"{list(self.layout.sizes)} needs floating-point data (the "
                             f"slices travel as weighted averages), got {send.dtype}")
 
-    def refuse(self, exc: BaseException, timeout: Any) -> NoReturn:
+    def refuse(self, exc: BaseException, timeout: Any, collective: int = ALLREDUCE) -> NoReturn:
         """This rank's input was refused (`exc`): take part in every stage of
-        the call only to fail it, so that every rank raises (the same
-        exception type, naming this rank) instead of waiting for it.
-        Raises."""
+        the call (a `collective`) only to fail it, so that every rank raises
+        (the same exception type, naming this rank) instead of waiting for
+        it.  Raises."""
         self.calls += 1
-        failure = _Failure.own(exc, self.layout.rank)
-        stages = _Stages(self, failure, _Deadline(timeout))
+        failure = Failure.own(exc, self.layout.rank)
+        stages = Stages(self, failure, Deadline(timeout))
         stages.intra(lambda d: None, REDUCE_SCATTER)
+        if collective == REDUCE_SCATTER:
+            stages.inter(lambda d: None, REDUCE_SCATTER)
+            failure.throw(self.calls, "reduce_scatter")
         stages.inter(lambda d: None)
         stages.intra(lambda d: None, ALLGATHER)
         stages.intra(lambda d: None, ALLGATHER)
         failure.throw(self.calls)
+
+    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: str, timeout: Any,
+                       compression: Any, redundancy: Any) -> CollectiveStats:
+        """The two-level reduce-scatter (hierarchy/scatter.py; nodes of equal
+        size)."""
+        return reduce_scatter(self, send, recv, op, timeout, compression, redundancy)
+
+    def pieces(self, count: int) -> Pieces:
+        """The two-level order of the chunks of a vector of `count` (kept for
+        the last count asked)."""
+        if self._pieces is None or self._pieces[0] != count:
+            self._pieces = (count, Pieces(self.layout, count))
+        return self._pieces[1]
 
     def allreduce(self, send: np.ndarray, recv: np.ndarray, op: str, timeout: Any,
                   compression: Any, redundancy: Any, weight: Optional[float] = None,
@@ -141,7 +156,7 @@ class Hierarchy:
         layout, lead, j = self.layout, self.leaders, self.layout.local_rank
         self.calls += 1
         count = send.size
-        deadline = _Deadline(timeout)
+        deadline = Deadline(timeout)
         weighted = weight is not None or not layout.uniform
         w = send.dtype.type(1.0 if weight is None else weight)
         if not weighted:
@@ -150,7 +165,7 @@ class Hierarchy:
             # before leaves recv as it was (in place: the user's data)
             slices = [chunk_bounds(count, lead, s) for s in range(lead)]
             wide_send, wide_recv, region = send, recv, 0
-            mine = self._buffer("mine", send.dtype, slices[j][1] - slices[j][0])
+            mine = self.buffer("mine", send.dtype, slices[j][1] - slices[j][0])
             slice_len = mine.size
         else:
             # each local rank's region: its slice times this rank's weight,
@@ -160,8 +175,8 @@ class Hierarchy:
             width = -(-count // lead)
             region = width + 1
             slices = self._slices(count, width)
-            wide_send = self._buffer("send", send.dtype, layout.local_size * region)
-            wide_recv = self._buffer("recv", send.dtype, layout.local_size * region)
+            wide_send = self.buffer("send", send.dtype, layout.local_size * region)
+            wide_recv = self.buffer("recv", send.dtype, layout.local_size * region)
             wide_send[lead * region:] = 0
             for s, (lo, hi) in enumerate(slices):
                 at = s * region
@@ -172,11 +187,11 @@ class Hierarchy:
             slice_len = slices[j][1] - slices[j][0] if j < lead else 0
         first = slices[j][0] if j < lead else count
         inter: Any = self.inter            # (None: stages.inter does not call)
-        records = self._buffer("records", np.int64, layout.local_size * self._record_words(
+        records = self.buffer("records", np.int64, layout.local_size * self._record_words(
             -(-count // lead), send.dtype.itemsize)).view(np.uint64)
         own_record = records[j * records.size // layout.local_size:
                              (j + 1) * records.size // layout.local_size]
-        stages = _Stages(self, None, deadline)
+        stages = Stages(self, None, deadline)
 
         # 1. within the node: this rank's slice, reduced over the node
         s1 = stages.intra(lambda d: self.intra.reduce_scatter(
@@ -215,12 +230,15 @@ class Hierarchy:
         if stages.failure is not None:
             stages.failure.throw(self.calls)
         assert s1 is not None and s3 is not None and s4 is not None
-        arrived = s4.contributors.received()
-        if weighted:
-            arrived = np.concatenate([arrived[s * region:s * region + hi - lo]
-                                      for s, (lo, hi) in enumerate(slices)])
-        missed = ~arrived
-        fallback = int(missed.sum())
+        missed: Optional[np.ndarray] = None
+        fallback = 0
+        if not s4.contributors.members().any(axis=1).all():     # (per element only then)
+            arrived = s4.contributors.received()
+            if weighted:
+                arrived = np.concatenate([arrived[s * region:s * region + hi - lo]
+                                          for s, (lo, hi) in enumerate(slices)])
+            missed = ~arrived
+            fallback = int(missed.sum())
         own = send[missed] if fallback else None    # (before recv, which may be send, changes)
         if weighted:
             for s, (lo, hi) in enumerate(slices):
@@ -266,7 +284,7 @@ class Hierarchy:
         return [(min(count, s * width), min(count, (s + 1) * width))
                 for s in range(self.leaders)]
 
-    def _buffer(self, role: str, dtype: Any, n: int) -> np.ndarray:
+    def buffer(self, role: str, dtype: Any, n: int) -> np.ndarray:
         """Scratch kept between calls (one per role, of the last size asked)."""
         key = (role, np.dtype(dtype), n)
         buf = self._scratch.get(key)
@@ -274,117 +292,3 @@ class Hierarchy:
             self._scratch = {k: v for k, v in self._scratch.items() if k[0] != role}
             buf = self._scratch[key] = np.empty(n, dtype)
         return buf
-
-
-class _Failure:
-    """The first failure of a hierarchical call, as every rank raises it:
-    the exception type and "rank R: what", R a rank of the parent
-    communicator."""
-
-    # what a stage passes on as itself; anything else travels as MPILossyError
-    _PASSED = (MismatchError, TypeError, ValueError, BufferError, MPILossyError)
-
-    def __init__(self, cls: type, text: str, original: Optional[BaseException]) -> None:
-        self.cls, self.text, self.original = cls, text, original
-
-    @classmethod
-    def own(cls, exc: BaseException, rank: int) -> "_Failure":
-        """This rank's own error."""
-        kind = next((c for c in cls._PASSED if isinstance(exc, c)), MPILossyError)
-        what = (str(exc) if isinstance(exc, cls._PASSED)
-                else f"could not take part: {type(exc).__name__}: {exc}")
-        return cls(kind, f"rank {rank}: {what}", exc)
-
-    @classmethod
-    def of_stage(cls, exc: BaseException, where: str, ranks: List[int],
-                 rank: int) -> "_Failure":
-        """An error a stage raised: passed on by a peer (its text names the
-        rank it began at), found by the stage itself (its text numbers the
-        stage's ranks: `ranks` are theirs in the parent), or this rank's own."""
-        detail = getattr(exc, "detail", None)
-        if not isinstance(exc, Exception) or detail is None:
-            return cls.own(exc, rank)
-        kind = next((c for c in cls._PASSED if isinstance(exc, c)), MPILossyError)
-        if not _PASSED_ON.match(detail):
-            detail = (f"rank {ranks[getattr(exc, 'origin')]}: in the stage {where}, "
-                      f"whose ranks 0-{len(ranks) - 1} are ranks {ranks}: {detail}")
-        return cls(kind, detail, None)
-
-    def proxy(self) -> BaseException:
-        """What a stage after this failure is refused with."""
-        return self.cls(self.text)
-
-    def throw(self, seq: int) -> NoReturn:
-        if self.original is not None and not isinstance(self.original, Exception):
-            raise self.original                       # Ctrl-C and the like, as they came
-        raise self.cls(f"allreduce call {seq}: {self.text}") from None
-
-
-_PASSED_ON = re.compile(r"rank \d+: ")
-
-
-class _Stages:
-    """Runs one call's stages on this rank; after the first failure, each
-    later stage is refused instead (Communicator._refuse_next), so that the
-    ranks of that stage fail too and every sub-communicator counts the
-    same calls on every rank."""
-
-    def __init__(self, hierarchy: Hierarchy, failure: Optional[_Failure],
-                 deadline: "_Deadline") -> None:
-        self.h, self.failure, self.deadline = hierarchy, failure, deadline
-
-    def intra(self, run: Callable[["_Deadline"], Any], collective: int) -> Any:
-        layout = self.h.layout
-        return self._stage(self.h.intra, collective, run, f"within node {layout.node}",
-                           layout.ranks_of(layout.node))
-
-    def inter(self, run: Callable[["_Deadline"], Any]) -> Any:
-        if self.h.inter is None:
-            return None
-        layout, j = self.h.layout, self.h.layout.local_rank
-        return self._stage(self.h.inter, ALLREDUCE, run, f"across nodes of local rank {j}",
-                           [layout.ranks_of(n)[j] for n in range(layout.nodes)])
-
-    def _stage(self, lc: Any, collective: int, run: Callable[["_Deadline"], Any],
-               where: str, ranks: List[int]) -> Any:
-        if self.failure is not None:
-            lc._refuse_next(collective, self.failure.proxy(), self.deadline.total)
-            return None
-        try:
-            return run(self.deadline)
-        except BaseException as exc:
-            self.failure = _Failure.of_stage(exc, where, ranks, self.h.layout.rank)
-            return None
-
-
-class _Deadline:
-    """Splits one call's deadline over its three stages (see INTRA_SHARE);
-    None and "auto" go to every stage as they are."""
-
-    def __init__(self, total: Any) -> None:
-        self.total = total
-        self.seconds: Optional[float] = total if isinstance(total, float) else None
-        self.began = time.perf_counter()
-
-    def _left(self) -> float:
-        assert self.seconds is not None
-        return self.seconds - (time.perf_counter() - self.began)
-
-    def stage(self, share: float) -> Any:
-        return self.total if self.seconds is None else share * self.seconds
-
-    def network(self) -> Any:
-        if self.seconds is None:
-            return self.total
-        return max(self._left() - INTRA_SHARE * self.seconds, NETWORK_FLOOR * self.seconds)
-
-    def record(self) -> Any:
-        """Stage 3's: half of what is left (the data's stage gets the rest)."""
-        if self.seconds is None:
-            return self.total
-        return max(0.5 * self._left(), 0.25 * INTRA_SHARE * self.seconds)
-
-    def rest(self) -> Any:
-        if self.seconds is None:
-            return self.total
-        return max(self._left(), 0.5 * INTRA_SHARE * self.seconds)

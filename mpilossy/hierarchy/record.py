@@ -22,7 +22,7 @@ from ..call.buffers import chunk_bounds
 from ..call.contributors import Contributors
 from .layout import NodeLayout
 
-__all__ = ["capacity", "network_spans", "owner_record", "assemble"]
+__all__ = ["capacity", "network_spans", "owner_record", "piece_record", "assemble"]
 
 HEAD = 2        # words before an owner's bitmaps: the network stage's block_elems, blocks
 
@@ -60,7 +60,7 @@ def _within(record: Optional[Contributors], firsts: np.ndarray, lengths: np.ndar
     """(spans, width) bool: True where every block of `record` (stage 1's,
     over the same slice) that overlaps the span holds that member.  None (a
     stage without a record: an exact one): everyone."""
-    if record is None:
+    if record is None or record.members().all():
         return np.ones((firsts.size, width), bool)
     src_first, src_len = record.blocks()
     keep = src_len > 0
@@ -80,6 +80,28 @@ def _pack(members: np.ndarray) -> np.ndarray:
     return np.packbits(padded, axis=1, bitorder="little").view("<u8").astype(np.uint64)
 
 
+def _spans_of(across: Contributors, length: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(first, length, members over nodes) of the non-empty blocks of stage
+    2's record within its first `length` elements."""
+    firsts, lengths = across.blocks()
+    keep = (lengths > 0) & (firsts < length)
+    firsts = firsts[keep]
+    return firsts, np.minimum(lengths[keep], length - firsts), across.members()[keep]
+
+
+def _members(layout: NodeLayout, firsts: np.ndarray, lengths: np.ndarray, offset: int,
+             within: Optional[Contributors], nodes: np.ndarray) -> np.ndarray:
+    """(blocks, ranks) bool: the ranks of every node whose partial reached
+    each block (`nodes`: stage 2's members), less the ranks of this node
+    whose data missed it in stage 1 (`within`, whose record starts
+    `offset` elements before these blocks)."""
+    members = nodes[:, list(layout.node_of)]
+    mine = _within(within, firsts + offset, lengths, layout.local_size)
+    for local, rank in enumerate(layout.ranks_of(layout.node)):
+        members[:, rank] &= mine[:, local]
+    return members
+
+
 def owner_record(layout: NodeLayout, length: int, within: Optional[Contributors],
                  across: Optional[Contributors], out: np.ndarray) -> None:
     """Write this owner's record into `out` (uint64 words: block_elems,
@@ -89,18 +111,25 @@ def owner_record(layout: NodeLayout, length: int, within: Optional[Contributors]
     out[:] = 0
     if across is None or length == 0:
         return
-    firsts, lengths = across.blocks()
-    keep = lengths > 0
-    firsts, lengths = firsts[keep], lengths[keep]
+    firsts, lengths, nodes = _spans_of(across, length)
     size = HEAD + firsts.size * words(len(layout.node_of))
     if size > out.size:         # (capacity() bounds it; should it not, say nothing)
         return
-    members = across.members()[keep][:, list(layout.node_of)]       # (blocks, ranks)
-    mine = _within(within, firsts, lengths, layout.local_size)
-    for local, rank in enumerate(layout.ranks_of(layout.node)):
-        members[:, rank] &= mine[:, local]
     out[0], out[1] = across.block_elems, firsts.size
-    out[HEAD:size] = _pack(members).reshape(-1)
+    out[HEAD:size] = _pack(_members(layout, firsts, lengths, 0, within, nodes)).reshape(-1)
+
+
+def piece_record(layout: NodeLayout, length: int, offset: int, within: Optional[Contributors],
+                 across: Contributors) -> Tuple[Contributors, float]:
+    """The record of this rank's chunk (`length` elements) of a two-level
+    reduce-scatter, and the fraction of all contributions in it: stage 2's
+    blocks, `offset` the chunk's first element in stage 1's slice."""
+    ranks = len(layout.node_of)
+    firsts, lengths, nodes = _spans_of(across, length)
+    members = _members(layout, firsts, lengths, offset, within, nodes)
+    record = Contributors.of_blocks(_pack(members), firsts, lengths, size=ranks, rank=layout.rank)
+    held = float((lengths * members.sum(axis=1)).sum())
+    return record, (held / (length * ranks) if length else 1.0)
 
 
 def assemble(layout: NodeLayout, slices: Sequence[Tuple[int, int]], records: np.ndarray,

@@ -252,3 +252,21 @@ def test_group(tmp_path):
     assert int(lossless[0]) == 16384 and float(lossless[1]) == 0.0
     assert float(lossless[5]) < 1e-6 and float(lossless[6]) < 1e-6    # exact average
     assert float(lossy[5]) > 1e-3                                     # loss shows
+
+
+def test_node(tmp_path):
+    """The hierarchy's stages within a node against MPI's, on fake nodes of
+    2: a row per size, every contender's time, the results equal."""
+    out = tmp_path / "node.json"
+    proc = run_bounded([mpiexec(), "-n", "4", sys.executable, "-m", "mpilossy.bench", "node",
+                        "--sizes", "64K,1000K", "-n", "3", "-w", "1", "--json", str(out)], 180,
+                       {**clean_subprocess_env(), "MPIR_CVAR_NUM_CLIQUES": "2"}, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert proc.stdout.startswith("# within a node: reduce-scatter + all-gather, 4 ranks, "
+                                  "nodes of 2"), proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["bytes"] for r in rows] == [65536, 1024000]
+    for r in rows:
+        assert r["node_ranks"] == 2 and r["exact"], r
+        assert min(r["mpilossy_us"], r["mpi_us"], r["mpi_allreduce_us"]) > 0, r
+        assert math.isclose(r["mpilossy_over_mpi"], r["mpilossy_us"] / r["mpi_us"]), r

@@ -91,6 +91,40 @@ def weighted(lc):
                       f"weighted without loss: delivered {stats.delivered}")
 
 
+def scattered(lc):
+    """reduce_scatter: this rank's chunk of MPI's reduction (bit for bit on
+    small integers), two-level where every node holds as many ranks, flat
+    with algorithm='auto' otherwise, where 'hierarchical' is a ValueError."""
+    layout = lc.layout
+    two_level = layout.hierarchical and layout.uniform
+    for n in (1, 5, 1000, 70001):
+        for dtype in (np.float32, np.float64, np.int32):
+            x = ((np.arange(n) * 3 + 5 * comm.rank) % 89).astype(dtype)
+            want = np.empty_like(x)
+            comm.Allreduce(x, want)
+            lo, hi = chunk_bounds(n, comm.size, comm.rank)
+            for op in ("sum", "avg"):
+                if op == "avg" and dtype == np.int32:
+                    continue
+                expect = want[lo:hi] / comm.size if op == "avg" else want[lo:hi]
+                out = np.full(hi - lo, -1, dtype)
+                stats = lc.reduce_scatter(x, out, op=op)
+                same = (np.array_equal(out, expect) if op == "sum"
+                        else np.allclose(out, expect, rtol=1e-6, atol=0))
+                check(same, f"reduce_scatter {n} {np.dtype(dtype).name} {op}: "
+                            f"max error {np.abs(out - expect).max() if out.size else 0}")
+                check((stats.algorithm == "hierarchical") == two_level,
+                      f"reduce_scatter ran {stats.algorithm}")
+                check(stats.delivered == 1.0, f"reduce_scatter delivered {stats.delivered}")
+    if layout.hierarchical and not layout.uniform:
+        lo, hi = chunk_bounds(8, comm.size, comm.rank)
+        try:
+            lc.reduce_scatter(np.ones(8), np.ones(hi - lo), algorithm="hierarchical")
+            check(False, "a two-level reduce_scatter on unequal nodes did not raise")
+        except ValueError:
+            pass
+
+
 def fed_back(lc):
     """residual= with int8 compression: zeros outside the slice this rank
     sends across nodes, nonzero in it, and in this rank's units: of the
@@ -156,6 +190,16 @@ def recorded(channel):
             if abs(held - stats.delivered) > 1e-12 or int(lengths.sum()) != x.size:
                 wrong.append(("delivered", call, held, stats.delivered))
             delivered.append(stats.delivered)
+            if lc.layout.uniform and not weigh:      # the two-level reduce-scatter
+                lo, hi = chunk_bounds(x.size, comm.size, comm.rank)
+                mine = np.empty(hi - lo)
+                stats = lc.reduce_scatter(x, mine, op="avg")
+                members = stats.contributors.members()
+                firsts, lengths = stats.contributors.blocks()
+                expect = (members * values).sum(axis=1) / members.sum(axis=1)
+                if not all(np.allclose(mine[f:f + k], e, rtol=1e-12)
+                           for f, k, e in zip(firsts, lengths, expect)):
+                    wrong.append(("reduce_scatter", call))
     check(not wrong, f"blocks that are not the mean of the ranks their record names: {wrong}")
     return float(np.mean(delivered))
 
@@ -170,6 +214,7 @@ with mpilossy.Communicator(comm, channel=args.channel, timeout=None) as lc:
         except TypeError:
             pass
     weighted(lc)
+    scattered(lc)
     if layout.hierarchical:
         fed_back(lc)
 

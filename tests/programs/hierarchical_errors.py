@@ -1,6 +1,6 @@
-"""Bad input in a hierarchical all-reduce: one rank's (or one node's) bad
-call becomes the same exception on every rank, never a wait, and the calls
-after it are exact.
+"""Bad input in a hierarchical all-reduce (and two-level reduce-scatter):
+one rank's (or one node's) bad call becomes the same exception on every
+rank, never a wait, and the calls after it are exact.
 
     MPIR_CVAR_NUM_CLIQUES=2 mpiexec -n 4 python hierarchical_errors.py [--channel ud]
 
@@ -43,6 +43,8 @@ def cases(layout):
             x, out, timeout=-1.0, algorithm="hierarchical"))
         yield ("a longer vector", {bad}, ValueError, lambda lc, x, out: lc.allreduce(
             np.ones(N + 3), np.empty(N + 3), algorithm="hierarchical"))
+        yield ("a bad weight", {bad}, ValueError, lambda lc, x, out: lc.allreduce(
+            x, out, op="avg", weight=-1.0, algorithm="hierarchical"))
     # every rank of one node disagrees with the other nodes: found in stage 2
     yield ("one node's vectors longer", node1, MismatchError, lambda lc, x, out: lc.allreduce(
         np.ones(N + 3), np.empty(N + 3), algorithm="hierarchical"))
@@ -54,6 +56,20 @@ def _read_only(a):
     return a
 
 
+def scatter_cases(layout):
+    """The same for the two-level reduce-scatter (nodes of equal size)."""
+    if not (layout.hierarchical and layout.uniform):
+        return
+    for bad in range(comm.size):
+        yield ("reduce_scatter: bad op", {bad}, ValueError, lambda lc, x, out: lc.reduce_scatter(
+            x, out, op="max", algorithm="hierarchical"))
+        yield ("reduce_scatter: a longer recvbuf", {bad}, ValueError,
+               lambda lc, x, out: lc.reduce_scatter(x, np.empty(out.size + 1),
+                                                    algorithm="hierarchical"))
+        yield ("reduce_scatter: a weight", {bad}, ValueError, lambda lc, x, out: lc.reduce_scatter(
+            x, out, op="avg", weight=1.0, algorithm="hierarchical"))
+
+
 x = np.arange(N, dtype=np.float64) + comm.rank
 want = np.empty_like(x)
 comm.Allreduce(x, want)
@@ -61,14 +77,21 @@ bad_calls = good_calls = inexact_after = 0
 for timeout in (None, 0.5):
     with mpilossy.Communicator(comm, channel=args.channel, timeout=timeout) as lc:
         layout = lc.layout
-        for name, who, expected, call in cases(layout):
+        lo, hi = lc.chunk_bounds(N)
+        runs = [(case, "allreduce") for case in cases(layout)] + \
+            [(case, "reduce_scatter") for case in scatter_cases(layout)]
+        for (name, who, expected, call), collective in runs:
+            if collective == "allreduce":
+                good, expect, size = lc.allreduce, want, N
+            else:
+                good, expect, size = lc.reduce_scatter, want[lo:hi], hi - lo
             for repeat in range(2):            # two bad calls back to back, then a good one
-                out = np.full_like(x, -1.0)
+                out = np.full(size, -1.0)
                 try:
                     if comm.rank in who:
                         call(lc, x, out)
                     else:
-                        lc.allreduce(x, out, algorithm="hierarchical")
+                        good(x, out, algorithm="hierarchical")
                     failures.append(f"{name} (ranks {sorted(who)}, timeout {timeout}): "
                                     f"no error")
                 except Exception as exc:       # noqa: BLE001 (checked below)
@@ -82,10 +105,10 @@ for timeout in (None, 0.5):
                     if comm.rank not in who and not np.all(out == -1.0):
                         failures.append(f"{name}: recvbuf changed by a failed call")
                 bad_calls += 1
-            out = np.empty_like(x)
-            stats = lc.allreduce(x, out, algorithm="hierarchical")
+            out = np.empty(size)
+            good(x, out, algorithm="hierarchical")
             good_calls += 1
-            if np.allclose(out, want, rtol=1e-12):
+            if np.allclose(out, expect, rtol=1e-12):
                 continue
             if timeout is None:
                 failures.append(f"after {name} (ranks {sorted(who)}): not exact")
