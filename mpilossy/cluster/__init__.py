@@ -4,6 +4,7 @@
         python -m mpilossy.bench allreduce -c rma,ud -t 0.1
     python -m mpilossy.cluster run --nodes 3 --ppn 1 --drop 0.01 --queue 64kb -- python job.py
     python -m mpilossy.cluster bench --nodes 4 --ppn 1      # MPI over TCP against ud, under drops
+    python -m mpilossy.cluster bench --drops 0 --background 200/300:2   # ... beside other traffic
     python -m mpilossy.cluster train --nodes 4 --ppn 1      # the language model, both ways
     python -m mpilossy.cluster bench --loopback --np 4      # the former lossy_link.py: one node,
                                                             # every rank through its loopback
@@ -31,6 +32,9 @@ UDP over IPv4): --drop (random), --bursts MS/EVERY_MS (microbursts: all
 dropped for MS, every EVERY_MS on average), --gilbert GOOD_MS:BAD_MS:LOSS_BAD
 (a two-state channel in time: exponential sojourns, LOSS_BAD dropped in the
 bad state).  netem is not in every kernel: there is no delay emulation.
+Other traffic: --background ON_MS/OFF_MS[:FLOWS] (every node sends to the
+next of a ring over FLOWS TCP connections, on and off for these mean times:
+another job sharing the ports, as on a shared cluster).
 
 The job: MPICH's hydra launcher started on node 1, reaching the other
 nodes through a launcher wrapper (`-launcher ssh -launcher-exec WRAPPER`)
@@ -64,11 +68,12 @@ through files in the folder named by $CLUSTER_CONTROL.
 
 The modules: lifetime (Cluster: its parts, open and close), network
 (namespaces, switch, ports, counters), conditions (drops and loss
-processes), jobs (launching on the nodes, stopping processes), control (a
+processes), background (other traffic; its processes: flows), jobs (launching on the nodes, stopping processes), control (a
 job's requests), leftovers (owners, leftovers of killed runs, signals),
 host (what the machine must offer), commands (the command line).
 """
 
+from .background import parse_background
 from .commands import interrupted, main
 from .control import request
 from .host import (UNAVAILABLE, ClusterUnavailable, _kill_in, _netns_names, _netns_pids, sh,
@@ -85,6 +90,7 @@ __all__ = [
     "clean_leftovers",
     "interrupted",
     "main",
+    "parse_background",
     "request",
     "sh",
     "unavailable",

@@ -14,9 +14,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 from . import __doc__ as _overview
+from .background import parse_background
 from .host import UNAVAILABLE, ClusterUnavailable, unavailable
 from .leftovers import clean_leftovers
 from .lifetime import Cluster
@@ -32,24 +33,40 @@ def parse_sizes(text: str) -> List[Tuple[str, float]]:
     return out
 
 
-def conditions(args: argparse.Namespace) -> Iterator[Tuple[str, float, bool]]:
-    for share in (float(x) for x in args.drops.split(",")):
-        yield (f"drop {share:g}", share, False)
+class Condition(NamedTuple):
+    """One condition of bench and train: extra drops, microbursts, or
+    background traffic (ON s, OFF s, flows)."""
+    name: str
+    drop: float
+    bursts: bool
+    background: Optional[Tuple[float, float, int]]
+
+
+def conditions(args: argparse.Namespace) -> Iterator[Condition]:
+    for share in (float(x) for x in args.drops.split(",") if x.strip()):
+        yield Condition(f"drop {share:g}", share, False, None)
     if args.bursts:
-        yield (f"bursts {args.burst_ms:g}ms/{args.burst_every_ms:g}ms", 0.0, True)
+        yield Condition(f"bursts {args.burst_ms:g}ms/{args.burst_every_ms:g}ms", 0.0, True, None)
+    if args.background:
+        yield Condition(f"background {args.background}", 0.0, False,
+                        parse_background(args.background))
 
 
-def under(cluster: Cluster, share: float, bursts: bool, args: argparse.Namespace,
+def under(cluster: Cluster, condition: Condition, args: argparse.Namespace,
           cmd: List[str]) -> subprocess.CompletedProcess:
-    """Run `cmd` as the job under the given drops, then clear them."""
-    cluster.set_drop(share)
-    if bursts:
+    """Run `cmd` as the job under the given condition, then clear it."""
+    cluster.set_drop(condition.drop)
+    if condition.bursts:
         cluster.start_bursts(args.burst_ms / 1e3, args.burst_every_ms / 1e3)
+    if condition.background:
+        on, off, flows = condition.background
+        cluster.start_background(on, off, flows, seconds=args.limit + 60)
     try:
         pace = args.rate if args.pace == "port" else args.pace
         return cluster.run(cmd, ppn=args.ppn, timeout=args.limit, provider=args.provider,
                            env={"MPILOSSY_UD_RATE": pace})
     finally:
+        cluster.stop_background()
         cluster.clear()
 
 
@@ -60,20 +77,22 @@ def delta(after: Dict[str, int], before: Dict[str, int]) -> Dict[str, int]:
 def bench(cluster: Cluster, args: argparse.Namespace) -> List[Dict[str, Any]]:
     rows: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, share, bursts in conditions(args):
+        for cond in conditions(args):
             for size, deadline in parse_sizes(args.sizes):
                 out = Path(tmp) / "bench.json"
                 cmd = [sys.executable, "-m", "mpilossy.bench", "allreduce", "--scenario", "link",
                        "-c", "ud", "-a", args.algorithm, "-o", "avg", "--sizes", size,
                        "-t", str(deadline), "-n", str(args.iters), "-w", "3", "--json", str(out)]
                 before = cluster.counters()
-                proc = under(cluster, share, bursts, args, cmd)
+                proc = under(cluster, cond, args, cmd)
                 if proc.returncode != 0:
-                    raise SystemExit(f"{name} {size}: exit {proc.returncode}\n"
+                    raise SystemExit(f"{cond.name} {size}: exit {proc.returncode}\n"
                                      f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
                 after = cluster.counters()
                 for row in json.loads(out.read_text())["tail"]:
-                    row.update(condition=name, drop=share, bursts=bursts, pace=args.pace,
+                    row.update(condition=cond.name, drop=cond.drop, bursts=cond.bursts,
+                               background=args.background if cond.background else None,
+                               pace=args.pace,
                                kernel=delta(after["kernel"], before["kernel"]),
                                switch_drops=after["switch_drops"]["dropped"]
                                - before["switch_drops"]["dropped"],
@@ -105,7 +124,8 @@ def bench_line(r: Dict[str, Any]) -> str:
 def train(cluster: Cluster, args: argparse.Namespace) -> List[Dict[str, Any]]:
     rows: List[Dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, share, bursts in conditions(args):
+        for cond in conditions(args):
+            name = cond.name
             for seed in (int(s) for s in args.seeds.split(",")):
                 for reduce in ("mpi", "mpilossy"):
                     out = Path(tmp) / "train.json"
@@ -114,12 +134,14 @@ def train(cluster: Cluster, args: argparse.Namespace) -> List[Dict[str, Any]]:
                            "--timeout", str(args.train_timeout), "--steps", str(args.steps),
                            "--seed", str(seed), "--no-progress", "--json", str(out),
                            *args.example_args.split()]
-                    proc = under(cluster, share, bursts, args, cmd)
+                    proc = under(cluster, cond, args, cmd)
                     if proc.returncode != 0:
                         raise SystemExit(f"{name} {reduce}: exit {proc.returncode}\n"
                                          f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
                     res = json.loads(out.read_text())
-                    row = {"condition": name, "drop": share, "bursts": bursts, "seed": seed,
+                    row = {"condition": name, "drop": cond.drop, "bursts": cond.bursts,
+                           "background": args.background if cond.background else None,
+                           "seed": seed,
                            "pace": args.pace,
                            "reduce": reduce, **{k: res[k] for k in (
                                "val_perplexity", "delivered", "train_seconds", "comm_seconds",
@@ -163,7 +185,7 @@ def add_topology(ap: argparse.ArgumentParser, nodes: int, ppn: int, rate: str) -
 
 
 def add_loss(ap: argparse.ArgumentParser, run: bool) -> None:
-    g = ap.add_argument_group("extra drops on the switch")
+    g = ap.add_argument_group("extra drops on the switch, and other traffic")
     if run:
         g.add_argument("--drop", type=float, default=0.0, help="share of TCP/UDP packets dropped")
         g.add_argument("--bursts", metavar="MS/EVERY_MS",
@@ -177,6 +199,10 @@ def add_loss(ap: argparse.ArgumentParser, run: bool) -> None:
         g.add_argument("--burst-ms", type=float, default=5.0, help="length of a burst")
         g.add_argument("--burst-every-ms", type=float, default=50.0,
                        help="mean gap between bursts")
+    g.add_argument("--background", default="", metavar="ON_MS/OFF_MS[:FLOWS]",
+                   help="background TCP traffic: every node sends to the next over FLOWS "
+                        "connections, on and off for these mean times (mpilossy/cluster/"
+                        "background.py)" + ("" if run else "; one more condition"))
 
 
 def parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
@@ -252,6 +278,11 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
     if args.what == "clean":
         clean_leftovers(verbose=True)
         return 0
+    try:
+        parse_background(args.background)
+    except ValueError as exc:
+        print(f"cluster: {exc}", file=sys.stderr)
+        return 2
     signal.signal(signal.SIGTERM, interrupted)
     signal.signal(signal.SIGHUP, interrupted)
     cluster = make_cluster(args)
@@ -292,6 +323,10 @@ def run_command(cluster: Cluster, args: argparse.Namespace) -> int:
     if args.gilbert:
         good, bad, loss = (float(x) for x in args.gilbert.split(":"))
         cluster.start_gilbert(good / 1e3, bad / 1e3, loss)
+    background = parse_background(args.background)
+    if background:
+        on, off, flows = background
+        cluster.start_background(on, off, flows, seconds=args.limit + 60)
     began = time.monotonic()
     try:
         proc = cluster.run(command, ppn=args.ppn, np=args.np, env=env, timeout=args.limit,

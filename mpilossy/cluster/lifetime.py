@@ -15,6 +15,7 @@ import subprocess
 import threading
 from typing import Optional
 
+from .background import Background
 from .conditions import Conditions
 from .control import Requests
 from .host import ClusterUnavailable, _kill_in, unavailable
@@ -25,7 +26,7 @@ from .network import Network
 SIGNALS = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP}        # blocked while close() works
 
 
-class Cluster(Requests, Conditions, Jobs, Network):
+class Cluster(Requests, Background, Conditions, Jobs, Network):
     """`nodes` network namespaces on a bridge in a switch namespace (see the
     package's text).  A context manager: everything goes away on exit.
 
@@ -38,8 +39,9 @@ class Cluster(Requests, Conditions, Jobs, Network):
     rate on the loopback: the former scripts/lossy_link.py.
 
     Its parts: Network (names, namespaces, wires, counters), Conditions
-    (drops), Jobs (launching, stopping processes), Requests (answering a
-    running job); each sets up the state it owns in its __init__."""
+    (drops), Background (other traffic), Jobs (launching, stopping
+    processes), Requests (answering a running job); each sets up the state
+    it owns in its __init__."""
 
     def __init__(self, nodes: int = 2, rate: Optional[str] = "1gbit", queue: str = "128kb",
                  node_rate: Optional[str] = "", node_queue: str = "1mb", burst: str = "",
@@ -48,6 +50,7 @@ class Cluster(Requests, Conditions, Jobs, Network):
                          loopback)
         Conditions.__init__(self)
         Jobs.__init__(self)
+        Background.__init__(self)
         Requests.__init__(self)
         self._made = False          # True from open() until close() has removed everything
         self._lock = threading.RLock()      # reentrant: _die_clean may run inside close()
@@ -130,6 +133,7 @@ class Cluster(Requests, Conditions, Jobs, Network):
     def _close(self) -> None:
         self._stop_serving()
         self.stop_bursts()
+        self.stop_background()
         self._cancel_resumes()
         self._kill_sessions()
         names = self._namespaces()

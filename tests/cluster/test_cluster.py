@@ -446,3 +446,36 @@ def test_open_and_close_off_the_main_thread():
     finally:
         for cid in cids:
             remove(cid)
+
+
+def test_background_traffic_crosses_the_ports_and_stops():
+    """--background: every node sends to the next over TCP while on; the
+    ports carry it, and stopping it (each condition's end, close()) leaves
+    no process behind."""
+    why = emulated.unavailable()
+    if why:
+        pytest.skip(why)
+    assert emulated.parse_background("200/300:2") == (0.2, 0.3, 2)
+    for bad in ("200", "0/10", "a/b", "200/300:0"):
+        with pytest.raises(ValueError):
+            emulated.parse_background(bad)
+    try:
+        c = emulated.Cluster(nodes=3, rate="100mbit").open()
+    except emulated.ClusterUnavailable as exc:
+        pytest.skip(str(exc))
+    with c:
+        before = c.counters()["ports"]
+        c.start_background(0.2, 0.1, flows=1, seconds=60)
+        time.sleep(2.0)
+        during = c.counters()["ports"]
+        flows = [pid for ns in c.node_ns for pid in emulated._netns_pids(ns)]
+        c.stop_background()
+        time.sleep(0.3)
+        stopped = c.counters()["ports"]
+        time.sleep(0.5)
+        later = c.counters()["ports"]
+        left = [pid for ns in c.node_ns for pid in emulated._netns_pids(ns)]
+    for port in ("p1", "p2", "p3"):          # 2 s at 100 Mbit/s, on 2/3 of the time
+        assert during[port]["bytes"] - before[port]["bytes"] > 5e6, (port, during, before)
+        assert later[port]["bytes"] - stopped[port]["bytes"] < 1e5, (port, later, stopped)
+    assert len(flows) >= 6 and not left, (flows, left)

@@ -49,8 +49,10 @@ def parser() -> argparse.ArgumentParser:
                     "MPILOSSY_LOSS spec such as gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1")
     ap.add_argument("--timeout", type=float, default=d.timeout, help="deadline of each call (s)")
     ap.add_argument("--block-bytes", type=int, default=d.block_bytes, help="loss unit (bytes)")
-    ap.add_argument("--algorithm", choices=("auto", "ring", "tree", "direct"), default=d.algorithm,
-                    help="of the lossy all-reduce (auto: ring for this model)")
+    ap.add_argument("--algorithm", choices=("auto", "ring", "tree", "direct", "hierarchical"),
+                    default=d.algorithm,
+                    help="of the lossy all-reduce (auto: hierarchical across nodes of several "
+                         "ranks: docs/hierarchy.md)")
     ap.add_argument("--channel", choices=("auto", "rma", "ud"), default=d.channel,
                     help="of the lossy all-reduce: MPI one-sided windows or datagrams (ud)")
     ap.add_argument("--mode", choices=("replicated", "sharded"), default=d.mode,
