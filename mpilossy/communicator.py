@@ -26,6 +26,9 @@ from .control.lag import LagWatch
 from .control.redundancy import AutoRedundancy
 from .errors import MPILossyError
 from .hierarchy import Hierarchy, NodeLayout
+from .hierarchy.allreduce import allreduce as hierarchical_allreduce
+from .hierarchy.scatter import reduce_scatter as hierarchical_reduce_scatter
+from .hierarchy.stages import refuse as refuse_hierarchical
 
 __all__ = ["Communicator", "CollectiveStats", "AllreduceStats", "allreduce",
            "reduce_scatter", "allgather", "default_communicator"]
@@ -434,17 +437,19 @@ class Communicator:
             if residual is not None:
                 residual = check_residual(residual, bufs.send, bufs.recv)
         except BaseException as exc:
-            hierarchy.refuse(exc, self._config.timeout, collective)     # (raises, on every rank)
+            # (raises, on every rank)
+            refuse_hierarchical(hierarchy, exc, self._config.timeout, collective)
         if residual is not None:
             residual[...] = 0        # (stage 2 writes what it quantised)
         ok = False
         try:
             if collective == REDUCE_SCATTER:
-                stats = hierarchy.reduce_scatter(bufs.send, bufs.recv, op, timeout, compression,
-                                                 redundancy)
+                stats = hierarchical_reduce_scatter(hierarchy, bufs.send, bufs.recv, op, timeout,
+                                                 compression, redundancy)
             else:
-                stats = hierarchy.allreduce(bufs.send, bufs.recv, op, timeout, compression,
-                                            redundancy, weight=weight, residual=residual)
+                stats = hierarchical_allreduce(hierarchy, bufs.send, bufs.recv, op, timeout,
+                                            compression, redundancy, weight=weight,
+                                            residual=residual)
             ok = True
         finally:
             bufs.finish(ok=ok)

@@ -68,9 +68,10 @@ through files in the folder named by $CLUSTER_CONTROL.
 
 The modules: lifetime (Cluster: its parts, open and close), network
 (namespaces, switch, ports, counters), conditions (drops and loss
-processes), background (other traffic; its processes: flows), jobs (launching on the nodes, stopping processes), control (a
-job's requests), leftovers (owners, leftovers of killed runs, signals),
-host (what the machine must offer), commands (the command line).
+processes), background (other traffic; its processes: flows), jobs
+(launching on the nodes, stopping processes), control (a job's requests),
+leftovers (owners, leftovers of killed runs, signals), host (what the
+machine must offer), commands (the command line).
 """
 
 from .background import parse_background

@@ -1,9 +1,8 @@
 """The hierarchical all-reduce: an exact reduce-scatter within each node,
 the lossy all-reduce of each slice across nodes among the ranks of the same
 local index, the owners' records of who contributed and an exact all-gather
-within each node (docs/hierarchy.md).  The sub-communicators live here; the
-two-level reduce-scatter is hierarchy/scatter.py, the stages' deadline and
-failures hierarchy/stages.py.
+within each node (docs/hierarchy.md).  The sub-communicators are
+hierarchy/levels.py, the stages' deadline and failures hierarchy/stages.py.
 
 Slices: with S the fewest ranks of any node, the vector is cut into S
 slices and local rank j < S of every node owns slice j; on nodes that hold
@@ -23,272 +22,162 @@ weighted averages, weighing each node by its number of ranks.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, List, NoReturn, Optional, Tuple
+from typing import Any, List, Optional, Tuple
 
 import numpy as np
-from mpi4py import MPI
 
-from .._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER
+from .._core import ALLGATHER, REDUCE_SCATTER
 from ..call.buffers import chunk_bounds
 from ..call.stats import CollectiveStats
-from .layout import NodeLayout
+from .levels import Hierarchy
 from .record import assemble, capacity, owner_record
-from .scatter import Pieces, reduce_scatter
-from .stages import INTRA_SHARE, Deadline, Failure, Stages
+from .stages import INTRA_SHARE, Deadline, Stages
 
-__all__ = ["Hierarchy", "INTRA_SHARE"]
+__all__ = ["allreduce"]
 
 
-class Hierarchy:
-    """The sub-communicators of one Communicator's two-level collectives.
+def allreduce(h: Hierarchy, send: np.ndarray, recv: np.ndarray, op: str, timeout: Any,
+              compression: Any, redundancy: Any, weight: Optional[float] = None,
+              residual: Optional[np.ndarray] = None) -> CollectiveStats:
+    """One hierarchical all-reduce of the host arrays `send` into `recv`
+    (checked by the caller and check(); the same array in place).
+    timeout: the call's deadline in seconds, None, or "auto" (each
+    stage's learned one).  weight: this rank's (op="avg"), or None.
+    residual: float32 as long as `send` (zeroed by the caller), for
+    error feedback of stage 2's compression.  A stage that fails on this
+    rank is refused in the stages after it, and the call raises on
+    every rank."""
+    began = time.perf_counter()
+    layout, lead, j = h.layout, h.leaders, h.layout.local_rank
+    h.calls += 1
+    count = send.size
+    deadline = Deadline(timeout)
+    weighted = weight is not None or not layout.uniform
+    w = send.dtype.type(1.0 if weight is None else weight)
+    if not weighted:
+        # the node communicator's own chunks are the slices; this rank's
+        # is kept in scratch until the last stage, so that a call failing
+        # before leaves recv as it was (in place: the user's data)
+        slices = [chunk_bounds(count, lead, s) for s in range(lead)]
+        wide_send, wide_recv, region = send, recv, 0
+        mine = h.buffer("mine", send.dtype, slices[j][1] - slices[j][0])
+        slice_len = mine.size
+    else:
+        # each local rank's region: its slice times this rank's weight,
+        # zeros to the width, then the weight; stage 1 sums them, so the
+        # node's weighted mean and weight travel together (ranks past S
+        # hold zeros and weigh nothing)
+        width = -(-count // lead)
+        region = width + 1
+        slices = _slices(h, count, width)
+        wide_send = h.buffer("send", send.dtype, layout.local_size * region)
+        wide_recv = h.buffer("recv", send.dtype, layout.local_size * region)
+        wide_send[lead * region:] = 0
+        for s, (lo, hi) in enumerate(slices):
+            at = s * region
+            np.multiply(send[lo:hi], w, out=wide_send[at:at + hi - lo])
+            wide_send[at + hi - lo:at + width] = 0
+            wide_send[at + width] = w
+        mine = wide_recv[j * region:(j + 1) * region]
+        slice_len = slices[j][1] - slices[j][0] if j < lead else 0
+    first = slices[j][0] if j < lead else count
+    inter: Any = h.inter            # (None: stages.inter does not call)
+    records = h.buffer("records", np.int64, layout.local_size * _record_words(h, 
+        -(-count // lead), send.dtype.itemsize)).view(np.uint64)
+    own_record = records[j * records.size // layout.local_size:
+                         (j + 1) * records.size // layout.local_size]
+    stages = Stages(h, None, deadline)
 
-    intra: this node's ranks (channel "rma": shared-memory windows, no
-    injected loss).  inter: the ranks of the same local index on every node
-    (the parent's channel and settings); None on local ranks past the
-    fewest ranks of any node."""
-
-    def __init__(self, layout: NodeLayout, intra: Any, inter: Optional[Any],
-                 total: int, block_bytes: int, max_block: int) -> None:
-        self.layout = layout
-        self.intra, self.inter = intra, inter
-        self.total = total                         # ranks of the parent communicator
-        self.block_bytes = block_bytes             # the parent's setting
-        self.max_block = max_block                 # of stage 2's channel
-        self.leaders = min(layout.sizes)           # S: slices, owners per node
-        self.calls = 0
-        self._scratch: Dict[Tuple[str, Any, int], np.ndarray] = {}
-        self._pieces: Optional[Tuple[int, Pieces]] = None
-
-    @classmethod
-    def build(cls, comm: MPI.Intracomm, layout: NodeLayout, node: MPI.Comm,
-              make: Callable[..., Any], block_bytes: int) -> "Hierarchy":
-        """Collective over `comm`.  `make(comm, within_node)` builds a
-        Communicator with the parent's settings on `comm` (within_node: the
-        settings of the stage in shared memory)."""
-        leaders = min(layout.sizes)
-        color = layout.local_rank if layout.local_rank < leaders else MPI.UNDEFINED
-        cross = comm.Split(color, key=layout.node)
-        intra = inter = None
-        try:
-            intra = make(node, True)
-            if cross != MPI.COMM_NULL:
-                inter = make(cross, False)
-        except BaseException:
-            if intra is not None:
-                intra.free()
-            raise
-        finally:
-            if cross != MPI.COMM_NULL:
-                cross.Free()
-        # local rank 0 owns a slice on every node; its channel is every owner's
-        max_block = node.bcast(inter._alive().max_block if inter is not None else 0, root=0)
-        return cls(layout, intra, inter, comm.Get_size(), block_bytes, max_block)
-
-    def free(self) -> None:
-        if self.inter is not None:
-            self.inter.free()
-        self.intra.free()
-        self._scratch.clear()
-
-    def takes(self, dtype: Any) -> bool:
-        """Can this layout reduce `dtype`?  (Nodes of different sizes:
-        floating point only.)"""
-        if self.layout.uniform:
-            return True
-        try:
-            return np.dtype(dtype).kind == "f"
-        except TypeError:
-            return False
-
-    # -- the call ------------------------------------------------------------------
-    def check(self, send: np.ndarray, collective: int = ALLREDUCE) -> None:
-        """What this layout cannot reduce (before the call's first stage)."""
-        if collective == REDUCE_SCATTER and not self.layout.uniform:
-            raise ValueError(f"algorithm='hierarchical' reduce_scatter needs nodes of equal "
-                             f"size, got {list(self.layout.sizes)}; use 'auto' (flat there)")
-        if not self.takes(send.dtype):
-            raise TypeError(f"algorithm='hierarchical' on nodes of different sizes "
-                            f"{list(self.layout.sizes)} needs floating-point data (the "
-                            f"slices travel as weighted averages), got {send.dtype}")
-
-    def refuse(self, exc: BaseException, timeout: Any, collective: int = ALLREDUCE) -> NoReturn:
-        """This rank's input was refused (`exc`): take part in every stage of
-        the call (a `collective`) only to fail it, so that every rank raises
-        (the same exception type, naming this rank) instead of waiting for
-        it.  Raises."""
-        self.calls += 1
-        failure = Failure.own(exc, self.layout.rank)
-        stages = Stages(self, failure, Deadline(timeout))
-        stages.intra(lambda d: None, REDUCE_SCATTER)
-        if collective == REDUCE_SCATTER:
-            stages.inter(lambda d: None, REDUCE_SCATTER)
-            failure.throw(self.calls, "reduce_scatter")
-        stages.inter(lambda d: None)
-        stages.intra(lambda d: None, ALLGATHER)
-        stages.intra(lambda d: None, ALLGATHER)
-        failure.throw(self.calls)
-
-    def reduce_scatter(self, send: np.ndarray, recv: np.ndarray, op: str, timeout: Any,
-                       compression: Any, redundancy: Any) -> CollectiveStats:
-        """The two-level reduce-scatter (hierarchy/scatter.py; nodes of equal
-        size)."""
-        return reduce_scatter(self, send, recv, op, timeout, compression, redundancy)
-
-    def pieces(self, count: int) -> Pieces:
-        """The two-level order of the chunks of a vector of `count` (kept for
-        the last count asked)."""
-        if self._pieces is None or self._pieces[0] != count:
-            self._pieces = (count, Pieces(self.layout, count))
-        return self._pieces[1]
-
-    def allreduce(self, send: np.ndarray, recv: np.ndarray, op: str, timeout: Any,
-                  compression: Any, redundancy: Any, weight: Optional[float] = None,
-                  residual: Optional[np.ndarray] = None) -> CollectiveStats:
-        """One hierarchical all-reduce of the host arrays `send` into `recv`
-        (checked by the caller and check(); the same array in place).
-        timeout: the call's deadline in seconds, None, or "auto" (each
-        stage's learned one).  weight: this rank's (op="avg"), or None.
-        residual: float32 as long as `send` (zeroed by the caller), for
-        error feedback of stage 2's compression.  A stage that fails on this
-        rank is refused in the stages after it, and the call raises on
-        every rank."""
-        began = time.perf_counter()
-        layout, lead, j = self.layout, self.leaders, self.layout.local_rank
-        self.calls += 1
-        count = send.size
-        deadline = Deadline(timeout)
-        weighted = weight is not None or not layout.uniform
-        w = send.dtype.type(1.0 if weight is None else weight)
-        if not weighted:
-            # the node communicator's own chunks are the slices; this rank's
-            # is kept in scratch until the last stage, so that a call failing
-            # before leaves recv as it was (in place: the user's data)
-            slices = [chunk_bounds(count, lead, s) for s in range(lead)]
-            wide_send, wide_recv, region = send, recv, 0
-            mine = self.buffer("mine", send.dtype, slices[j][1] - slices[j][0])
-            slice_len = mine.size
-        else:
-            # each local rank's region: its slice times this rank's weight,
-            # zeros to the width, then the weight; stage 1 sums them, so the
-            # node's weighted mean and weight travel together (ranks past S
-            # hold zeros and weigh nothing)
-            width = -(-count // lead)
-            region = width + 1
-            slices = self._slices(count, width)
-            wide_send = self.buffer("send", send.dtype, layout.local_size * region)
-            wide_recv = self.buffer("recv", send.dtype, layout.local_size * region)
-            wide_send[lead * region:] = 0
-            for s, (lo, hi) in enumerate(slices):
-                at = s * region
-                np.multiply(send[lo:hi], w, out=wide_send[at:at + hi - lo])
-                wide_send[at + hi - lo:at + width] = 0
-                wide_send[at + width] = w
-            mine = wide_recv[j * region:(j + 1) * region]
-            slice_len = slices[j][1] - slices[j][0] if j < lead else 0
-        first = slices[j][0] if j < lead else count
-        inter: Any = self.inter            # (None: stages.inter does not call)
-        records = self.buffer("records", np.int64, layout.local_size * self._record_words(
-            -(-count // lead), send.dtype.itemsize)).view(np.uint64)
-        own_record = records[j * records.size // layout.local_size:
-                             (j + 1) * records.size // layout.local_size]
-        stages = Stages(self, None, deadline)
-
-        # 1. within the node: this rank's slice, reduced over the node
-        s1 = stages.intra(lambda d: self.intra.reduce_scatter(
-            wide_send, mine, op="sum" if weighted else op, timeout=d.stage(INTRA_SHARE)),
-            REDUCE_SCATTER)
-        # 2. across nodes, among the owners of the same slice (every owner
-        # calls, also with an empty slice: a size that differs across nodes
-        # is then a mismatch every owner sees, not a call some never make)
-        node_weight = 0.0
-        if weighted and s1 is not None and inter is not None:
-            node_weight = float(mine[region - 1])
-            mine[:slice_len] /= mine.dtype.type(node_weight)
-        feedback = residual[first:first + slice_len] if residual is not None else None
-        s2 = stages.inter(lambda d: inter.allreduce(
-            mine[:slice_len], op="avg" if weighted else op, timeout=d.network(),
-            weight=node_weight if weighted else None, compression=compression,
-            redundancy=redundancy, residual=feedback, algorithm="direct"))
-        if feedback is not None and s2 is not None:
-            # what quantisation took from the node's slice, in this rank's
-            # units: adding it to this rank's next input restores it
-            feedback *= np.float32(node_weight / float(w) if weighted
-                                   else layout.local_size if op == "avg" else 1)
-        # 3. within the node: the owners' records of who contributed
-        if s2 is not None:
-            owner_record(layout, slice_len, s1.contributors, s2.contributors, own_record)
-        else:
-            own_record[:] = 0
-        s3 = stages.intra(lambda d: self.intra.allgather(
-            own_record.view(np.int64), records.view(np.int64), timeout=d.record()), ALLGATHER)
-        # 4. within the node: every slice to every rank of the node
-        if not weighted and stages.failure is None:
-            recv[first:first + slice_len] = mine
-            mine = recv[first:first + slice_len]
-        s4 = stages.intra(lambda d: self.intra.allgather(
-            mine, wide_recv, timeout=d.rest()), ALLGATHER)
-        if stages.failure is not None:
-            stages.failure.throw(self.calls)
-        assert s1 is not None and s3 is not None and s4 is not None
-        missed: Optional[np.ndarray] = None
-        fallback = 0
-        if not s4.contributors.members().any(axis=1).all():     # (per element only then)
-            arrived = s4.contributors.received()
-            if weighted:
-                arrived = np.concatenate([arrived[s * region:s * region + hi - lo]
-                                          for s, (lo, hi) in enumerate(slices)])
-            missed = ~arrived
-            fallback = int(missed.sum())
-        own = send[missed] if fallback else None    # (before recv, which may be send, changes)
+    # 1. within the node: this rank's slice, reduced over the node
+    s1 = stages.intra(lambda d: h.intra.reduce_scatter(
+        wide_send, mine, op="sum" if weighted else op, timeout=d.stage(INTRA_SHARE)),
+        REDUCE_SCATTER)
+    # 2. across nodes, among the owners of the same slice (every owner
+    # calls, also with an empty slice: a size that differs across nodes
+    # is then a mismatch every owner sees, not a call some never make)
+    node_weight = 0.0
+    if weighted and s1 is not None and inter is not None:
+        node_weight = float(mine[region - 1])
+        mine[:slice_len] /= mine.dtype.type(node_weight)
+    feedback = residual[first:first + slice_len] if residual is not None else None
+    s2 = stages.inter(lambda d: inter.allreduce(
+        mine[:slice_len], op="avg" if weighted else op, timeout=d.network(),
+        weight=node_weight if weighted else None, compression=compression,
+        redundancy=redundancy, residual=feedback, algorithm="direct"))
+    if feedback is not None and s2 is not None:
+        # what quantisation took from the node's slice, in this rank's
+        # units: adding it to this rank's next input restores it
+        feedback *= np.float32(node_weight / float(w) if weighted
+                               else layout.local_size if op == "avg" else 1)
+    # 3. within the node: the owners' records of who contributed
+    if s2 is not None:
+        owner_record(layout, slice_len, s1.contributors, s2.contributors, own_record)
+    else:
+        own_record[:] = 0
+    s3 = stages.intra(lambda d: h.intra.allgather(
+        own_record.view(np.int64), records.view(np.int64), timeout=d.record()), ALLGATHER)
+    # 4. within the node: every slice to every rank of the node
+    if not weighted and stages.failure is None:
+        recv[first:first + slice_len] = mine
+        mine = recv[first:first + slice_len]
+    s4 = stages.intra(lambda d: h.intra.allgather(
+        mine, wide_recv, timeout=d.rest()), ALLGATHER)
+    if stages.failure is not None:
+        stages.failure.throw(h.calls)
+    assert s1 is not None and s3 is not None and s4 is not None
+    missed: Optional[np.ndarray] = None
+    fallback = 0
+    if not s4.contributors.members().any(axis=1).all():     # (per element only then)
+        arrived = s4.contributors.received()
         if weighted:
-            for s, (lo, hi) in enumerate(slices):
-                recv[lo:hi] = wide_recv[s * region:s * region + hi - lo]
-            if op == "sum":
-                recv *= recv.dtype.type(self.total)
-        if own is not None:
-            recv[missed] = self._stand_in(own, op)
+            arrived = np.concatenate([arrived[s * region:s * region + hi - lo]
+                                      for s, (lo, hi) in enumerate(slices)])
+        missed = ~arrived
+        fallback = int(missed.sum())
+    own = send[missed] if fallback else None    # (before recv, which may be send, changes)
+    if weighted:
+        for s, (lo, hi) in enumerate(slices):
+            recv[lo:hi] = wide_recv[s * region:s * region + hi - lo]
+        if op == "sum":
+            recv *= recv.dtype.type(h.total)
+    if own is not None:
+        recv[missed] = _stand_in(h, own, op)
 
-        per_owner = records.size // layout.local_size
-        came = s3.contributors.received().reshape(layout.local_size, per_owner).all(axis=1)
-        record, delivered, agreed = assemble(
-            layout, slices, records.reshape(layout.local_size, per_owner), came,
-            missed if fallback else None, own=self.intra.scaling != "zero-fill")
-        held = record.members().sum(axis=1)
-        stats = [s for s in (s1, s2, s3, s4) if s is not None]
-        return CollectiveStats(
-            delivered=delivered, elapsed=time.perf_counter() - began,
-            deadline_hit=any(s.deadline_hit for s in stats),
-            fallback=fallback / max(count, 1),
-            min_contributors=int(held.min()) if held.size else self.total,
-            algorithm="hierarchical", nbytes=send.nbytes, seq=self.calls,
-            lost_blocks=tuple(sum(s.lost_blocks[k] for s in stats) for k in range(4)),
-            collective="allreduce", timeout=deadline.seconds, agreed=agreed,
-            contributors=record, rebuilt=s2.rebuilt if s2 else 0,
-            redundancy=s2.redundancy if s2 else None)
+    per_owner = records.size // layout.local_size
+    came = s3.contributors.received().reshape(layout.local_size, per_owner).all(axis=1)
+    record, delivered, agreed = assemble(
+        layout, slices, records.reshape(layout.local_size, per_owner), came,
+        missed if fallback else None, own=h.intra.scaling != "zero-fill")
+    held = record.members().sum(axis=1)
+    stats = [s for s in (s1, s2, s3, s4) if s is not None]
+    return CollectiveStats(
+        delivered=delivered, elapsed=time.perf_counter() - began,
+        deadline_hit=any(s.deadline_hit for s in stats),
+        fallback=fallback / max(count, 1),
+        min_contributors=int(held.min()) if held.size else h.total,
+        algorithm="hierarchical", nbytes=send.nbytes, seq=h.calls,
+        lost_blocks=tuple(sum(s.lost_blocks[k] for s in stats) for k in range(4)),
+        collective="allreduce", timeout=deadline.seconds, agreed=agreed,
+        contributors=record, rebuilt=s2.rebuilt if s2 else 0,
+        redundancy=s2.redundancy if s2 else None)
 
-    def _record_words(self, longest: int, itemsize: int) -> int:
-        """Words of one owner's record (stage 3) for slices of at most
-        `longest` elements: the same on every rank of the node."""
-        return capacity(longest, self.layout.nodes, self.total, itemsize, self.block_bytes,
-                        self.max_block)
 
-    def _stand_in(self, own: np.ndarray, op: str) -> np.ndarray:
-        """Where a slice did not come back within the node, this rank's own
-        contribution stands in for it (count 1), as in the flat algorithms."""
-        if self.intra.scaling == "zero-fill":
-            return np.zeros_like(own)
-        return own * own.dtype.type(self.total) if op == "sum" else own
+def _record_words(h: Hierarchy, longest: int, itemsize: int) -> int:
+    """Words of one owner's record (stage 3) for slices of at most
+    `longest` elements: the same on every rank of the node."""
+    return capacity(longest, h.layout.nodes, h.total, itemsize, h.block_bytes,
+                    h.max_block)
 
-    def _slices(self, count: int, width: int) -> List[Tuple[int, int]]:
-        """(first, end) in the user's vector of every slice (unequal nodes)."""
-        return [(min(count, s * width), min(count, (s + 1) * width))
-                for s in range(self.leaders)]
 
-    def buffer(self, role: str, dtype: Any, n: int) -> np.ndarray:
-        """Scratch kept between calls (one per role, of the last size asked)."""
-        key = (role, np.dtype(dtype), n)
-        buf = self._scratch.get(key)
-        if buf is None:
-            self._scratch = {k: v for k, v in self._scratch.items() if k[0] != role}
-            buf = self._scratch[key] = np.empty(n, dtype)
-        return buf
+def _stand_in(h: Hierarchy, own: np.ndarray, op: str) -> np.ndarray:
+    """Where a slice did not come back within the node, this rank's own
+    contribution stands in for it (count 1), as in the flat algorithms."""
+    if h.intra.scaling == "zero-fill":
+        return np.zeros_like(own)
+    return own * own.dtype.type(h.total) if op == "sum" else own
+
+
+def _slices(h: Hierarchy, count: int, width: int) -> List[Tuple[int, int]]:
+    """(first, end) in the user's vector of every slice (unequal nodes)."""
+    return [(min(count, s * width), min(count, (s + 1) * width))
+            for s in range(h.leaders)]

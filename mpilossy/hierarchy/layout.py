@@ -3,11 +3,14 @@ COMM_TYPE_SHARED split) holds each rank, numbered by each node's lowest rank."""
 
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
+import numpy as np
 from mpi4py import MPI
 
-__all__ = ["NodeLayout"]
+from ..call.buffers import chunk_bounds
+
+__all__ = ["NodeLayout", "Pieces"]
 
 
 class NodeLayout:
@@ -66,3 +69,25 @@ class NodeLayout:
 
     def __repr__(self) -> str:
         return f"<NodeLayout {self.describe()}>"
+
+
+class Pieces:
+    """Where each rank's chunk lies in the two-level order: piece (j, n),
+    the chunk of local rank j of node n, at (j * nodes + n) * width."""
+
+    def __init__(self, layout: Any, count: int) -> None:
+        ranks = len(layout.node_of)
+        self.width = -(-count // ranks)
+        self.nodes = layout.nodes
+        # (position in the two-level order, first, end in the user's vector)
+        self.moves: List[Tuple[int, int, int]] = []
+        for n in range(layout.nodes):
+            for j, r in enumerate(layout.ranks_of(n)):
+                lo, hi = chunk_bounds(count, ranks, r)
+                self.moves.append(((j * self.nodes + n) * self.width, lo, hi))
+
+    def scatter(self, send: np.ndarray, wide: np.ndarray) -> None:
+        """The user's vector into the two-level order (zeros to the width)."""
+        for at, lo, hi in self.moves:
+            wide[at:at + hi - lo] = send[lo:hi]
+            wide[at + hi - lo:at + self.width] = 0

@@ -12,45 +12,20 @@ nodes.  One copy of the vector in (into that order), one of the chunk out.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, List, Tuple
+from typing import Any
 
 import numpy as np
 
 from .._core import REDUCE_SCATTER
-from ..call.buffers import chunk_bounds
 from ..call.stats import CollectiveStats
+from .levels import Hierarchy
 from .record import piece_record
 from .stages import INTRA_SHARE, Deadline, Stages
 
-if TYPE_CHECKING:
-    from .allreduce import Hierarchy
-
-__all__ = ["Pieces", "reduce_scatter"]
+__all__ = ["reduce_scatter"]
 
 
-class Pieces:
-    """Where each rank's chunk lies in the two-level order: piece (j, n),
-    the chunk of local rank j of node n, at (j * nodes + n) * width."""
-
-    def __init__(self, layout: Any, count: int) -> None:
-        ranks = len(layout.node_of)
-        self.width = -(-count // ranks)
-        self.nodes = layout.nodes
-        # (position in the two-level order, first, end in the user's vector)
-        self.moves: List[Tuple[int, int, int]] = []
-        for n in range(layout.nodes):
-            for j, r in enumerate(layout.ranks_of(n)):
-                lo, hi = chunk_bounds(count, ranks, r)
-                self.moves.append(((j * self.nodes + n) * self.width, lo, hi))
-
-    def scatter(self, send: np.ndarray, wide: np.ndarray) -> None:
-        """The user's vector into the two-level order (zeros to the width)."""
-        for at, lo, hi in self.moves:
-            wide[at:at + hi - lo] = send[lo:hi]
-            wide[at + hi - lo:at + self.width] = 0
-
-
-def reduce_scatter(h: "Hierarchy", send: np.ndarray, recv: np.ndarray, op: str, timeout: Any,
+def reduce_scatter(h: Hierarchy, send: np.ndarray, recv: np.ndarray, op: str, timeout: Any,
                    compression: Any, redundancy: Any) -> CollectiveStats:
     """One two-level reduce-scatter of `send` into this rank's chunk `recv`
     (checked by the caller; nodes of equal size).  A stage that fails on

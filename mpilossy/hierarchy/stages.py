@@ -6,15 +6,13 @@ from __future__ import annotations
 
 import re
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, NoReturn, Optional
+from typing import Any, Callable, List, NoReturn, Optional
 
-from .._core import ALLREDUCE
+from .._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER
 from ..errors import MismatchError, MPILossyError
+from .levels import Hierarchy
 
-if TYPE_CHECKING:
-    from .allreduce import Hierarchy
-
-__all__ = ["INTRA_SHARE", "NETWORK_FLOOR", "Failure", "Stages", "Deadline"]
+__all__ = ["INTRA_SHARE", "NETWORK_FLOOR", "Failure", "Stages", "Deadline", "refuse"]
 
 # With a deadline T, the stage within the node before the network gets
 # INTRA_SHARE * T, the network what is left less INTRA_SHARE * T (at least
@@ -78,7 +76,7 @@ class Stages:
     ranks of that stage fail too and every sub-communicator counts the
     same calls on every rank."""
 
-    def __init__(self, hierarchy: "Hierarchy", failure: Optional[Failure],
+    def __init__(self, hierarchy: Hierarchy, failure: Optional[Failure],
                  deadline: "Deadline") -> None:
         self.h, self.failure, self.deadline = hierarchy, failure, deadline
 
@@ -137,3 +135,21 @@ class Deadline:
         if self.seconds is None:
             return self.total
         return max(self._left(), 0.5 * INTRA_SHARE * self.seconds)
+
+
+def refuse(h: Hierarchy, exc: BaseException, timeout: Any, collective: int = ALLREDUCE) -> NoReturn:
+    """This rank's input was refused (`exc`): take part in every stage of
+    the call (a `collective`) only to fail it, so that every rank raises
+    (the same exception type, naming this rank) instead of waiting for
+    it.  Raises."""
+    h.calls += 1
+    failure = Failure.own(exc, h.layout.rank)
+    stages = Stages(h, failure, Deadline(timeout))
+    stages.intra(lambda d: None, REDUCE_SCATTER)
+    if collective == REDUCE_SCATTER:
+        stages.inter(lambda d: None, REDUCE_SCATTER)
+        failure.throw(h.calls, "reduce_scatter")
+    stages.inter(lambda d: None)
+    stages.intra(lambda d: None, ALLGATHER)
+    stages.intra(lambda d: None, ALLGATHER)
+    failure.throw(h.calls)

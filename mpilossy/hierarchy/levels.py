@@ -1,0 +1,104 @@
+"""The sub-communicators of a Communicator's two-level collectives, and what
+a call needs of them besides its stages: what the layout takes, scratch
+buffers, the two-level order of chunks (docs/hierarchy.md)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import numpy as np
+from mpi4py import MPI
+
+from .._core import ALLREDUCE, REDUCE_SCATTER
+from .layout import NodeLayout, Pieces
+
+__all__ = ["Hierarchy"]
+
+
+class Hierarchy:
+    """The sub-communicators of one Communicator's two-level collectives.
+
+    intra: this node's ranks (channel "rma": shared-memory windows, no
+    injected loss).  inter: the ranks of the same local index on every node
+    (the parent's channel and settings); None on local ranks past the
+    fewest ranks of any node."""
+
+    def __init__(self, layout: NodeLayout, intra: Any, inter: Optional[Any],
+                 total: int, block_bytes: int, max_block: int) -> None:
+        self.layout = layout
+        self.intra, self.inter = intra, inter
+        self.total = total                         # ranks of the parent communicator
+        self.block_bytes = block_bytes             # the parent's setting
+        self.max_block = max_block                 # of stage 2's channel
+        self.leaders = min(layout.sizes)           # S: slices, owners per node
+        self.calls = 0
+        self._scratch: Dict[Tuple[str, Any, int], np.ndarray] = {}
+        self._pieces: Optional[Tuple[int, Pieces]] = None
+
+    @classmethod
+    def build(cls, comm: MPI.Intracomm, layout: NodeLayout, node: MPI.Comm,
+              make: Callable[..., Any], block_bytes: int) -> "Hierarchy":
+        """Collective over `comm`.  `make(comm, within_node)` builds a
+        Communicator with the parent's settings on `comm` (within_node: the
+        settings of the stage in shared memory)."""
+        leaders = min(layout.sizes)
+        color = layout.local_rank if layout.local_rank < leaders else MPI.UNDEFINED
+        cross = comm.Split(color, key=layout.node)
+        intra = inter = None
+        try:
+            intra = make(node, True)
+            if cross != MPI.COMM_NULL:
+                inter = make(cross, False)
+        except BaseException:
+            if intra is not None:
+                intra.free()
+            raise
+        finally:
+            if cross != MPI.COMM_NULL:
+                cross.Free()
+        # local rank 0 owns a slice on every node; its channel is every owner's
+        max_block = node.bcast(inter._alive().max_block if inter is not None else 0, root=0)
+        return cls(layout, intra, inter, comm.Get_size(), block_bytes, max_block)
+
+    def free(self) -> None:
+        if self.inter is not None:
+            self.inter.free()
+        self.intra.free()
+        self._scratch.clear()
+
+    def takes(self, dtype: Any) -> bool:
+        """Can this layout reduce `dtype`?  (Nodes of different sizes:
+        floating point only.)"""
+        if self.layout.uniform:
+            return True
+        try:
+            return np.dtype(dtype).kind == "f"
+        except TypeError:
+            return False
+
+    # -- what a call needs ---------------------------------------------------------
+    def check(self, send: np.ndarray, collective: int = ALLREDUCE) -> None:
+        """What this layout cannot reduce (before the call's first stage)."""
+        if collective == REDUCE_SCATTER and not self.layout.uniform:
+            raise ValueError(f"algorithm='hierarchical' reduce_scatter needs nodes of equal "
+                             f"size, got {list(self.layout.sizes)}; use 'auto' (flat there)")
+        if not self.takes(send.dtype):
+            raise TypeError(f"algorithm='hierarchical' on nodes of different sizes "
+                            f"{list(self.layout.sizes)} needs floating-point data (the "
+                            f"slices travel as weighted averages), got {send.dtype}")
+
+    def pieces(self, count: int) -> Pieces:
+        """The two-level order of the chunks of a vector of `count` (kept for
+        the last count asked)."""
+        if self._pieces is None or self._pieces[0] != count:
+            self._pieces = (count, Pieces(self.layout, count))
+        return self._pieces[1]
+
+    def buffer(self, role: str, dtype: Any, n: int) -> np.ndarray:
+        """Scratch kept between calls (one per role, of the last size asked)."""
+        key = (role, np.dtype(dtype), n)
+        buf = self._scratch.get(key)
+        if buf is None:
+            self._scratch = {k: v for k, v in self._scratch.items() if k[0] != role}
+            buf = self._scratch[key] = np.empty(n, dtype)
+        return buf
