@@ -422,12 +422,15 @@ class Communicator:
         """algorithm="hierarchical" (mpilossy/hierarchy/)."""
         hierarchy = self._hierarchy
         assert hierarchy is not None
+        asked = timeout           # (counted as given, also when refused: as the others count)
         try:
             if not isinstance(op, str) or op not in ("sum", "avg"):
                 raise ValueError(f"op must be one of ['avg', 'sum'], got {op!r}")
             timeout = (self._config.timeout if timeout is UNSET
                        else check_timeout("timeout", timeout))
             bufs = self._buffers.take(collective, sendbuf, recvbuf)
+            if op == "avg" and bufs.send.dtype.kind != "f":
+                raise TypeError(f"op='avg' needs a floating-point dtype, got {bufs.send.dtype}")
             hierarchy.check(bufs.send, collective)
             if collective == REDUCE_SCATTER and (weight is not None or residual is not None):
                 raise ValueError("the two-level reduce_scatter takes no weight= or residual= "
@@ -438,7 +441,7 @@ class Communicator:
                 residual = check_residual(residual, bufs.send, bufs.recv)
         except BaseException as exc:
             # (raises, on every rank)
-            refuse_hierarchical(hierarchy, exc, self._config.timeout, collective)
+            refuse_hierarchical(hierarchy, exc, asked, collective)
         if residual is not None:
             residual[...] = 0        # (stage 2 writes what it quantised)
         ok = False

@@ -116,7 +116,10 @@ class Contributors:
     def layout_bits(self) -> np.ndarray:
         """Bitmaps (size * nblocks, words) of every chunk's blocks, chunk by
         chunk, with this rank's where its result has the chunk and zeros
-        elsewhere: the same shape on every rank, ready for a bitwise OR."""
+        elsewhere: the same shape on every rank, ready for a bitwise OR.
+        (A record of_blocks() holds every block already: its own bitmaps.)"""
+        if self._spans is not None:
+            return self._bits.copy()
         out = np.zeros((self.size * self._nblocks, self._bits.shape[1]), np.uint64)
         for i, chunk in enumerate(self._chunks):
             out[chunk * self._nblocks:(chunk + 1) * self._nblocks] = \

@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 from .jobs import Jobs
@@ -59,7 +60,8 @@ class Background(Jobs):
             raise ValueError("background traffic needs two nodes or more")
         self.stop_background()
         env = self.job_environment()
-        me = [sys.executable, "-m", "mpilossy.cluster.flows"]
+        # the script, not the module: importing the package would start MPI
+        me = [sys.executable, str(Path(__file__).with_name("flows.py"))]
         self._background = [self.popen(self.on_node(n, [*me, "sink", str(PORT), str(seconds)]),
                                        env=env,
                                        stdout=subprocess.DEVNULL)
@@ -69,17 +71,18 @@ class Background(Jobs):
             for f in range(flows):
                 self._background.append(self.popen(self.on_node(n, [
                     *me, "source", target, str(PORT), str(round(on * 1e3, 3)),
-                    str(round(off * 1e3, 3)), str(seed * 1000 + n * 16 + f), str(seconds)]),
+                    str(round(off * 1e3, 3)), str(seed * 1_000_000 + n * 1000 + f), str(seconds)]),
                     env=env, stdout=subprocess.DEVNULL))
         self.background = (on, off, flows)
 
     def stop_background(self) -> None:
         """Stop every background process (their sessions), and wait for them."""
         for proc in self._background:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            if proc.poll() is None:          # (not one already reaped: its pid may be reused)
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for proc in self._background:
             try:
                 proc.wait(timeout=10)

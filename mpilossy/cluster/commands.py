@@ -55,13 +55,13 @@ def conditions(args: argparse.Namespace) -> Iterator[Condition]:
 def under(cluster: Cluster, condition: Condition, args: argparse.Namespace,
           cmd: List[str]) -> subprocess.CompletedProcess:
     """Run `cmd` as the job under the given condition, then clear it."""
-    cluster.set_drop(condition.drop)
-    if condition.bursts:
-        cluster.start_bursts(args.burst_ms / 1e3, args.burst_every_ms / 1e3)
-    if condition.background:
-        on, off, flows = condition.background
-        cluster.start_background(on, off, flows, seconds=args.limit + 60)
     try:
+        cluster.set_drop(condition.drop)
+        if condition.bursts:
+            cluster.start_bursts(args.burst_ms / 1e3, args.burst_every_ms / 1e3)
+        if condition.background:
+            on, off, flows = condition.background
+            cluster.start_background(on, off, flows, seconds=args.limit + 60)
         pace = args.rate if args.pace == "port" else args.pace
         return cluster.run(cmd, ppn=args.ppn, timeout=args.limit, provider=args.provider,
                            env={"MPILOSSY_UD_RATE": pace})
@@ -278,14 +278,15 @@ def main(argv: Optional[Sequence[str]] = None, prog: Optional[str] = None) -> in
     if args.what == "clean":
         clean_leftovers(verbose=True)
         return 0
-    try:
-        parse_background(args.background)
-    except ValueError as exc:
-        print(f"cluster: {exc}", file=sys.stderr)
-        return 2
     signal.signal(signal.SIGTERM, interrupted)
     signal.signal(signal.SIGHUP, interrupted)
     cluster = make_cluster(args)
+    try:
+        if parse_background(args.background) and cluster.nodes < 2:
+            raise ValueError("--background needs two nodes or more")
+    except ValueError as exc:
+        print(f"cluster: {exc}", file=sys.stderr)
+        return 2
     try:
         cluster.open()
     except ClusterUnavailable as exc:

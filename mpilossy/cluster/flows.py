@@ -2,8 +2,10 @@
 starts them): a sink that reads and discards, and a source that sends to a
 sink in on/off bursts.  Each exits after SECONDS.
 
-    python -m mpilossy.cluster.flows sink PORT SECONDS
-    python -m mpilossy.cluster.flows source HOST PORT ON_MS OFF_MS SEED SECONDS
+    python flows.py sink PORT SECONDS
+    python flows.py source HOST PORT ON_MS OFF_MS SEED SECONDS
+
+(Run as a script: the standard library only, no MPI.)
 """
 
 from __future__ import annotations
@@ -20,11 +22,13 @@ CHUNK = 256 * 1024          # bytes per send
 
 
 def _sink(port: int, seconds: float) -> None:
-    threading.Timer(seconds, os._exit, args=(0,)).start()
     server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     server.bind(("0.0.0.0", port))
     server.listen(64)
+    ends = threading.Timer(seconds, os._exit, args=(0,))
+    ends.daemon = True
+    ends.start()
 
     def drain(conn: socket.socket) -> None:
         buf = bytearray(CHUNK)

@@ -63,10 +63,12 @@ def allreduce(h: Hierarchy, send: np.ndarray, recv: np.ndarray, op: str, timeout
         mine = h.buffer("mine", send.dtype, slices[j][1] - slices[j][0])
         slice_len = mine.size
     else:
-        # each local rank's region: its slice times this rank's weight,
-        # zeros to the width, then the weight; stage 1 sums them, so the
-        # node's weighted mean and weight travel together (ranks past S
-        # hold zeros and weigh nothing)
+        # each local rank's region: its slice, zeros to the width, then 1/w;
+        # stage 1 is a weighted average (weight w), so every block is the
+        # weighted mean of the node's ranks that reached it, and the last
+        # element c / sum(w) over the c ranks that reached it: the node's
+        # weight is estimated as L / that, exact when all arrived (ranks
+        # past S hold zeros)
         width = -(-count // lead)
         region = width + 1
         slices = _slices(h, count, width)
@@ -75,9 +77,9 @@ def allreduce(h: Hierarchy, send: np.ndarray, recv: np.ndarray, op: str, timeout
         wide_send[lead * region:] = 0
         for s, (lo, hi) in enumerate(slices):
             at = s * region
-            np.multiply(send[lo:hi], w, out=wide_send[at:at + hi - lo])
+            wide_send[at:at + hi - lo] = send[lo:hi]
             wide_send[at + hi - lo:at + width] = 0
-            wide_send[at + width] = w
+            wide_send[at + width] = 1 / w
         mine = wide_recv[j * region:(j + 1) * region]
         slice_len = slices[j][1] - slices[j][0] if j < lead else 0
     first = slices[j][0] if j < lead else count
@@ -90,15 +92,14 @@ def allreduce(h: Hierarchy, send: np.ndarray, recv: np.ndarray, op: str, timeout
 
     # 1. within the node: this rank's slice, reduced over the node
     s1 = stages.intra(lambda d: h.intra.reduce_scatter(
-        wide_send, mine, op="sum" if weighted else op, timeout=d.stage(INTRA_SHARE)),
-        REDUCE_SCATTER)
+        wide_send, mine, op="avg" if weighted else op, timeout=d.stage(INTRA_SHARE),
+        weight=float(w) if weighted else None), REDUCE_SCATTER)
     # 2. across nodes, among the owners of the same slice (every owner
     # calls, also with an empty slice: a size that differs across nodes
     # is then a mismatch every owner sees, not a call some never make)
     node_weight = 0.0
     if weighted and s1 is not None and inter is not None:
-        node_weight = float(mine[region - 1])
-        mine[:slice_len] /= mine.dtype.type(node_weight)
+        node_weight = layout.local_size / float(mine[region - 1])
     feedback = residual[first:first + slice_len] if residual is not None else None
     s2 = stages.inter(lambda d: inter.allreduce(
         mine[:slice_len], op="avg" if weighted else op, timeout=d.network(),

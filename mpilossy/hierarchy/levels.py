@@ -10,6 +10,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._core import ALLREDUCE, REDUCE_SCATTER
+from ..errors import MPILossyError
 from .layout import NodeLayout, Pieces
 
 __all__ = ["Hierarchy"]
@@ -45,19 +46,25 @@ class Hierarchy:
         color = layout.local_rank if layout.local_rank < leaders else MPI.UNDEFINED
         cross = comm.Split(color, key=layout.node)
         intra = inter = None
+        error: Optional[BaseException] = None
         try:
             intra = make(node, True)
             if cross != MPI.COMM_NULL:
                 inter = make(cross, False)
-        except BaseException:
-            if intra is not None:
-                intra.free()
-            raise
+        except BaseException as exc:      # (agreed below: no rank waits for one that raised)
+            error = exc
         finally:
             if cross != MPI.COMM_NULL:
                 cross.Free()
         # local rank 0 owns a slice on every node; its channel is every owner's
         max_block = node.bcast(inter._alive().max_block if inter is not None else 0, root=0)
+        if comm.allreduce(error is not None, op=MPI.LOR):
+            for sub in (inter, intra):
+                if sub is not None:
+                    sub.free()
+            if error is not None:
+                raise error
+            raise MPILossyError("the hierarchy's sub-communicators failed on another rank")
         return cls(layout, intra, inter, comm.Get_size(), block_bytes, max_block)
 
     def free(self) -> None:
@@ -68,9 +75,12 @@ class Hierarchy:
 
     def takes(self, dtype: Any) -> bool:
         """Can this layout reduce `dtype`?  (Nodes of different sizes:
-        floating point only.)"""
+        floating point only, with scaling="unbiased": the slices travel as
+        weighted averages.)"""
         if self.layout.uniform:
             return True
+        if self.intra.scaling != "unbiased":
+            return False
         try:
             return np.dtype(dtype).kind == "f"
         except TypeError:
@@ -82,6 +92,10 @@ class Hierarchy:
         if collective == REDUCE_SCATTER and not self.layout.uniform:
             raise ValueError(f"algorithm='hierarchical' reduce_scatter needs nodes of equal "
                              f"size, got {list(self.layout.sizes)}; use 'auto' (flat there)")
+        if not self.layout.uniform and self.intra.scaling != "unbiased":
+            raise ValueError(f"algorithm='hierarchical' on nodes of different sizes "
+                             f"{list(self.layout.sizes)} needs scaling='unbiased' (the slices "
+                             f"travel as weighted averages); 'auto' stays flat there")
         if not self.takes(send.dtype):
             raise TypeError(f"algorithm='hierarchical' on nodes of different sizes "
                             f"{list(self.layout.sizes)} needs floating-point data (the "

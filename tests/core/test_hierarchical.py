@@ -106,3 +106,21 @@ def test_layout_of_given_nodes():
     assert layout.ranks_of(0) == [0, 2, 4]
     assert layout.describe() == "2 nodes: [0, 2, 4] [1, 3]"
     assert not NodeLayout((0, 1), (0, 0), rank=0).hierarchical      # one rank per node
+
+
+def test_record_of_given_blocks():
+    """Contributors.of_blocks (the hierarchy's records), without MPI: its
+    blocks, members and fractions as given, and layout_bits() and
+    of_every_chunk() round-trip (every block is on every rank already)."""
+    from mpilossy.call.contributors import Contributors
+    bits = np.array([[0b0111], [0b0001], [0b1111]], np.uint64)    # ranks 0-2, 0, 0-3
+    firsts, lengths = np.array([0, 10, 15]), np.array([10, 5, 7])
+    record = Contributors.of_blocks(bits, firsts, lengths, size=4, rank=1)
+    assert record.count == 22
+    assert [list(b) for b in record.blocks()] == [[0, 10, 15], [10, 5, 7]]
+    assert record.members()[:, 3].tolist() == [False, False, True]
+    assert record.fraction(1) == pytest.approx(17 / 22)
+    assert record.mask(3).sum() == 7 and record.received().all()
+    again = record.of_every_chunk(record.layout_bits())
+    assert np.array_equal(again.members(), record.members())
+    assert [list(b) for b in again.blocks()] == [[0, 10, 15], [10, 5, 7]]

@@ -207,6 +207,12 @@ def recorded(channel):
 with mpilossy.Communicator(comm, channel=args.channel, timeout=None) as lc:
     layout = lc.layout
     exact(lc)
+    if layout.hierarchical:       # op='avg' on integers: a clear error everywhere
+        try:
+            lc.allreduce(np.ones(4, np.int32), op="avg", algorithm="hierarchical")
+            check(False, "op='avg' on int32 did not raise")
+        except TypeError:
+            pass
     if not layout.uniform:        # integers on nodes of different sizes: a clear error
         try:
             lc.allreduce(np.ones(4, np.int32), algorithm="hierarchical")
@@ -217,6 +223,21 @@ with mpilossy.Communicator(comm, channel=args.channel, timeout=None) as lc:
     scattered(lc)
     if layout.hierarchical:
         fed_back(lc)
+
+if layout.hierarchical and not layout.uniform:
+    # zero-fill on nodes of different sizes: "auto" flat and exact, "hierarchical" refused
+    with mpilossy.Communicator(comm, channel=args.channel, timeout=None,
+                               scaling="zero-fill") as lc:
+        x = np.arange(10.0) + comm.rank
+        out = np.empty_like(x)
+        stats = lc.allreduce(x, out, op="avg")
+        check(stats.algorithm != "hierarchical" and np.allclose(
+            out, np.arange(10.0) + (comm.size - 1) / 2), f"zero-fill, auto: {stats.algorithm}")
+        try:
+            lc.allreduce(x, out, op="avg", algorithm="hierarchical")
+            check(False, "zero-fill on unequal nodes did not raise")
+        except ValueError:
+            pass
 
 if layout.uniform:
     # 0.05 s, not the flat tests' 0.01: up to six ranks share two cores in CI,
