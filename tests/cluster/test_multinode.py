@@ -6,7 +6,8 @@ sockets) on top.
 
 One job per topology (2 nodes x 2 ranks, 3 nodes x 1 rank) runs every check
 (tests/programs/multinode.py) and prints what it measured; the tests below
-assert on it, so a topology costs one launch (about 15 s).  Needs root and
+assert on it, so a topology costs one launch (about 15 s).  At 2 x 3 and
+3 x 2 one more job each checks the hierarchy alone (about 5 s each).  Needs root and
 the tools mpilossy.cluster names (iproute2, nftables, ethtool, util-linux):
 where they are missing the tests skip and say why.  They start their own mpiexec,
 so they run in the single-rank session only."""
@@ -23,6 +24,7 @@ from helpers import is_singleton, PROGRAMS
 
 SCRIPT = PROGRAMS / "multinode.py"
 TOPOLOGIES = {"2x2": (2, 2), "3x1": (3, 1)}
+HIERARCHY_ONLY = {"2x3": (2, 3), "3x2": (3, 2)}     # six ranks: the hierarchy's checks only
 CHANNELS = ["rma", "ud"]
 ALGORITHMS = ["direct", "ring", "tree", "hierarchical"]   # (at 3 x 1: the flat one)
 # How far past its deadline a call may return here: 4 ranks poll on 2 shared
@@ -51,22 +53,32 @@ def cluster():
         yield c
 
 
-@pytest.fixture(scope="module", params=sorted(TOPOLOGIES))
-def report(request, cluster):
+def measure(cluster, name, nodes, ppn, *args):
     """What tests/programs/multinode.py measured on one topology."""
-    nodes, ppn = TOPOLOGIES[request.param]
     try:
-        proc = cluster.run([sys.executable, str(SCRIPT)], ppn=ppn, nodes=nodes, timeout=150)
+        proc = cluster.run([sys.executable, str(SCRIPT), *args], ppn=ppn, nodes=nodes,
+                           timeout=150)
     except subprocess.TimeoutExpired as exc:
-        raise AssertionError(f"{request.param}: the job ran past 150 s "
+        raise AssertionError(f"{name}: the job ran past 150 s "
                              f"(killed):\n{exc.stdout}\n{exc.stderr}") from None
-    assert proc.returncode == 0, f"{request.param}: exit {proc.returncode}\n" \
+    assert proc.returncode == 0, f"{name}: exit {proc.returncode}\n" \
                                  f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     lines = [line for line in proc.stdout.splitlines() if line.startswith("MULTINODE ")]
     assert len(lines) == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads(lines[0][len("MULTINODE "):])
     out["nodes"], out["ppn"] = nodes, ppn
     return out
+
+
+@pytest.fixture(scope="module", params=sorted(TOPOLOGIES))
+def report(request, cluster):
+    return measure(cluster, request.param, *TOPOLOGIES[request.param])
+
+
+@pytest.fixture(scope="module", params=sorted(HIERARCHY_ONLY))
+def hierarchy_report(request, cluster):
+    return measure(cluster, request.param, *HIERARCHY_ONLY[request.param], "--phases",
+                   "topology,lossless,unbiased,drops", "--algorithms", "hierarchical")
 
 
 def test_topology(report):
@@ -155,3 +167,21 @@ def test_stopped_rank_does_not_stall_the_others(report, channel):
     assert r["others_missing_victim"] >= 3, r
     assert r["others_elapsed_max"] < r["timeout"] + MARGIN, r
     assert r["victim_span"] >= r["stop_seconds"], r
+
+
+@pytest.mark.parametrize("channel", CHANNELS)
+def test_hierarchy_at_six_ranks(hierarchy_report, channel):
+    """2 x 3 and 3 x 2: the hierarchy (and the two-level reduce-scatter)
+    exact without loss, unbiased under 10% injected loss (loss really
+    happened), and every call by its deadline while the switch drops 5%."""
+    r = hierarchy_report
+    nodes, ppn = r["nodes"], r["ppn"]
+    assert r["topology"]["node_sizes"] == [ppn] * (nodes * ppn), r["topology"]
+    wrong = r["lossless"][channel]
+    assert len(wrong) == 5 and all(v == 0 for v in wrong.values()), wrong
+    lossy = r["unbiased"][f"{channel} hierarchical"]
+    assert lossy["lost_blocks"][0] > 0 and lossy["delivered"] < 0.99, lossy
+    assert lossy["max_t"] < T_LIMIT, lossy
+    drops = r["drops"][channel]
+    assert drops["switch_drops"] > 0 and drops["delivered_mean"] < 1.0, drops
+    assert drops["elapsed_max"] < drops["timeout"] + MARGIN, drops
