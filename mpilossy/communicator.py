@@ -447,12 +447,12 @@ class Communicator:
         ok = False
         try:
             if collective == REDUCE_SCATTER:
-                stats = hierarchical_reduce_scatter(hierarchy, bufs.send, bufs.recv, op, timeout,
-                                                 compression, redundancy)
+                stats = hierarchical_reduce_scatter(hierarchy, bufs.send, bufs.recv, op,
+                                                    timeout, compression, redundancy)
             else:
                 stats = hierarchical_allreduce(hierarchy, bufs.send, bufs.recv, op, timeout,
-                                            compression, redundancy, weight=weight,
-                                            residual=residual)
+                                               compression, redundancy, weight=weight,
+                                               residual=residual)
             ok = True
         finally:
             bufs.finish(ok=ok)

@@ -84,10 +84,9 @@ def allreduce(h: Hierarchy, send: np.ndarray, recv: np.ndarray, op: str, timeout
         slice_len = slices[j][1] - slices[j][0] if j < lead else 0
     first = slices[j][0] if j < lead else count
     inter: Any = h.inter            # (None: stages.inter does not call)
-    records = h.buffer("records", np.int64, layout.local_size * _record_words(h, 
-        -(-count // lead), send.dtype.itemsize)).view(np.uint64)
-    own_record = records[j * records.size // layout.local_size:
-                         (j + 1) * records.size // layout.local_size]
+    per_owner = _record_words(h, -(-count // lead), send.dtype.itemsize)
+    records = h.buffer("records", np.int64, layout.local_size * per_owner).view(np.uint64)
+    own_record = records[j * per_owner:(j + 1) * per_owner]
     stages = Stages(h, None, deadline)
 
     # 1. within the node: this rank's slice, reduced over the node
@@ -144,7 +143,6 @@ def allreduce(h: Hierarchy, send: np.ndarray, recv: np.ndarray, op: str, timeout
     if own is not None:
         recv[missed] = _stand_in(h, own, op)
 
-    per_owner = records.size // layout.local_size
     came = s3.contributors.received().reshape(layout.local_size, per_owner).all(axis=1)
     record, delivered, agreed = assemble(
         layout, slices, records.reshape(layout.local_size, per_owner), came,

@@ -3,7 +3,7 @@ COMM_TYPE_SHARED split) holds each rank, numbered by each node's lowest rank."""
 
 from __future__ import annotations
 
-from typing import Any, List, Tuple
+from typing import List, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -75,7 +75,7 @@ class Pieces:
     """Where each rank's chunk lies in the two-level order: piece (j, n),
     the chunk of local rank j of node n, at (j * nodes + n) * width."""
 
-    def __init__(self, layout: Any, count: int) -> None:
+    def __init__(self, layout: NodeLayout, count: int) -> None:
         ranks = len(layout.node_of)
         self.width = -(-count // ranks)
         self.nodes = layout.nodes
