@@ -48,9 +48,11 @@ class Communicator:
       libfabric's verbs UD, efa or udp, or mpilossy's own UDP sockets) or
       "auto" (ud where the fabric does datagrams in hardware).
     - timeout: deadline of every call in seconds; "auto" (learned from
-      earlier calls and agreed by all ranks, mpilossy/control/deadline.py);
-      None waits for everything (the result is then exact).  Default
-      $MPILOSSY_TIMEOUT, else None.
+      earlier calls and agreed by all ranks, mpilossy/control/deadline.py;
+      lengthened while it cuts more than 1 - delivered_target of the
+      blocks, default 0.99, $MPILOSSY_DELIVERED_TARGET); None waits for
+      everything (the result is then exact).  Default $MPILOSSY_TIMEOUT,
+      else None.
     - loss: injected loss, models of mpilossy.loss or MPILOSSY_LOSS syntax.
     - algorithm: allreduce's default, "ring", "tree", "direct",
       "hierarchical" (exact within each node, lossy between nodes:
@@ -84,7 +86,8 @@ class Communicator:
                  compression: Optional[str] = DEFAULTS.compression,
                  compression_group: int = DEFAULTS.compression_group,
                  redundancy: Union[None, str, Tuple[int, int]] = DEFAULTS.redundancy,
-                 redundancy_target: float = DEFAULTS.redundancy_target) -> None:
+                 redundancy_target: float = DEFAULTS.redundancy_target,
+                 delivered_target: float = UNSET) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -96,7 +99,7 @@ class Communicator:
                          block_bytes=block_bytes, capacity=capacity, tree_radix=tree_radix,
                          scaling=scaling, rotate=rotate, compression=compression,
                          compression_group=compression_group, redundancy=redundancy,
-                         redundancy_target=redundancy_target)
+                         redundancy_target=redundancy_target, delivered_target=delivered_target)
         try:
             config, env = agree(self._comm, arguments)
             rank = self._comm.Get_rank()
@@ -111,7 +114,8 @@ class Communicator:
         self._config = config
         self._rank, self._size = rank, self._comm.Get_size()
         self._buffers = BufferIntake(rank, self._size)
-        self._auto = AutoDeadline(self._comm.Dup(), floor=config.auto_floor, cap=config.auto_cap)
+        self._auto = AutoDeadline(self._comm.Dup(), floor=config.auto_floor, cap=config.auto_cap,
+                                  target=config.delivered_target)
         self._codes = (AutoRedundancy(self._comm.Dup(), config.redundancy_target)
                        if config.redundancy == "auto" else None)
         self._calls = CallResolver(config, self._size, self._auto, self._codes)

@@ -228,6 +228,10 @@ class Config:
         2, 65536, even=True, words="an even int in 2..65536"))
     redundancy: Redundancy = setting(None, check=check_redundancy, agreed=True)
     redundancy_target: float = setting(0.025, check=check_fraction, agreed=True)
+    delivered_target: float = setting(
+        0.99, check=check_fraction, env="MPILOSSY_DELIVERED_TARGET", convert=float, agreed=True,
+        meaning="timeout='auto' lengthens its deadline while the deadline cuts more than "
+                "1 - this share of the blocks (docs/deadlines.md)")
     # from the environment only
     rma_shm: bool = setting(
         True, check=_bool, env="MPILOSSY_RMA_SHM", convert=to_switch, argument=False,

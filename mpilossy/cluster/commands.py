@@ -14,9 +14,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
+from ..call.environment import to_timeout
 from . import __doc__ as _overview
+from . import training
 from .background import parse_background
 from .host import UNAVAILABLE, ClusterUnavailable, unavailable
 from .leftovers import clean_leftovers
@@ -24,12 +26,12 @@ from .lifetime import Cluster
 
 
 # -- bench and train: MPI over TCP against mpilossy's datagrams -------------------
-def parse_sizes(text: str) -> List[Tuple[str, float]]:
-    """'1M:0.05,16M:0.5' -> [(size, deadline), ...]."""
+def parse_sizes(text: str) -> List[Tuple[str, Union[float, str, None]]]:
+    """'1M:0.05,16M:auto' -> [(size, deadline), ...] (seconds or "auto")."""
     out = []
     for item in filter(None, text.split(",")):
         size, _, deadline = item.partition(":")
-        out.append((size.strip(), float(deadline or 0.05)))
+        out.append((size.strip(), to_timeout(deadline or "0.05")))
     return out
 
 
@@ -82,7 +84,8 @@ def bench(cluster: Cluster, args: argparse.Namespace) -> List[Dict[str, Any]]:
                 out = Path(tmp) / "bench.json"
                 cmd = [sys.executable, "-m", "mpilossy.bench", "allreduce", "--scenario", "link",
                        "-c", "ud", "-a", args.algorithm, "-o", "avg", "--sizes", size,
-                       "-t", str(deadline), "-n", str(args.iters), "-w", "3", "--json", str(out)]
+                       "-t", str(deadline).lower(), "-n", str(args.iters), "-w", "3",
+                       "--json", str(out)]
                 before = cluster.counters()
                 proc = under(cluster, cond, args, cmd)
                 if proc.returncode != 0:
@@ -114,7 +117,10 @@ def ms(us: float) -> str:
 
 
 def bench_line(r: Dict[str, Any]) -> str:
-    return (f"{r['condition']:<22} {r['size']:>9} {r['timeout'] or 0:8.3f}  {ms(r['mpi_p50_us'])} "
+    # timeout="auto": the deadline learned by the last call, marked with "~"
+    learned = r.get("lossy_timeouts") or [0.0]
+    deadline = f"{r['timeout']:8.3f}" if r["timeout"] else f"~{learned[-1]:7.3f}"
+    return (f"{r['condition']:<22} {r['size']:>9} {deadline}  {ms(r['mpi_p50_us'])} "
             f"{ms(r['mpi_p99_us'])} {ms(r['mpi_max_us'])}  {ms(r['p50_us'])} {ms(r['p99_us'])} "
             f"{ms(r['max_us'])}  {r['p99_ratio']:9.2f} {r['delivered']:9.3f} "
             f"{r['kernel'].get('Tcp.RetransSegs', 0):11d} {r['switch_drops']:9d} "
@@ -122,36 +128,8 @@ def bench_line(r: Dict[str, Any]) -> str:
 
 
 def train(cluster: Cluster, args: argparse.Namespace) -> List[Dict[str, Any]]:
-    rows: List[Dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for cond in conditions(args):
-            name = cond.name
-            for seed in (int(s) for s in args.seeds.split(",")):
-                for reduce in ("mpi", "mpilossy"):
-                    out = Path(tmp) / "train.json"
-                    cmd = [sys.executable, "-m", "mpilossy.examples.lm", "--reduce", reduce,
-                           "--channel", "ud", "--algorithm", args.algorithm,
-                           "--timeout", str(args.train_timeout), "--steps", str(args.steps),
-                           "--seed", str(seed), "--no-progress", "--json", str(out),
-                           *args.example_args.split()]
-                    proc = under(cluster, cond, args, cmd)
-                    if proc.returncode != 0:
-                        raise SystemExit(f"{name} {reduce}: exit {proc.returncode}\n"
-                                         f"{proc.stdout[-3000:]}{proc.stderr[-3000:]}")
-                    res = json.loads(out.read_text())
-                    row = {"condition": name, "drop": cond.drop, "bursts": cond.bursts,
-                           "background": args.background if cond.background else None,
-                           "seed": seed,
-                           "pace": args.pace,
-                           "reduce": reduce, **{k: res[k] for k in (
-                               "val_perplexity", "delivered", "train_seconds", "comm_seconds",
-                               "wall_seconds")}}
-                    rows.append(row)
-                    print(f"{name:<22} seed {seed} {reduce:<9} train {row['train_seconds']:7.1f} s"
-                          f"  comm {row['comm_seconds']:6.1f} s  perplexity "
-                          f"{row['val_perplexity']:6.3f}  delivered {row['delivered']:.3f}",
-                          flush=True)
-    return rows
+    return training.train(lambda cond, cmd: under(cluster, cond, args, cmd),
+                          list(conditions(args)), args)
 
 
 # -- command line ----------------------------------------------------------------
@@ -235,13 +213,17 @@ def parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
                             "port of this rate (docs/ud.md); 'port': the port rate (--rate)")
         if what == "bench":
             p.add_argument("--sizes", default="1M:0.1,16M:2",
-                           help="SIZE:DEADLINE pairs (mpilossy's deadline in seconds)")
+                           help="SIZE:DEADLINE pairs (mpilossy's deadline: seconds or auto)")
             p.add_argument("--iters", type=int, default=50, help="calls per size and way")
         else:
             p.add_argument("--steps", type=int, default=300)
             p.add_argument("--seeds", default="0", help="comma-separated seeds")
-            p.add_argument("--train-timeout", type=float, default=0.05,
-                           help="mpilossy's deadline per call (s)")
+            p.add_argument("--train-timeout", type=to_timeout, default="auto",
+                           help="mpilossy's deadline per call: seconds, auto (learned and "
+                                "agreed, the default) or none")
+            p.add_argument("--arms", type=training.parse_arms, default=",".join(training.ARMS),
+                           help="the two runs of each seed, back to back: mpi,mpilossy (the "
+                                "default), or an A/A pair (mpilossy,mpilossy; mpi,mpi)")
             p.add_argument("--example-args", default="",
                            help="more arguments of the example, e.g. '--no-align'")
     sub.add_parser("clean", help="remove what runs killed with SIGKILL left behind")

@@ -3,18 +3,43 @@
 The rule, per kind of call (collective, algorithm, message size rounded to a
 power of two):
 
-- each rank keeps the durations of its last ``WINDOW`` *complete* calls of
-  that kind (every contribution arrived, no deadline hit), measured from the
-  anchor (every peer seen in the call) to the end, which is the part the
-  stages of a call must fit in;
+- each rank keeps the durations of its last ``WINDOW`` calls of that kind
+  that ended before their deadline with every block that was not dropped
+  on purpose (injected loss), measured from the anchor (every peer seen in
+  the call) to the end, which is the part the stages of a call must fit in.
+  (A rank far behind its peers finds their blocks of the call rewritten,
+  "gone", and ends quickly but not fast: counted, it took the learned
+  deadline of a straggler run from 2 ms to 20 ms);
 - every ``PERIOD`` calls on the communicator (every call counts, whatever
   its kind and whether it failed validation, so the schedule is the same on
-  every rank) the ranks take the maximum of their 95th percentiles of every
-  kind with one nonblocking ``MPI_Iallreduce`` of a fixed-size vector on a
-  private communicator; ``LAG`` calls later the deadline of each kind becomes
-  ``FACTOR`` times that maximum, clamped between ``floor`` and ``cap``;
+  every rank) the ranks agree, with one nonblocking ``MPI_Iallreduce`` of a
+  fixed-size vector on a private communicator, on the maximum of their 95th
+  percentiles of every kind and on each rank's *cut*: the share of the
+  blocks it reads that its timeout="auto" calls gave up at the deadline
+  (late, not lost), over the calls since the last agreement in which every
+  peer was seen within the first ``EARLY_ANCHOR`` of the deadline; ``LAG``
+  calls later the deadline of each kind becomes ``FACTOR * scale`` times
+  that maximum, clamped between ``floor`` and ``cap``;
+- ``scale`` holds the delivered target (``delivered_target``, default
+  0.99): where the ranks' mean cut exceeds ``1 - target`` it grows by
+  sqrt(cut / allowed), at most ``STEP_UP`` per agreement; where the cut is
+  below half of what is allowed it shrinks by ``STEP_DOWN``; it never goes
+  below 1 (the deadline never cuts below what calls that finished in time
+  needed) nor above what reaches ``cap``; every rank computes it from the
+  same agreed numbers, so it is the same everywhere;
 - until the first agreement, and for kinds never seen complete, the
   deadline is ``cap``.
+
+Why the cut and not the percentile alone: under congestion from other
+traffic the calls that the deadline cut are the long ones, and a percentile
+of the calls that finished in time never sees them; it learns a deadline
+too short for the network it is in (0.947 delivered on the emulated cluster
+beside background traffic, docs/deadlines.md).  Calls in which a peer was
+seen late or never (a straggler, a stopped rank, a rank catching up after
+either) do not count: waiting longer for a rank that is not there buys
+nothing, and the learned deadline is what bounds the wait for it.  Blocks
+lost to injected loss or real drops that their producers reported do not
+count either: no deadline brings them back.
 
 The agreement is waited for at most SETTLE_SHARE of the shortest deadline
 in use, and that wait comes out of the call's own deadline: ranks that are
@@ -23,10 +48,12 @@ rank whose peer is far behind (asleep, not yet in the agreement) gives up
 after that share, keeps its previous deadlines and looks again at its next
 call, so a straggler cannot stretch the other ranks' calls.  The ranks then
 use different deadlines for those few calls, which the straggler makes lossy
-anyway.  Agreement k starts at call k * PERIOD on every rank even while
-earlier ones are still pending (they queue, each with its own buffers): the
-collectives match by order, so skipping one on a rank that waits would put
-the ranks' schedules a period apart for good.
+anyway.  Agreements apply in the order they started, each once, so the
+scale is the same on every rank once they are applied.  Agreement k starts
+at call k * PERIOD on every rank even while earlier ones are still pending
+(they queue, each with its own buffers): the collectives match by order, so
+skipping one on a rank that waits would put the ranks' schedules a period
+apart for good.
 
 A communicator freed while an agreement is still in flight waits for it at
 most a second, then leaves it to control/agreement.py, which completes it
@@ -34,7 +61,10 @@ later.
 
 Why these numbers: a call spends 40% of its deadline in its stages after the
 anchor (docs/deadlines.md), so FACTOR = 4 gives a lossless call 1.6 times its
-recent 95th percentile, and late peers 60% of the deadline.  The agreement
+recent 95th percentile, and late peers 60% of the deadline.  The scale
+climbs fast and comes down slowly: a deadline too short loses data at once,
+one too long costs only while data is late (a call ends when everything
+has arrived).  The agreement
 matters: ranks that used different deadlines would give up at different
 stages, and losses that hit some ranks more than others bias the result.
 """
@@ -55,6 +85,9 @@ WINDOW = 64
 FACTOR = 4.0
 PERCENTILE = 95
 SETTLE_SHARE = 0.25     # of a deadline, at most, spent completing an agreement
+STEP_UP = 2.0           # largest growth of the scale per agreement
+STEP_DOWN = 0.75        # its shrinking per agreement while the cut is well below target
+EARLY_ANCHOR = 0.25     # a call's cut counts if every peer was seen within this share of it
 
 Key = Tuple[int, int, int]
 
@@ -77,19 +110,40 @@ def _key(slot: int) -> Key:
     return (slot // (_ALGORITHMS * _BUCKETS), slot // _BUCKETS % _ALGORITHMS, slot % _BUCKETS)
 
 
+def next_scale(scale: float, cut: float, allowed: float, largest: float) -> float:
+    """The scale after an agreement whose ranks' mean cut is `cut`, for a
+    target that allows `allowed` (1 - delivered target); `largest`: the
+    scale beyond which every deadline is at the cap (no wind-up)."""
+    if cut > allowed:
+        scale *= min(STEP_UP, math.sqrt(cut / allowed))
+    elif cut < allowed / 2:
+        scale *= STEP_DOWN
+    return max(1.0, min(scale, largest))
+
+
 class AutoDeadline:
     """The learned, agreed deadline of each kind of call on one communicator."""
 
-    def __init__(self, comm: MPI.Intracomm, floor: float = 1e-3, cap: float = 1.0) -> None:
+    def __init__(self, comm: MPI.Intracomm, floor: float = 1e-3, cap: float = 1.0,
+                 target: float = 0.99) -> None:
         if not (0 < floor <= cap) or not math.isfinite(cap):
             raise ValueError(f"auto deadline needs 0 < floor <= cap < inf, got {floor}, {cap}")
+        if not 0 < target < 1:
+            raise ValueError(f"delivered target must be in (0, 1), got {target}")
         self.comm = comm            # private: the agreements never meet other traffic
         self.size = comm.Get_size()
+        self.rank = comm.Get_rank()
         self.floor = floor
         self.cap = cap
+        self.allowed = 1.0 - target     # share of the blocks the deadline may cut
         self.calls = 0
         self.durations: Dict[Key, deque] = {}
+        self.agreed: Dict[Key, float] = {}     # agreed 95th percentile per kind
         self.timeouts: Dict[Key, float] = {}
+        self.scale = 1.0
+        self.cut = 0.0              # this period's cut shares, summed over its calls
+        self.cut_calls = 0
+        self.auto_call = False      # whether the current call uses the auto deadline
         self.pending: Deque[Agreement] = deque()
         self.started = 0            # agreements started (one per PERIOD calls once active)
         self.active = False
@@ -102,6 +156,7 @@ class AutoDeadline:
         agreement, which the call takes out of its deadline."""
         self.calls += 1
         self.active = self.active or auto
+        self.auto_call = auto
         spent = 0.0
         for agreement in self.pending:
             agreement.request.Test()     # drive MPI progress: shared-memory calls make none
@@ -118,15 +173,24 @@ class AutoDeadline:
         # Agreement k starts at call k * PERIOD on every rank, whatever is
         # still pending: the collectives match by order, so none is skipped.
         if self.active and self.calls % PERIOD == 0:
-            send = np.zeros(_SLOTS)
-            for key, durations in self.durations.items():
-                if durations:
-                    send[_slot(key)] = float(np.percentile(list(durations), PERCENTILE))
-            recv = np.zeros(_SLOTS)
-            self.pending.append(Agreement(self.comm.Iallreduce(send, recv, op=MPI.MAX), send,
-                                           recv, self.calls + LAG))
-            self.started += 1
+            self._start()
         return spent
+
+    def _start(self) -> None:
+        # [percentile of every kind | 1 + each rank's mean cut, 0 if it had
+        # no call to count]: MAX gives the largest percentiles and, in the
+        # ranks' own places, everyone's cut.
+        send = np.zeros(_SLOTS + self.size)
+        for key, durations in self.durations.items():
+            if durations:
+                send[_slot(key)] = float(np.percentile(list(durations), PERCENTILE))
+        if self.cut_calls:
+            send[_SLOTS + self.rank] = 1.0 + self.cut / self.cut_calls
+        self.cut, self.cut_calls = 0.0, 0
+        recv = np.zeros_like(send)
+        self.pending.append(Agreement(self.comm.Iallreduce(send, recv, op=MPI.MAX), send,
+                                       recv, self.calls + LAG))
+        self.started += 1
 
     def _settle(self, agreement: Agreement) -> Tuple[float, bool]:
         """Wait for an agreement at most SETTLE_SHARE of the shortest deadline
@@ -143,26 +207,41 @@ class AutoDeadline:
     def _apply(self, recv: np.ndarray) -> None:
         # Every kind any rank reported, also those this rank has not used yet:
         # the deadlines must be the same everywhere when it does.
-        for slot in np.flatnonzero(recv > 0):
-            self.timeouts[_key(int(slot))] = min(max(FACTOR * float(recv[slot]), self.floor),
-                                                 self.cap)
+        for slot in np.flatnonzero(recv[:_SLOTS] > 0):
+            self.agreed[_key(int(slot))] = float(recv[slot])
+        cuts = recv[_SLOTS:]
+        cuts = cuts[cuts > 0] - 1.0
+        if cuts.size and self.agreed:
+            largest = self.cap / (FACTOR * min(self.agreed.values()))
+            self.scale = next_scale(self.scale, float(np.mean(cuts)), self.allowed, largest)
+        for key, p in self.agreed.items():
+            self.timeouts[key] = min(max(FACTOR * self.scale * p, self.floor), self.cap)
 
     def timeout(self, key: Key) -> float:
         """The deadline of this call, of this kind."""
         return self.timeouts.setdefault(key, self.cap)
 
     def observe(self, key: Key, result: Any) -> None:
-        """Learn from a call that ended (the core's CallResult): how long its
-        stages took after the anchor, if every contribution arrived.  (A
-        single rank has nothing to learn: it only copies.)"""
+        """Learn from a call that ended (the core's CallResult) in which every
+        peer was seen: how long its stages took after the anchor, if it ended
+        before its deadline with everything not dropped on purpose, and, if
+        every peer was seen early in it, what share of the blocks it read
+        the deadline cut.  (A single rank has nothing to learn: it only
+        copies.)"""
         if self.size > 1 and not result.err_kind:
-            _start, anchor, end = result.timing
+            start, anchor, end = result.timing
             if anchor >= 0:
-                self.record(key, end - anchor, result.delivered >= 1.0 and not result.deadline_hit)
+                _injected, _late, gone, torn = result.lost_blocks
+                self.record(key, end - anchor, not (result.deadline_hit or gone or torn))
+                early = anchor - start <= EARLY_ANCHOR * self.timeouts.get(key, self.cap)
+                if self.auto_call and early and result.read_blocks:
+                    self.cut += min(1.0, result.lost_blocks[1] / result.read_blocks)
+                    self.cut_calls += 1
 
-    def record(self, key: Key, duration: float, complete: bool) -> None:
-        """Report how long the stages of a call took, and whether it lost anything."""
-        if complete and duration > 0:
+    def record(self, key: Key, duration: float, in_time: bool) -> None:
+        """Report how long the stages of a call took, and whether it ended
+        before its deadline."""
+        if in_time and duration > 0:
             self.durations.setdefault(key, deque(maxlen=WINDOW)).append(duration)
 
     def close(self, limit: float = 1.0) -> None:

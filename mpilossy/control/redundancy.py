@@ -2,9 +2,13 @@
 ranks measured on recent calls, agreed by all of them.
 
 Each rank counts, over its last ``WINDOW`` calls, the data blocks its
-streams covered and those that did not arrive on their own (lost for any
-cause, or rebuilt from parity: what the wire lost, whether or not parity
-made up for it).  Every ``PERIOD`` calls the ranks take the largest of their
+streams covered and those that did not arrive on their own (dropped, or
+rebuilt from parity: what the wire lost, whether or not parity made up for
+it).  Blocks still missing at the deadline do not count: they are late,
+not lost, and the parity sent after them is as late; how much the deadline
+may cut is the learned deadline's business (control/deadline.py).  Counted,
+under congestion the cut raised the code, whose extra bytes made the calls
+later still.  Every ``PERIOD`` calls the ranks take the largest of their
 loss rates with one nonblocking ``MPI_Iallreduce`` (MAX) on a private
 communicator; ``LAG`` calls later every rank applies it, and from then on
 each call's code is the smallest m (groups of ``AUTO_K`` blocks) whose
@@ -148,7 +152,8 @@ class AutoRedundancy:
     def observe(self, result: Any) -> None:
         """Learn from a call that ended (the core's CallResult)."""
         if not result.err_kind and result.read_blocks:
-            self.recent.append((sum(result.lost_blocks) + result.rebuilt, result.read_blocks))
+            injected, _late, gone, torn = result.lost_blocks
+            self.recent.append((injected + gone + torn + result.rebuilt, result.read_blocks))
 
     def code(self, target: Optional[float] = None) -> Code:
         """The code in force for residual-loss `target` (default: the

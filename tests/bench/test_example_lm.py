@@ -28,7 +28,7 @@ TINY = ["--steps", "40", "--width", "32", "--layers", "1", "--heads", "2", "--co
 
 
 @pytest.mark.parametrize("extra", [
-    ["--reduce", "mpi"], ["--loss", "0"], ["--loss", "0.1"],
+    ["--reduce", "mpi"], ["--loss", "0", "--timeout", "none"], ["--loss", "0.1"],
     ["--mode", "sharded", "--no-error-feedback", "--loss", "0.1"],
     ["--mode", "replicated", "--error-feedback", "--resync", "average", "--loss", "0.1"],
     ["--mode", "replicated", "--no-error-feedback", "--loss", "0.3", "--phase-aware"]],
@@ -49,6 +49,10 @@ def test_short_run_learns(tmp_path, extra):
         assert r["delivered"] < 1.0, r          # loss was really injected
     else:
         assert r["delivered"] == 1.0 and r["final_drift"] == 0.0, r
+    if "mpi" not in extra and "--timeout" not in extra:
+        # the default deadline is learned: below its 1 s cap after the first agreement
+        learned = r["auto_deadlines"]
+        assert learned and min(learned.values()) < 1.0, learned
 
 
 def test_compute_deadline_under_stragglers(tmp_path):
@@ -193,3 +197,12 @@ def test_progress_choice(tmp_path):
     os.close(master)
     lines = (tmp_path / "log").read_text().splitlines()
     assert [line.split()[2] for line in lines] == [f"{n}/7" for n in range(1, 8)], lines
+
+
+def test_timeout_argument():
+    from mpilossy.examples.lm.__main__ import parser
+    assert parser().parse_args([]).timeout == "auto"
+    assert parser().parse_args(["--timeout", "none"]).timeout is None
+    assert parser().parse_args(["--timeout", "0.25"]).timeout == 0.25
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--timeout", "soon"])

@@ -70,6 +70,7 @@ BAD_ARGUMENTS = {
     "rotate": (1, TypeError), "compression": ("int2", ValueError),
     "compression_group": (63, ValueError), "redundancy": ((4, 4), ValueError),
     "redundancy_target": (0.0, ValueError),
+    "delivered_target": (1.0, ValueError),
 }
 
 
@@ -90,6 +91,7 @@ def test_the_agreed_settings_are_marked_on_the_fields():
     labels = [label for label, _ in config.agreed()]
     assert labels == ["channel", "block_bytes", "capacity", "tree_radix", "scaling", "rotate",
                       "compression", "compression_group", "redundancy", "redundancy_target",
+                      "delivered_target",
                       "MPILOSSY_RMA_SHM",
                       "datagram provider", "MPILOSSY_UD_MTU"]
     assert "timeout" not in labels and "MPILOSSY_UD_DOMAIN" not in labels   # may differ

@@ -71,3 +71,60 @@ def test_auto_per_call_and_bad_values(comm):
         assert lc.allreduce(np.ones(8)).timeout is None
     with pytest.raises(TypeError):
         mpilossy.Communicator(comm, timeout="soon")
+
+
+def test_scale_steps():
+    allowed = 0.03
+    assert deadline.next_scale(1.0, 0.0, allowed, 100.0) == 1.0            # never below 1
+    assert deadline.next_scale(4.0, 0.0, allowed, 100.0) == 4.0 * deadline.STEP_DOWN
+    assert deadline.next_scale(4.0, 0.02, allowed, 100.0) == 4.0          # within the band: hold
+    grown = deadline.next_scale(1.0, 0.06, allowed, 100.0)
+    assert grown == pytest.approx(2 ** 0.5)                                 # sqrt(cut / allowed)
+    assert deadline.next_scale(1.0, 0.9, allowed, 100.0) == deadline.STEP_UP
+    assert deadline.next_scale(3.0, 0.9, allowed, 4.0) == 4.0              # no wind-up past the cap
+
+
+@pytest.mark.mpi(min_size=2)
+def test_cut_lengthens_the_deadline_on_every_rank_and_it_comes_back(comm, monkeypatch):
+    # Rank 0 reports that the deadline cut half of its blocks for the first
+    # three periods (as under congestion); every rank must lengthen its
+    # deadline at the same call by the same scale, then return to 1.
+    monkeypatch.setenv("MPILOSSY_AUTO_CAP", "2.0")
+    observe = deadline.AutoDeadline.observe
+    congested = 3 * deadline.PERIOD
+
+    def observe_cut(self, key, result):
+        if comm.rank == 0 and self.calls <= congested and result.read_blocks:
+            result = result._replace(lost_blocks=(0, result.read_blocks // 2, 0, 0),
+                                     deadline_hit=True)
+        observe(self, key, result)
+
+    monkeypatch.setattr(deadline.AutoDeadline, "observe", observe_cut)
+    x = np.ones(4096)
+    used, scales = [], []
+    with mpilossy.Communicator(comm, timeout="auto") as lc:
+        for _ in range(14 * deadline.PERIOD):
+            used.append(lc.allreduce(x, np.empty_like(x), algorithm="direct").timeout)
+            scales.append(lc._auto.scale)
+    everyone = comm.allgather((used, scales))
+    assert all(u == everyone[0] for u in everyone), "ranks used different deadlines or scales"
+    top = max(scales)
+    assert top >= 2.0, scales                       # lengthened while the cut lasted
+    assert scales.index(top) <= congested + deadline.PERIOD + deadline.LAG, scales
+    assert scales[-1] == 1.0, scales                # and back once it stopped
+
+
+@pytest.mark.mpi(min_size=2)
+def test_injected_loss_is_not_cut_and_the_deadline_is_learned(comm, monkeypatch):
+    # Blocks lost to injected loss were never late: the calls still teach
+    # the deadline, and the scale stays 1 (no deadline brings them back).
+    monkeypatch.setenv("MPILOSSY_AUTO_CAP", "2.0")
+    x = np.ones(4096 * 8)
+    with mpilossy.Communicator(comm, timeout="auto", block_bytes=4096,
+                               loss="bernoulli:p=0.2") as lc:
+        stats = [lc.allreduce(x, np.empty_like(x), algorithm="direct")
+                 for _ in range(4 * deadline.PERIOD)]
+        scale = lc._auto.scale
+    assert min(s.delivered for s in stats) < 1.0             # the loss happened
+    assert stats[-1].timeout < 2.0, stats[-1].timeout        # learned, not the cap
+    assert scale == 1.0

@@ -8,6 +8,7 @@ import itertools
 import time
 
 import numpy as np
+from mpi4py import MPI
 import pytest
 
 import mpilossy
@@ -243,3 +244,17 @@ def test_the_wait_for_a_late_peers_agreement_leaves_the_cpu_to_it(comm):
     for rank, (wall, cpu) in enumerate(due[:-1]):
         assert wall > 0.5, due                  # it did wait for the late rank
         assert cpu < 0.25 * wall, due           # without holding a core
+
+
+def test_late_blocks_are_the_deadlines_not_lost():
+    """What the deadline cut is not counted: parity sent after late blocks is
+    as late.  Dropped, gone, torn and rebuilt blocks are."""
+    from types import SimpleNamespace
+    comm = MPI.COMM_SELF.Dup()
+    try:
+        codes = auto.AutoRedundancy(comm, 0.025)
+        codes.observe(SimpleNamespace(err_kind=0, read_blocks=100, lost_blocks=(2, 30, 3, 1),
+                                      rebuilt=4))
+        assert list(codes.recent) == [(2 + 3 + 1 + 4, 100)]
+    finally:
+        comm.Free()

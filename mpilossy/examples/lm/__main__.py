@@ -13,6 +13,8 @@ from typing import List, Optional
 
 from mpi4py import MPI
 
+from mpilossy.call.environment import to_timeout
+
 from .progress import MODES
 from .train import Config, train
 
@@ -47,7 +49,13 @@ def parser() -> argparse.ArgumentParser:
                     help="gradient all-reduce: mpilossy (lossy) or mpi (reliable MPI_Allreduce baseline)")
     ap.add_argument("--loss", default="0", help="injected loss: a probability (Bernoulli) or an "
                     "MPILOSSY_LOSS spec such as gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1")
-    ap.add_argument("--timeout", type=float, default=d.timeout, help="deadline of each call (s)")
+    ap.add_argument("--timeout", type=to_timeout, default=d.timeout,
+                    help="deadline of each lossy call: seconds, 'auto' (learned from the "
+                    "calls and agreed by the ranks, holding at least 97%% delivered: "
+                    "docs/deadlines.md) or 'none' (wait for everything)")
+    ap.add_argument("--delivered-target", type=float, default=d.delivered_target,
+                    help="with --timeout auto: the share of the gradients the learned "
+                    "deadline keeps at least (default: the library's, 0.99)")
     ap.add_argument("--block-bytes", type=int, default=d.block_bytes, help="loss unit (bytes)")
     ap.add_argument("--algorithm", choices=("auto", "ring", "tree", "direct", "hierarchical"),
                     default=d.algorithm,
@@ -121,6 +129,7 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     args = parser().parse_args(argv)
     cfg = Config(reduce=args.reduce, loss=loss_spec(args.loss), timeout=args.timeout,
+                 delivered_target=args.delivered_target,
                  block_bytes=args.block_bytes, algorithm=args.algorithm, channel=args.channel,
                  mode=args.mode, error_feedback=args.error_feedback, missed=args.missed,
                  zero_fill=args.zero_fill, rotate=args.rotate,
@@ -146,12 +155,16 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"{'' if cfg.compression == 'none' or cfg.compression_feedback else ' without EF'}"
             f"{'' if cfg.redundancy == 'none' else ', redundancy ' + cfg.redundancy}")
         print(f"ranks {r['ranks']}  reduce {how}  loss {cfg.loss or 'none'}  "
+              f"{'' if cfg.reduce == 'mpi' else 'deadline ' + str(r.get('timeout')) + '  '}"
               f"params {r['parameters']}  steps {cfg.steps}")
         print(f"train loss      {r['train_loss_first']:.3f} -> {r['train_loss_last']:.3f}")
         print(f"val perplexity  {r['val_perplexity']:.4f}  (rank 0's model; ranks "
               f"{min(r['val_perplexity_ranks']):.4f}..{max(r['val_perplexity_ranks']):.4f})")
         print(f"drift           {r['final_drift']:.2e} at the end, {r['max_drift']:.2e} at most")
         print(f"delivered       {r['delivered']:.4f}")
+        if r.get("auto_deadlines"):
+            print("deadline        learned: " + ", ".join(
+                f"{kind} {1e3 * seconds:.1f} ms" for kind, seconds in r["auto_deadlines"].items()))
         if "fabric" in r:
             print(f"channel         {fabric_line(r['fabric'])}")
         print(f"time            {r['wall_seconds']:.1f} s ({r['comm_seconds']:.1f} s in gradient "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
@@ -19,6 +20,7 @@ from mpi4py import MPI
 
 import mpilossy
 import mpilossy.torch as mt
+from mpilossy.hierarchy import NodeLayout
 
 from . import corpus as corpus_mod
 from .model import TinyGPT
@@ -32,7 +34,10 @@ __all__ = ["Config", "train"]
 class Config:
     reduce: str = "mpilossy"          # "mpilossy" or "mpi" (reliable MPI_Allreduce)
     loss: str = ""                    # mpilossy.loss spec ("" = none)
-    timeout: float = 0.05             # deadline of every lossy call (s)
+    timeout: Union[float, str, None] = "auto"  # deadline of every lossy call: seconds,
+                                      # "auto" (learned and agreed, docs/deadlines.md) or None
+    delivered_target: Optional[float] = None  # timeout "auto": the share it keeps (None:
+                                      # the library's default, 0.99)
     block_bytes: int = 4096           # loss unit: about one packet
     algorithm: str = "auto"           # of the lossy all-reduce
     channel: str = "auto"             # of the lossy all-reduce: rma, ud or auto
@@ -50,7 +55,8 @@ class Config:
     compute_deadline: str = "off"     # "off", "auto" or seconds: DropCompute's budget per step
     compression: str = "none"         # gradients: "none", "int8", "int4" or "topk:D" (density D)
     compression_feedback: bool = True  # the compressor's error feedback
-    redundancy: str = "none"          # "K,M": M parity blocks with every K, or "auto" (docs/redundancy.md)
+    redundancy: str = "auto"          # "none", "K,M": M parity blocks with every K, or "auto":
+                                      # M from the measured loss rate (docs/redundancy.md)
     optimizer: str = "adamw"          # "adamw", or "sgd" (momentum 0.9; give it its own --lr)
     straggle: str = ""                # "P:F": each rank, each step, with probability P
                                       # computes F times slower (straggler scenario)
@@ -68,6 +74,29 @@ class Config:
     val_windows: int = 1024
     measure_every: int = 25
     threads: int = 1
+
+
+# The deadline where the learned one would run the hierarchy: on fake 2 x 2
+# nodes a rank late into its calls goes missing from its node peers' results
+# under timeout="auto" (docs/deadlines.md, "The learned deadline"); 0.4 s
+# is the fixed deadline measured at 2 x 2 under background traffic.
+HIERARCHY_DEADLINE = 0.4
+
+
+def deadline_for(cfg: Config, comm: MPI.Comm) -> Union[float, str, None]:
+    """cfg.timeout, except "auto" on a job that runs the hierarchical
+    all-reduce (several nodes, several ranks on some node): a fixed
+    HIERARCHY_DEADLINE there, said on rank 0.  Collective."""
+    if cfg.timeout != "auto" or cfg.algorithm not in ("auto", "hierarchical"):
+        return cfg.timeout
+    layout, node = NodeLayout.detect(comm)
+    node.Free()
+    if not layout.hierarchical:
+        return cfg.timeout
+    if comm.rank == 0:
+        print(f"deadline: {HIERARCHY_DEADLINE} s, not auto, with the hierarchical all-reduce "
+              "(docs/deadlines.md)", file=sys.stderr)
+    return HIERARCHY_DEADLINE
 
 
 def pinned_reducers(cfg: Config) -> bool:
@@ -232,12 +261,14 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                   for m in mpilossy.loss.parse(cfg.loss)] if cfg.loss else None
         # Error feedback re-sends what was lost, so it needs the plain average.
         plain = cfg.zero_fill or cfg.error_feedback
-        lc = mpilossy.Communicator(comm, timeout=cfg.timeout, loss=models,
+        lc = mpilossy.Communicator(comm, timeout=deadline_for(cfg, comm), loss=models,
                                    block_bytes=cfg.block_bytes, algorithm=cfg.algorithm,
                                    channel=cfg.channel,
                                    scaling="zero-fill" if plain else "unbiased",
                                    rotate=not pinned_reducers(cfg),
-                                   redundancy=redundancy(cfg))
+                                   redundancy=redundancy(cfg),
+                                   **({} if cfg.delivered_target is None
+                                      else {"delivered_target": cfg.delivered_target}))
         if cfg.phase_aware:
             tolerance = mt.PhaseAwareTolerance(critical_steps=int(cfg.steps * cfg.critical_fraction))
         if cfg.mode == "sharded":
@@ -353,6 +384,11 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                                  "critical_ended": tolerance.critical_ended}
     if lc is not None:
         result["fabric"] = comm.allgather(fabric(lc))
+        result["timeout"] = lc.timeout          # the deadline used (deadline_for)
+        if cfg.timeout == "auto":
+            # the learned deadline of each kind of call at the end (seconds)
+            result["auto_deadlines"] = {" ".join(map(str, kind)): seconds
+                                        for kind, seconds in lc.auto_timeouts.items()}
         if lc.config.redundancy == "auto":
             # what the agreed loss rate called for at the end of training
             result["redundancy_auto"] = {"loss_rate": lc.loss_rate, "code": lc.auto_redundancy()}
