@@ -261,14 +261,15 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                   for m in mpilossy.loss.parse(cfg.loss)] if cfg.loss else None
         # Error feedback re-sends what was lost, so it needs the plain average.
         plain = cfg.zero_fill or cfg.error_feedback
+        target: Dict[str, Any] = {}       # (None: the library's default)
+        if cfg.delivered_target is not None:
+            target["delivered_target"] = cfg.delivered_target
         lc = mpilossy.Communicator(comm, timeout=deadline_for(cfg, comm), loss=models,
                                    block_bytes=cfg.block_bytes, algorithm=cfg.algorithm,
                                    channel=cfg.channel,
                                    scaling="zero-fill" if plain else "unbiased",
                                    rotate=not pinned_reducers(cfg),
-                                   redundancy=redundancy(cfg),
-                                   **({} if cfg.delivered_target is None
-                                      else {"delivered_target": cfg.delivered_target}))
+                                   redundancy=redundancy(cfg), **target)
         if cfg.phase_aware:
             tolerance = mt.PhaseAwareTolerance(critical_steps=int(cfg.steps * cfg.critical_fraction))
         if cfg.mode == "sharded":
