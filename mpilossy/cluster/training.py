@@ -96,12 +96,12 @@ def paired(rows: List[Dict[str, Any]]) -> Dict[str, List[Dict[str, float]]]:
     return out
 
 
-def shown(values: List[float], percent: bool = True) -> str:
-    mean, half = interval(values)
-    scale, unit = (100, "%") if percent else (1, "")
+def shown(shares: List[float]) -> str:
+    """Mean in percent, with the half-width of its 95% interval."""
+    mean, half = interval(shares)
     if math.isnan(half):
-        return f"{scale * mean:+.2f}{unit}"
-    return f"{scale * mean:+.2f}{unit} ± {scale * half:.2f}"
+        return f"{100 * mean:+.2f}%"
+    return f"{100 * mean:+.2f}% ± {100 * half:.2f}"
 
 
 def summary(rows: List[Dict[str, Any]]) -> List[str]:

@@ -231,11 +231,11 @@ class AutoDeadline:
         if self.size > 1 and not result.err_kind:
             start, anchor, end = result.timing
             if anchor >= 0:
-                _injected, _late, gone, torn = result.lost_blocks
+                _injected, late, gone, torn = result.lost_blocks
                 self.record(key, end - anchor, not (result.deadline_hit or gone or torn))
                 early = anchor - start <= EARLY_ANCHOR * self.timeouts.get(key, self.cap)
                 if self.auto_call and early and result.read_blocks:
-                    self.cut += min(1.0, result.lost_blocks[1] / result.read_blocks)
+                    self.cut += min(1.0, late / result.read_blocks)
                     self.cut_calls += 1
 
     def record(self, key: Key, duration: float, in_time: bool) -> None:

@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
                     "MPILOSSY_LOSS spec such as gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1")
     ap.add_argument("--timeout", type=to_timeout, default=d.timeout,
                     help="deadline of each lossy call: seconds, 'auto' (learned from the "
-                    "calls and agreed by the ranks, holding at least 97%% delivered: "
+                    "calls and agreed by the ranks, keeping at least --delivered-target: "
                     "docs/deadlines.md) or 'none' (wait for everything)")
     ap.add_argument("--delivered-target", type=float, default=d.delivered_target,
                     help="with --timeout auto: the share of the gradients the learned "

@@ -386,7 +386,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     if lc is not None:
         result["fabric"] = comm.allgather(fabric(lc))
         result["timeout"] = lc.timeout          # the deadline used (deadline_for)
-        if cfg.timeout == "auto":
+        if lc.timeout == "auto":
             # the learned deadline of each kind of call at the end (seconds)
             result["auto_deadlines"] = {" ".join(map(str, kind)): seconds
                                         for kind, seconds in lc.auto_timeouts.items()}
