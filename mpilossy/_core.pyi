@@ -24,6 +24,9 @@ DIRECT: int
 ALLREDUCE: int
 REDUCE_SCATTER: int
 ALLGATHER: int
+PART_WHOLE: int
+PART_SEGMENT: int
+PART_LAST: int
 PKT_DATA: int
 PKT_HELLO: int
 PKT_ERROR: int
@@ -77,10 +80,11 @@ class CallSpec:
     kind: Tuple[int, int, int]
     fec_k: int
     fec_m: int
+    part: int
     def __init__(self, collective: int, algorithm: int, dtype: int, op: int, timeout: float,
                  budget: float, weight: float, qbits: int, qgroup: int, residual: Optional[Any],
                  nbytes: int, elements: int, kind: Tuple[int, int, int], fec_k: int = ...,
-                 fec_m: int = ...) -> None: ...
+                 fec_m: int = ..., part: int = ...) -> None: ...
     @property
     def redundancy(self) -> Optional[Tuple[int, int]]: ...
 

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import time
 import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
 
-from ._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER, Core
+from ._core import ALLGATHER, ALLREDUCE, PART_WHOLE, REDUCE_SCATTER, Core
 from .call.buffers import BufferIntake, chunk_bounds
 from .call.channel import open_core, pace
-from .call import environment
+from .call import environment, pipeline
 from .call.config import DEFAULTS, UNSET, Config, check_fraction, check_timeout, agree
 from .call.failure import call_error, failure_bound, refuse
 from .call.spec import CallResolver, asks_for_auto, check_residual
@@ -75,6 +76,11 @@ class Communicator:
       "auto": the code whose residual loss at the loss rate the ranks
       measured and agreed is at most redundancy_target, default 2.5%).
 
+    - pipeline_bytes: a GPU all-reduce of at least four times this many
+      bytes (default 8 MiB, $MPILOSSY_PIPELINE_BYTES) is staged in segments of
+      about this size, the copies of one overlapping the transport of
+      another (docs/gpu.md); 0 stages every call in one piece.
+
     Construction and free() are collective over `comm`.
     """
 
@@ -87,7 +93,8 @@ class Communicator:
                  compression_group: int = DEFAULTS.compression_group,
                  redundancy: Union[None, str, Tuple[int, int]] = DEFAULTS.redundancy,
                  redundancy_target: float = DEFAULTS.redundancy_target,
-                 delivered_target: float = UNSET) -> None:
+                 delivered_target: float = UNSET,
+                 pipeline_bytes: Optional[int] = None) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -99,7 +106,8 @@ class Communicator:
                          block_bytes=block_bytes, capacity=capacity, tree_radix=tree_radix,
                          scaling=scaling, rotate=rotate, compression=compression,
                          compression_group=compression_group, redundancy=redundancy,
-                         redundancy_target=redundancy_target, delivered_target=delivered_target)
+                         redundancy_target=redundancy_target, delivered_target=delivered_target,
+                         pipeline_bytes=pipeline_bytes)
         try:
             config, env = agree(self._comm, arguments)
             rank = self._comm.Get_rank()
@@ -113,7 +121,9 @@ class Communicator:
         _live.add(self)
         self._config = config
         self._rank, self._size = rank, self._comm.Get_size()
-        self._buffers = BufferIntake(rank, self._size)
+        # (one rank: a call is a copy, nothing travels that copies could overlap)
+        self._buffers = BufferIntake(rank, self._size,
+                                     config.pipeline_bytes if self._size > 1 else 0)
         self._auto = AutoDeadline(self._comm.Dup(), floor=config.auto_floor, cap=config.auto_cap,
                                   target=config.delivered_target)
         self._codes = (AutoRedundancy(self._comm.Dup(), config.redundancy_target)
@@ -355,20 +365,41 @@ class Communicator:
                                                        residual):
             return self._hierarchical(collective, sendbuf, recvbuf, op, weight, timeout,
                                       compression, residual, redundancy)
+        bufs: Any = None
         try:
             spent = self._count_call(timeout)
+            began = time.perf_counter()
             bufs = self._buffers.take(collective, sendbuf, recvbuf)
-            spec = self._calls.resolve(collective, bufs.send, bufs.recv, op, algorithm, timeout,
-                                       weight, compression, residual, spent, redundancy)
+            send, recv, err, part = bufs.send, bufs.recv, residual, PART_WHOLE
+            if bufs.segments is not None:       # a pipelined GPU all-reduce: its segment 0
+                first, stop = bufs.segments[0]
+                if residual is not None:
+                    residual = check_residual(residual, send, recv)
+                    err = residual[first:stop]
+                send, recv = send[first:stop], recv[first:stop]
+                part = pipeline.part_of(0, len(bufs.segments))
+            spec = self._calls.resolve(collective, send, recv, op, algorithm, timeout, weight,
+                                       compression, err, spent, redundancy, part)
         except BaseException as exc:
+            if bufs is not None:
+                bufs.finish(ok=False)       # (a pipelined call's copies are in flight)
             error = self._refuse(collective, exc)
             if error is None:
                 raise
             raise error from None
+        if bufs.segments is not None:
+            return self._pipelined(bufs, spec, op, algorithm, timeout, weight, compression,
+                                   residual, spent, redundancy, began)
         if spec.residual is not None:
             spec.residual[...] = 0       # (the core writes the blocks it quantised)
         result = core.collective(bufs.send, bufs.recv, spec)
         bufs.finish(ok=not result.err_kind)
+        self._settle(collective, spec, result)
+        return stats_of(result, spec, self._rank, self._size)
+
+    def _settle(self, collective: int, spec: Any, result: Any) -> None:
+        """After a core call: the control loops learn from it, the trace
+        records it, and its error, if any, is raised."""
         self._auto.observe(spec.kind, result)
         if self._codes is not None:
             self._codes.observe(result)
@@ -377,8 +408,38 @@ class Communicator:
         if result.err_kind:
             raise call_error(collective, result)
         self._lag.watch(result)
-        return stats_of(result, spec, self._rank, self._size)
 
+    def _pipelined(self, bufs: Any, spec: Any, op: Any, algorithm: Any, timeout: Any,
+                   weight: Any, compression: Any, residual: Any, spent: float, redundancy: Any,
+                   began: float) -> CollectiveStats:
+        """A GPU all-reduce staged in segments (call/pipeline.py), `spec`
+        segment 0's: one core call per segment while the copies of the
+        others run.  The first segment that fails ends the call."""
+        core = self._alive()
+        segments = bufs.segments
+        done: List[CollectiveStats] = []
+        ok = False
+        try:
+            for k, (first, stop) in enumerate(segments):
+                send, recv = bufs.send[first:stop], bufs.recv[first:stop]
+                if k:           # (what segment 0 accepted: only the sizes differ)
+                    spec = self._calls.resolve(
+                        ALLREDUCE, send, recv, op, algorithm, timeout, weight, compression,
+                        None if residual is None else residual[first:stop],
+                        spent + time.perf_counter() - began, redundancy,
+                        pipeline.part_of(k, len(segments)))
+                if spec.residual is not None:
+                    spec.residual[...] = 0
+                bufs.ready(k)
+                result = core.collective(send, recv, spec)
+                self._settle(ALLREDUCE, spec, result)
+                bufs.deliver(k)
+                done.append(stats_of(result, spec, self._rank, self._size))
+            ok = True
+        finally:
+            bufs.finish(ok=ok)
+        return pipeline.merge_stats(done, [stop - first for first, stop in segments],
+                                    spent + time.perf_counter() - began, self._rank, self._size)
 
     def _count_call(self, timeout: Any) -> float:
         """Count one call: every rank, every call, before anything about it

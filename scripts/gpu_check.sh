@@ -27,6 +27,13 @@ DEVICE=${DEVICE:-cuda}
 SIZES=${SIZES:-1M,4M,16M,64M,256M}
 RANKS=${RANKS:-1,2,4}
 CPU_RANKS=${CPU_RANKS:-4,8,16}
+LOSSES=${LOSSES:-none,bernoulli:0.1}
+BENCH_ARGS=${BENCH_ARGS:-}            # more options of the figures' benchmark
+# Bounds, so that one stuck stage leaves time to the others in a short lease:
+# seconds per benchmark run, per test size (tests/run.py --timeout) and per test.
+STAGE_TIMEOUT=${STAGE_TIMEOUT:-400}
+TEST_TIMEOUT=${TEST_TIMEOUT:-600}
+PER_TEST=${PER_TEST:-180}
 mkdir -p "$OUT"
 LOG="$OUT/check.log"
 status=0
@@ -111,7 +118,7 @@ print('mpilossy', mpilossy.__version__, 'on', M.Get_library_version().splitlines
 
 stage_tests() {
     say "tests (gpu, device) at 1-4 ranks"
-    "$PYTHON" tests/run.py --sizes 1,2,3,4 -k "gpu or device" -rs >"$OUT/tests.log" 2>&1
+    "$PYTHON" tests/run.py --sizes 1,2,3,4 --timeout "$TEST_TIMEOUT" --per-test "$PER_TEST" -k "gpu or device or pipeline" -rs >"$OUT/tests.log" 2>&1
     local code=$?
     grep -E "^== |SKIPPED|FAILED|ERROR" "$OUT/tests.log" | tee -a "$LOG"
     if [ "$code" != 0 ]; then
@@ -122,11 +129,12 @@ stage_tests() {
 
 stage_figures() {
     say "figures: bench device ($DEVICE) at $RANKS ranks, $SIZES"
-    local mpiexec parts=()
+    local mpiexec parts=() extra=()
     mpiexec="$(bindir)/mpiexec"
+    read -ra extra <<<"$BENCH_ARGS"
     for n in ${RANKS//,/ }; do
-        step timeout 400 "$mpiexec" -n "$n" "$PYTHON" -m mpilossy.bench device --device "$DEVICE" \
-            --sizes "$SIZES" --loss none,bernoulli:0.1 -a ring --json "$OUT/device-$n.json"
+        step timeout "$STAGE_TIMEOUT" "$mpiexec" -n "$n" "$PYTHON" -m mpilossy.bench device --device "$DEVICE" \
+            --sizes "$SIZES" --loss "$LOSSES" -a ring "${extra[@]}" --json "$OUT/device-$n.json"
         parts+=("$OUT/device-$n.json")
     done
     merge "$OUT/device.json" "${parts[@]}"
@@ -137,7 +145,7 @@ stage_cpu16() {
     local mpiexec parts=()
     mpiexec="$(bindir)/mpiexec"
     for n in ${CPU_RANKS//,/ }; do
-        step timeout 400 "$mpiexec" -n "$n" "$PYTHON" -m mpilossy.bench allreduce \
+        step timeout "$STAGE_TIMEOUT" "$mpiexec" -n "$n" "$PYTHON" -m mpilossy.bench allreduce \
             -a direct,ring,tree --sizes 1M,4M,16M,64M -n 10 -w 2 --json "$OUT/cpu-$n.json"
         parts+=("$OUT/cpu-$n.json")
     done

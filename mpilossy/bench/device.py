@@ -31,7 +31,7 @@ import mpilossy
 from mpilossy.call.device import Staging, describe
 
 from .allreduce import small_ints
-from .harness import (BATCH, Contender, max_over_ranks, mean_over_ranks, parse_sizes,
+from .harness import (BATCH, Contender, max_over_ranks, mean_over_ranks, parse_size, parse_sizes,
                       parse_timeout, say, time_contenders, write_json)
 
 
@@ -46,6 +46,7 @@ class DeviceRow:
     host_us: float            # mpilossy on host buffers of the same size
     mpi_us: float             # mpi4py, host-staged where the buffers are on a GPU
     gloo_us: float            # torch.distributed Gloo (nan: not measured)
+    whole_us: float           # mpilossy staged in one piece (pipeline_bytes=0; the CPU: time_us)
     delivered: float          # mean over calls and ranks
     wrong: int                # elements off the exact sum, any rank (lossless rows)
 
@@ -110,8 +111,10 @@ def gloo_allreduce(bufs: Buffers, send: Any) -> Optional[Callable[[], None]]:
     return call
 
 
-def measure(comm: MPI.Comm, bufs: Buffers, lc: mpilossy.Communicator, loss: str,
-            algorithm: str, size: int, args: argparse.Namespace) -> DeviceRow:
+def measure(comm: MPI.Comm, bufs: Buffers, lc: mpilossy.Communicator,
+            whole: mpilossy.Communicator, loss: str, algorithm: str, size: int,
+            args: argparse.Namespace) -> DeviceRow:
+    """One row; `whole`: a communicator like `lc` that stages in one piece."""
     count = size // 4
     host_send = small_ints(count, comm.rank, np.dtype(np.float32))
     exact = np.empty_like(host_send)
@@ -148,7 +151,9 @@ def measure(comm: MPI.Comm, bufs: Buffers, lc: mpilossy.Communicator, loss: str,
             recv.set(staged)
             bufs.sync()
 
-        contenders += [Contender("staging", copies), Contender("host", on_host),
+        contenders += [Contender("whole", lambda: whole.allreduce(send, recv,
+                                                                  algorithm=algorithm)),
+                       Contender("staging", copies), Contender("host", on_host),
                        Contender("mpi", mpi_staged)]
     gloo = None if args.no_gloo else gloo_allreduce(bufs, send)
     if gloo is not None:
@@ -162,22 +167,26 @@ def measure(comm: MPI.Comm, bufs: Buffers, lc: mpilossy.Communicator, loss: str,
     mean_delivered = mean_over_ranks(comm, float(np.mean(delivered)))
     return DeviceRow(bufs.device, size, loss, algorithm, times["lossy"],
                      times.get("staging", 0.0), times.get("host", times["lossy"]), times["mpi"],
-                     times.get("gloo", math.nan), mean_delivered, wrong)
+                     times.get("gloo", math.nan), times.get("whole", times["lossy"]),
+                     mean_delivered, wrong)
 
 
-HEADER = ("#       size  loss          algo   mpilossy   staging  host-call    mpi4py      gloo"
-          "  mpi/lossy  gloo/lossy  delivered  #wrong")
-UNITS = ("#        (B)                         (us)      (us)       (us)      (us)      (us)")
+HEADER = ("#       size  loss          algo   mpilossy     whole   staging  host-call    mpi4py"
+          "      gloo  whole/lossy  mpi/lossy  gloo/lossy  delivered  #wrong")
+UNITS = ("#        (B)                         (us)      (us)      (us)       (us)      (us)"
+         "      (us)")
 
 
 def format_table(rows: Sequence[DeviceRow], comm: MPI.Comm, bufs: Buffers,
-                 args: argparse.Namespace) -> str:
+                 args: argparse.Namespace, segment: int) -> str:
     vendor = " ".join(MPI.Get_library_version().split()[:3])
     lines = [
         f"# mpilossy.bench device: {comm.size} ranks, {args.device} ({bufs.name}), {vendor}, "
         f"mpilossy {mpilossy.__version__}",
         f"# float32 sum, channel {args.channel}, timeout {args.timeout}, iters {args.iters}, "
         f"warmup {args.warmup}; time = batches of {BATCH} calls, slowest rank",
+        f"# mpilossy = staged in segments of {segment} B where four fit; "
+        "whole = staged in one piece;",
         "# staging = the device -> pinned host -> device copies of one call, alone; host-call = "
         "mpilossy on host buffers;",
         "# mpi4py = MPI_Allreduce" + (" with host staging (asnumpy, upload)"
@@ -186,8 +195,9 @@ def format_table(rows: Sequence[DeviceRow], comm: MPI.Comm, bufs: Buffers,
         "#", HEADER, UNITS]
     for r in rows:
         lines.append(
-            f"{r.size:12d}  {r.loss:<13s} {r.algorithm:>5s} {r.time_us:10.1f} {r.staging_us:9.1f} "
-            f"{r.host_us:10.1f} {r.mpi_us:9.1f} {r.gloo_us:9.1f} {r.mpi_us / r.time_us:10.2f} "
+            f"{r.size:12d}  {r.loss:<13s} {r.algorithm:>5s} {r.time_us:10.1f} {r.whole_us:9.1f} "
+            f"{r.staging_us:9.1f} {r.host_us:10.1f} {r.mpi_us:9.1f} {r.gloo_us:9.1f} "
+            f"{r.whole_us / r.time_us:12.2f} {r.mpi_us / r.time_us:10.2f} "
             f"{r.gloo_us / r.time_us:11.2f} {r.delivered:10.4f} {r.wrong:7d}")
     return "\n".join(lines)
 
@@ -207,19 +217,24 @@ def run(args: argparse.Namespace) -> int:
         except ImportError:
             say(comm, "# torch is not installed: no Gloo column")
     rows: List[DeviceRow] = []
+    segment = 0
     try:
         for loss in losses:
-            with mpilossy.Communicator(comm, channel=args.channel, timeout=args.timeout,
-                                       loss=None if loss == "none" else loss,
-                                       capacity=max(4 << 20, 2 * max(sizes) + (1 << 20))) as lc:
+            settings = dict(channel=args.channel, timeout=args.timeout,
+                            loss=None if loss == "none" else loss,
+                            capacity=max(4 << 20, 2 * max(sizes) + (1 << 20)))
+            with mpilossy.Communicator(comm, pipeline_bytes=args.pipeline_bytes,
+                                       **settings) as lc, \
+                    mpilossy.Communicator(comm, pipeline_bytes=0, **settings) as whole:
+                segment = lc.config.pipeline_bytes
                 for size in sizes:
                     for algorithm in algorithms:
-                        rows.append(measure(comm, bufs, lc, loss, algorithm, size, args))
+                        rows.append(measure(comm, bufs, lc, whole, loss, algorithm, size, args))
     finally:
         if gloo_group:
             from mpilossy.torch import destroy_process_group
             destroy_process_group()
-    say(comm, format_table(rows, comm, bufs, args))
+    say(comm, format_table(rows, comm, bufs, args, segment))
     if comm.rank == 0:
         write_json(args.json, {"ranks": comm.size, "device": args.device, "name": bufs.name,
                                "mpi": " ".join(MPI.Get_library_version().split()[:3]),
@@ -241,6 +256,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "that 256 MiB meets on one node)")
     p.add_argument("-n", "--iters", type=int, default=10)
     p.add_argument("-w", "--warmup", type=int, default=2)
+    p.add_argument("--pipeline-bytes", type=parse_size, default=None,
+                   help="segments of a pipelined call (default: the communicator's, 8M)")
     p.add_argument("--no-gloo", action="store_true", help="leave torch.distributed out")
     p.add_argument("--json", metavar="FILE", help="write every number as JSON")
 

@@ -52,6 +52,7 @@ class HostBuffers:
     """User memory in place: the call reads `send` and writes `recv`."""
 
     __slots__ = ("send", "recv")
+    segments = None                             # (not pipelined: call/pipeline.py)
 
     def __init__(self, send: np.ndarray, recv: np.ndarray) -> None:
         self.send, self.recv = send, recv
@@ -60,26 +61,29 @@ class HostBuffers:
         """Nothing to copy: the result is already where the user wants it."""
 
 
+Buffers = Union[HostBuffers, _device.StagedBuffers, _device.PipelinedBuffers]
+
+
 class BufferIntake:
     """Turns one call's (sendbuf, recvbuf) into host arrays; owns the pinned
     staging of GPU buffers, reused by every call of a communicator."""
 
-    def __init__(self, rank: int, size: int) -> None:
+    def __init__(self, rank: int, size: int, segment_bytes: int = 0) -> None:
         self.rank, self.size = rank, size
         self.staging = _device.Staging()
+        self.segment_bytes = segment_bytes      # GPU all-reduces: pipelined staging (0: off)
 
-    def take(self, collective: int, sendbuf: Any,
-             recvbuf: Any) -> Union[HostBuffers, _device.StagedBuffers]:
-        """HostBuffers or StagedBuffers for this call.  Raises TypeError,
-        ValueError or BufferError that say what is wrong."""
+    def take(self, collective: int, sendbuf: Any, recvbuf: Any) -> Buffers:
+        """HostBuffers, StagedBuffers or PipelinedBuffers for this call.
+        Raises TypeError, ValueError or BufferError that say what is wrong."""
         rules = RULES[collective]
-        bufs: Union[HostBuffers, _device.StagedBuffers]
+        bufs: Buffers
         if ((type(sendbuf) is np.ndarray or not _device.is_device(sendbuf))
                 and (recvbuf is None or type(recvbuf) is np.ndarray
                      or not _device.is_device(recvbuf))):
             bufs = HostBuffers(*_host(sendbuf, recvbuf, rules))
         else:
-            bufs = self.staging.take(sendbuf, recvbuf, rules)
+            bufs = self.staging.take(sendbuf, recvbuf, rules, self.segment_bytes)
         check_shapes(collective, bufs.send, bufs.recv, self.size, self.rank)
         return bufs
 

@@ -232,6 +232,12 @@ class Config:
         0.99, check=check_fraction, env="MPILOSSY_DELIVERED_TARGET", convert=float, agreed=True,
         meaning="timeout='auto' lengthens its deadline while the deadline cuts more than "
                 "1 - this share of the blocks (docs/deadlines.md)")
+    pipeline_bytes: int = setting(
+        8 << 20, check=_int_in(0, words="an int >= 0"), env="MPILOSSY_PIPELINE_BYTES",
+        convert=int, none_is_unset=True, agreed=True,
+        meaning="a GPU all-reduce of at least four times this many bytes is staged in segments of "
+                "about this size, each copied while the one before travels; 0: in one piece "
+                "(docs/gpu.md)")
     # from the environment only
     rma_shm: bool = setting(
         True, check=_bool, env="MPILOSSY_RMA_SHM", convert=to_switch, argument=False,

@@ -9,7 +9,7 @@ nobody asks about pays for one small copy.
 
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -62,6 +62,21 @@ class Contributors:
         record.block_elems = int(lengths.max()) if lengths.size else 0
         record._spans = (np.asarray(firsts, np.int64), np.asarray(lengths, np.int64))
         return record
+
+    @classmethod
+    def concatenate(cls, records: Sequence["Contributors"], lengths: Sequence[int], *,
+                    size: int, rank: int) -> "Contributors":
+        """One record of results laid end to end, `lengths` elements each
+        (the segments of a pipelined call, mpilossy/call/pipeline.py)."""
+        bits, firsts, spans, offset = [], [], [], 0
+        for record, length in zip(records, lengths):
+            first, span = record.blocks()
+            bits.append(record._bits)
+            firsts.append(first + offset)
+            spans.append(span)
+            offset += length
+        return cls.of_blocks(np.vstack(bits), np.concatenate(firsts), np.concatenate(spans),
+                             size=size, rank=rank)
 
     def members(self) -> np.ndarray:
         """Bool array (blocks, size): [b, r] is True if rank r's data is in block b."""

@@ -17,13 +17,14 @@ is complete when it returns and the result may be used on any stream.
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
+from . import pipeline
 from .dtypes import DTYPE_CODES, SUPPORTED
 
-__all__ = ["DeviceBuffer", "StagedBuffers", "Staging", "backend", "describe", "is_device",
+__all__ = ["DeviceBuffer", "PipelinedBuffers", "StagedBuffers", "Staging", "backend", "describe", "is_device",
            "mpi_cuda_aware"]
 
 KDL_CUDA, KDL_CUDA_MANAGED = 2, 13
@@ -49,6 +50,10 @@ class DeviceBuffer(NamedTuple):
     @property
     def nbytes(self) -> int:
         return self.size * self.dtype.itemsize
+
+    def segment(self, first: int, stop: int) -> "DeviceBuffer":
+        """Elements [first, stop) of the flattened array."""
+        return self._replace(ptr=self.ptr + first * self.dtype.itemsize, shape=(stop - first,))
 
 
 def is_device(obj: Any) -> bool:
@@ -136,6 +141,15 @@ class CupyBackend:
     def synchronize(self, stream: int) -> None:
         self.runtime.streamSynchronize(stream)
 
+    def event(self) -> int:
+        return int(self.runtime.eventCreateWithFlags(self.runtime.eventDisableTiming))
+
+    def record(self, event: int, stream: int) -> None:
+        self.runtime.eventRecord(event, stream)
+
+    def wait_event(self, event: int) -> None:
+        self.runtime.eventSynchronize(event)
+
 
 def backend() -> Any:
     """The copy backend (CuPy).  Raises BufferError where there is none."""
@@ -163,6 +177,7 @@ class StagedBuffers:
     finish() copies the result back to the device."""
 
     __slots__ = ("send", "recv", "_backend", "_device_recv", "_stream")
+    segments = None                             # (not pipelined: call/pipeline.py)
 
     def __init__(self, send: np.ndarray, recv: np.ndarray, backend: Any,
                  device_recv: DeviceBuffer, stream: int) -> None:
@@ -177,6 +192,50 @@ class StagedBuffers:
             self._backend.synchronize(self._stream)
 
 
+class PipelinedBuffers:
+    """An all-reduce staged in segments (mpilossy/call/pipeline.py): `send`
+    and `recv` are the whole pinned host vectors; segment k may be read
+    once ready(k) returned, and deliver(k) queues its result's copy back."""
+
+    __slots__ = ("send", "recv", "segments", "_backend", "_device_send", "_device_recv",
+                 "_in_place", "_events", "_in_stream", "_out_stream", "_delivered")
+
+    def __init__(self, send: np.ndarray, recv: np.ndarray, backend: Any,
+                 device_send: DeviceBuffer, device_recv: DeviceBuffer, in_place: bool,
+                 segments: List[Tuple[int, int]], events: List[Any], in_stream: int,
+                 out_stream: int) -> None:
+        self.send, self.recv, self.segments = send, recv, segments
+        self._backend, self._device_send, self._device_recv = backend, device_send, device_recv
+        self._in_place, self._events = in_place, events
+        self._in_stream, self._out_stream = in_stream, out_stream
+        self._delivered = 0
+
+    def ready(self, k: int) -> None:
+        """Wait until segment k's send data is on the host."""
+        self._backend.wait_event(self._events[k])
+
+    def deliver(self, k: int) -> None:
+        """Queue the copy of segment k's result to the device (not waited
+        for: it runs while the next segment travels)."""
+        first, stop = self.segments[k]
+        self._backend.to_device(self._device_recv.segment(first, stop), self.recv[first:stop],
+                                self._out_stream)
+        self._delivered = k + 1
+
+    def finish(self, ok: bool) -> None:
+        """Wait for every copy.  After a failure, an in-place call gets its
+        delivered segments' data back from slot 0 (the user's data is never
+        lost); an out-of-place recvbuf keeps what was delivered."""
+        back = self._backend
+        if not ok and self._in_place and self._delivered:
+            stop = self.segments[self._delivered - 1][1]
+            back.to_device(self._device_recv.segment(0, stop), self.send[:stop],
+                           self._out_stream)
+        back.synchronize(self._in_stream)
+        if self._out_stream != self._in_stream:
+            back.synchronize(self._out_stream)
+
+
 class Staging:
     """Pinned host buffers owned by a Communicator: allocated on first use,
     grown by doubling, reused by every later call."""
@@ -184,6 +243,7 @@ class Staging:
     def __init__(self) -> None:
         self._backend: Any = None
         self._buffers: List[Optional[np.ndarray]] = [None, None]
+        self._events: List[Any] = []          # one per segment of a pipelined call, reused
 
     @property
     def backend(self) -> Any:
@@ -203,10 +263,25 @@ class Staging:
     def nbytes(self) -> int:
         return sum(b.nbytes for b in self._buffers if b is not None)
 
-    def take(self, sendbuf: Any, recvbuf: Any, rules: Any) -> StagedBuffers:
+    def take(self, sendbuf: Any, recvbuf: Any, rules: Any,
+             segment_bytes: int = 0) -> Union[StagedBuffers, "PipelinedBuffers"]:
         """GPU buffers of one call: validate them, stage what the call reads
         into pinned host memory (copies on the arrays' streams, waited for),
-        and return the host views.  `rules`: call/buffers.py's Rules."""
+        and return the host views.  `rules`: call/buffers.py's Rules.  An
+        all-reduce of at least two segments of `segment_bytes` is staged in
+        segments instead (PipelinedBuffers; 0: never)."""
+        back, send, recv = self._validate(sendbuf, recvbuf, rules)
+        if rules.same_ok and not rules.overlap_ok and recv.nbytes == send.nbytes:
+            same = send.ptr == recv.ptr
+            apart = send.ptr + send.nbytes <= recv.ptr or recv.ptr + recv.nbytes <= send.ptr
+            segments = pipeline.plan(send.size, send.dtype.itemsize, segment_bytes)
+            if segments is not None and (same or apart):
+                return self._pipelined(back, send, recv, same, segments)
+        return self._staged(back, send, recv, recvbuf, rules)
+
+    def _validate(self, sendbuf: Any, recvbuf: Any,
+                  rules: Any) -> Tuple[Any, DeviceBuffer, DeviceBuffer]:
+        """(backend, send, recv) of a call's GPU buffers, checked."""
         if recvbuf is None and rules.recv_required:
             raise TypeError("recvbuf is required")
         back = self.backend                             # raises without CuPy
@@ -227,6 +302,11 @@ class Staging:
                               "sendbuf (in place, no recvbuf) is read-only")
         if recv.dtype != send.dtype:
             raise TypeError(f"recvbuf has dtype {recv.dtype}, sendbuf {send.dtype}")
+        return back, send, recv
+
+    def _staged(self, back: Any, send: DeviceBuffer, recv: DeviceBuffer, recvbuf: Any,
+                rules: Any) -> StagedBuffers:
+        """Stage the whole call: copies queued and waited for."""
         in_stream, out_stream = back.stream_of(send), back.stream_of(recv)
         same = send.ptr == recv.ptr and send.nbytes == recv.nbytes
         s_lo, s_hi, r_lo, r_hi = send.ptr, send.ptr + send.nbytes, recv.ptr, recv.ptr + recv.nbytes
@@ -262,3 +342,22 @@ class Staging:
         if out_stream != in_stream:
             back.synchronize(out_stream)
         return StagedBuffers(host_send.reshape(-1), host_recv.reshape(-1), back, recv, out_stream)
+
+    def _pipelined(self, back: Any, send: DeviceBuffer, recv: DeviceBuffer, in_place: bool,
+                   segments: List[Tuple[int, int]]) -> "PipelinedBuffers":
+        """Stage an all-reduce segment by segment: every copy to the host is
+        queued now, each followed by an event; the call waits for segment
+        k's event only when it reduces segment k.  The send data goes to
+        slot 0 and the result to slot 1, so that slot 0 still holds the
+        user's data if the call fails half way (in place, it is put back)."""
+        in_stream, out_stream = back.stream_of(send), back.stream_of(recv)
+        host_send = self.host(0, send).reshape(-1)
+        host_recv = self.host(1, recv).reshape(-1)
+        while len(self._events) < len(segments):
+            self._events.append(back.event())
+        events = self._events[:len(segments)]
+        for (first, stop), event in zip(segments, events):
+            back.to_host(host_send[first:stop], send.segment(first, stop), in_stream)
+            back.record(event, in_stream)
+        return PipelinedBuffers(host_send, host_recv, back, send, recv, in_place, segments,
+                                events, in_stream, out_stream)

@@ -11,7 +11,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._core import ALLGATHER, AVG, DIRECT, REDUCE_SCATTER, RING, SUM, TREE, CallSpec
+from .._core import ALLGATHER, AVG, DIRECT, PART_WHOLE, REDUCE_SCATTER, RING, SUM, TREE, \
+    CallSpec
 from ..control.deadline import AutoDeadline, size_bucket
 from ..control.redundancy import AutoRedundancy
 from .config import AUTO, COMPRESSIONS, UNSET, Config, check_algorithm, check_compression, \
@@ -58,10 +59,12 @@ class CallResolver:
     def resolve(self, collective: int, send: np.ndarray, recv: np.ndarray, op: Any = "sum",
                 algorithm: Any = None, timeout: Any = UNSET, weight: Any = None,
                 compression: Any = UNSET, residual: Any = None,
-                spent: float = 0.0, redundancy: Any = UNSET) -> CallSpec:
+                spent: float = 0.0, redundancy: Any = UNSET, part: int = PART_WHOLE) -> CallSpec:
         """The spec of one call on the host views `send` and `recv` (checked
         by call/buffers.py).  `spent`: seconds the auto deadline's agreement
-        took at the start of this call, which come out of its deadline.
+        took at the start of this call (and, for a pipeline segment, the
+        call's earlier segments), which come out of its deadline; `part`:
+        PART_* (call/pipeline.py).
         Raises TypeError or ValueError that say what is wrong.  (Called on
         every call: the common arguments take the short way.)"""
         config = self.config
@@ -110,7 +113,7 @@ class CallResolver:
         k, m = redundancy or (0, 0)
         return CallSpec(collective, algo, DTYPE_CODES[send.dtype], opcode, tmo, budget, w, bits,
                         config.compression_group, err, nbytes,
-                        recv.size if collective == ALLGATHER else send.size, kind, k, m)
+                        recv.size if collective == ALLGATHER else send.size, kind, k, m, part)
 
     def _algorithm(self, algorithm: str, nbytes: int, deadline: bool, tree_ok: bool) -> int:
         """algorithm="auto" (docs/performance.md): the tree up to its measured

@@ -110,6 +110,7 @@ cdef struct CallInfo:
     Py_ssize_t block_bytes
     int fec_k             # redundancy: data blocks per group of a slot (0: none)
     int fec_m             # parity records per group
+    int part              # PART_*: a whole call or a segment of a pipelined one
     int ngroups           # groups per slot: ceil(nblocks / fec_k)
     int records           # records a slot holds: nblocks data, then ngroups * fec_m parity
     Py_ssize_t record_bytes   # largest record payload: block_bytes (+ 8 with redundancy)
@@ -219,13 +220,26 @@ cdef inline uint32_t announced_op(const CallInfo* call) noexcept nogil:
 # the rank's own wait).
 cdef enum:
     LAYOUT_EXACT_BIT = 24
+    LAYOUT_PART_BIT = 25      # two bits: PART_*
+
+
+# A GPU all-reduce staged in segments (mpilossy/call/pipeline.py) is one
+# core call per segment.  Which part of a call this is belongs to its
+# signature: ranks that cut the same call differently (or one not at all)
+# then fail on the first call where they differ instead of pairing one
+# rank's segment with another's next call.
+cpdef enum:
+    PART_WHOLE = 0
+    PART_SEGMENT = 1          # a segment followed by others
+    PART_LAST = 2             # the last segment
 
 
 cdef inline uint32_t announced_layout(const CallInfo* call) noexcept nogil:
     """Algorithm, collective, redundancy and whether the call has a deadline
     in one word, as peers see them."""
     return (<uint32_t>call.algo | <uint32_t>call.coll << 4 | <uint32_t>call.fec_k << 8
-            | <uint32_t>call.fec_m << 16 | <uint32_t>(call.timeout < 0) << LAYOUT_EXACT_BIT)
+            | <uint32_t>call.fec_m << 16 | <uint32_t>(call.timeout < 0) << LAYOUT_EXACT_BIT
+            | <uint32_t>call.part << LAYOUT_PART_BIT)
 
 
 
@@ -240,8 +254,12 @@ cdef void describe_call(char* out, size_t size, uint32_t layout, uint64_t count,
         n += snprintf(out + n, size - n, b" redundancy=(%u, %u)", (layout >> 8) & 255,
                       (layout >> 16) & 255)
     if 0 <= n < <int>size:
-        snprintf(out + n, size - n, b" timeout=None" if (layout >> LAYOUT_EXACT_BIT) & 1
-                 else b" with a deadline")
+        n += snprintf(out + n, size - n, b" timeout=None" if (layout >> LAYOUT_EXACT_BIT) & 1
+                      else b" with a deadline")
+    cdef uint32_t part = (layout >> LAYOUT_PART_BIT) & 3
+    if part and 0 <= n < <int>size:
+        snprintf(out + n, size - n, b" (a pipeline segment)" if part == PART_SEGMENT
+                 else b" (the last pipeline segment)")
 
 
 cdef void describe_mismatch(ErrorInfo* err, const CallInfo* call, int me, int peer,

@@ -38,10 +38,14 @@ cdef class CallSpec:
     cdef readonly Py_ssize_t elements    # of the whole vector
     cdef readonly tuple kind         # (collective, algorithm, size bucket): the auto deadline's key
     cdef readonly int fec_k, fec_m   # redundancy: m parity records per group of k; 0: none
+    cdef readonly int part           # PART_*: a whole call, or a segment of a pipelined one
 
     def __init__(self, int collective, int algorithm, int dtype, int op, double timeout,
                  double budget, double weight, int qbits, Py_ssize_t qgroup, residual,
-                 Py_ssize_t nbytes, Py_ssize_t elements, tuple kind, int fec_k=0, int fec_m=0):
+                 Py_ssize_t nbytes, Py_ssize_t elements, tuple kind, int fec_k=0, int fec_m=0,
+                 int part=PART_WHOLE):
+        if not PART_WHOLE <= part <= PART_LAST:
+            raise ValueError(f"part must be PART_WHOLE, PART_SEGMENT or PART_LAST, got {part}")
         self.collective = collective
         self.algorithm = algorithm
         self.dtype = dtype
@@ -57,6 +61,7 @@ cdef class CallSpec:
         self.kind = kind
         self.fec_k = fec_k
         self.fec_m = fec_m
+        self.part = part
 
     @property
     def redundancy(self):
@@ -247,6 +252,7 @@ cdef class Core:
         call.payload.residual = residual if spec.qbits else NULL
         call.fec_k = spec.fec_k
         call.fec_m = spec.fec_m if spec.fec_k else 0
+        call.part = spec.part
         pause = self.loss.delay(call.seq, self.rank)
         with nogil:
             mpl_sleep(pause)
@@ -269,7 +275,7 @@ cdef class Core:
                              <uint64_t>dtype | <uint64_t>call.op << 8 | <uint64_t>algo << 16
                              | <uint64_t>self.tree.radix << 24 | <uint64_t>coll << 40
                              | <uint64_t>(pay.weight > 0) << 48 | <uint64_t>pay.qbits << 52
-                             | <uint64_t>(call.timeout < 0) << 60,
+                             | <uint64_t>(call.timeout < 0) << 60 | <uint64_t>call.part << 61,
                              <uint64_t>call.block_elems ^ (<uint64_t>pay.qgroup << 40)
                              ^ (<uint64_t>call.fec_k << 24) ^ (<uint64_t>call.fec_m << 32),
                              <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)) | 1

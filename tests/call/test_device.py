@@ -4,28 +4,14 @@ a GPU): a fake exposes __cuda_array_interface__, and a fake copy backend
 moves bytes with memmove where CuPy would call cudaMemcpyAsync.  The same
 paths on a real GPU: tests/call/test_gpu.py."""
 
-import ctypes
-
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import mpilossy
 from mpilossy.call import device
+from fake_gpu import FakeDevice, HostCopies
 from helpers import all_ranks_raise, mpi_sum, small_ints
-
-
-class FakeDevice:
-    """A host array that presents itself as device memory."""
-
-    def __init__(self, array, readonly=False, stream=None, strides=None):
-        self.array, self.readonly, self.stream, self.strides = array, readonly, stream, strides
-
-    @property
-    def __cuda_array_interface__(self):
-        return {"shape": self.array.shape, "typestr": self.array.dtype.str,
-                "data": (self.array.ctypes.data, self.readonly), "version": 3,
-                "strides": self.strides, "stream": self.stream}
 
 
 class DLPackOnlyDevice:
@@ -34,31 +20,6 @@ class DLPackOnlyDevice:
 
     def __dlpack__(self, stream=None):
         raise BufferError("not on the host")
-
-
-class HostCopies:
-    """The copy backend, over host memory; records what it did."""
-
-    def __init__(self):
-        self.pinned_calls, self.log = 0, []
-
-    def pinned(self, nbytes):
-        self.pinned_calls += 1
-        return np.zeros(nbytes, np.uint8)
-
-    def stream_of(self, buf):
-        return 7 if buf.stream is None else buf.stream
-
-    def to_host(self, host, buf, stream):
-        ctypes.memmove(host.ctypes.data, buf.ptr, buf.nbytes)
-        self.log.append(("to_host", stream))
-
-    def to_device(self, buf, host, stream):
-        ctypes.memmove(buf.ptr, host.ctypes.data, buf.nbytes)
-        self.log.append(("to_device", stream))
-
-    def synchronize(self, stream):
-        self.log.append(("sync", stream))
 
 
 @pytest.fixture

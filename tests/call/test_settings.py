@@ -20,7 +20,8 @@ BAD = {"MPILOSSY_TIMEOUT": "-1", "MPILOSSY_LOSS": "bernouli:0.1", "MPILOSSY_BLOC
        "MPILOSSY_UD_SOCKET_BYTES": "1.5", "MPILOSSY_AUTO_FLOOR": "-0.1",
        "MPILOSSY_AUTO_CAP": "inf", "MPILOSSY_EARLY_CLOSE": "soon", "MPILOSSY_SPIN": "-1",
        "MPILOSSY_MAX_BEHIND": "0", "MPILOSSY_LOG": "loud", "MPILOSSY_UD_RATE": "fast",
-       "MPILOSSY_UD_OFFLOAD": "maybe", "MPILOSSY_DELIVERED_TARGET": "1.5"}
+       "MPILOSSY_UD_OFFLOAD": "maybe", "MPILOSSY_DELIVERED_TARGET": "1.5",
+       "MPILOSSY_PIPELINE_BYTES": "32M"}
 
 
 def test_every_variable_is_known_and_checked():
