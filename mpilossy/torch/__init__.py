@@ -21,10 +21,12 @@
 - ``WrappedOptimizer``: the type of what the optimizer wrappers return (for
   annotations: ``stats``, ``drift_control``, ``communicator``...).
 
-See docs/training.md.  Devices: the DDP hook without compression takes
-CUDA gradients (staged through pinned host memory, which needs CuPy:
-docs/gpu.md, not yet run on a GPU); everything else here takes CPU
-tensors only and says so on every rank for any other device.
+See docs/training.md.  Devices (docs/gpu.md): DistributedOptimizer, the
+broadcasts, drift control and average_parameters take CUDA tensors (copied
+into pinned host buffers of their own); the DDP hook without compression
+takes CUDA gradients (staged through pinned host memory, which needs CuPy);
+ShardedOptimizer and the hook with compression take CPU tensors only and
+say so on every rank for any other device.
 """
 
 try:

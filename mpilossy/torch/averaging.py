@@ -50,7 +50,7 @@ def average_parameters(parameters: Any, *, comm: CommLike = None) -> float:
     named = named_tensors(parameters)
     problem = next((p for p in (overlap_problem(f"tensor {n!r}", t) for n, t in named) if p),
                    None)
-    check_tensors(comm, named, reducible=False, what="tensors", problem=problem)
+    check_tensors(comm, named, reducible=False, what="tensors", problem=problem, copied=True)
     with torch.no_grad():
         average_tensors(comm, [t for _, t in named], 0)
     return time.perf_counter() - began

@@ -33,7 +33,7 @@ def check_parameters(parameters: Any, comm: CommLike = None) -> None:
     only on the ranks that differ from rank 0, and the others wait forever.
     `parameters`: a module, a state_dict, named_parameters() or tensors.
     """
-    check_tensors(reliable_comm(comm), named_tensors(parameters), reducible=False)
+    check_tensors(reliable_comm(comm), named_tensors(parameters), reducible=False, copied=True)
 
 
 def bcast_tensors(comm: MPI.Intracomm, tensors: Sequence[torch.Tensor], root: int) -> None:
@@ -41,7 +41,8 @@ def bcast_tensors(comm: MPI.Intracomm, tensors: Sequence[torch.Tensor], root: in
     and none that overlaps itself, checked by the caller).  Every message
     carries elements in logical (row-major) order, whatever each rank's
     layout: small tensors packed (FUSE_BELOW), large ones one by one, in
-    place when contiguous, else through a contiguous copy."""
+    place when contiguous on the CPU, else through a contiguous host copy
+    (GPU tensors too)."""
     small = [t for t in tensors if t.numel() * t.element_size() < FUSE_BELOW]
     if small:
         flat = Flat(small)
@@ -55,10 +56,11 @@ def bcast_tensors(comm: MPI.Intracomm, tensors: Sequence[torch.Tensor], root: in
     for t in tensors:
         if id(t) in fused:
             continue
-        if t.is_contiguous():
+        if t.is_contiguous() and t.device.type == "cpu":
             comm.Bcast(as_bytes(t), root)
             continue
-        staged = t.contiguous() if comm.rank == root else torch.empty(t.shape, dtype=t.dtype)
+        staged = (t.detach().to("cpu").contiguous() if comm.rank == root
+                  else torch.empty(t.shape, dtype=t.dtype))
         comm.Bcast(as_bytes(staged), root)
         if comm.rank != root:
             with torch.no_grad():
@@ -99,7 +101,7 @@ def broadcast_parameters(parameters: Any, root_rank: int = 0, *, comm: CommLike 
     named = named_tensors(parameters)
     problem = _check_root(comm, root_rank)
     for name, t in named:
-        problem = (problem or host_problem(f"tensor {name!r}", t, reducible=False)
+        problem = (problem or host_problem(f"tensor {name!r}", t, reducible=False, copied=True)
                    or overlap_problem(f"tensor {name!r}", t))
     check_everywhere(comm, problem, [(n, tuple(t.shape), str(t.dtype)) for n, t in named]
                      + [("root", root_rank)], "tensors")
@@ -169,7 +171,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int =
     if comm.rank != root_rank:
         tensors = []
         _collect_specs(skeleton, tensors)
-    problems = [host_problem("optimizer state", t, reducible=False) for t in tensors]
+    problems = [host_problem("optimizer state", t, reducible=False, copied=True)
+                for t in tensors]
     check_everywhere(comm, next((p for p in problems if p), None), (), "optimizer state")
     bcast_tensors(comm, tensors, root_rank)
     if comm.rank != root_rank:

@@ -53,14 +53,15 @@ def _first_difference(every: List[List[Any]]) -> str:
 
 def check_tensors(comm: MPI.Intracomm, named: NamedTensors, *, reducible: bool,
                   extra: Any = None, what: str = "parameters",
-                  problem: Optional[Exception] = None, cuda: bool = False) -> None:
+                  problem: Optional[Exception] = None, cuda: bool = False,
+                  copied: bool = False) -> None:
     """Collective: no `problem` (a local error) on any rank, every tensor
     usable on this rank, and the same names, shapes, dtypes and devices
     (plus `extra`: settings that must agree) on every rank."""
     for name, t in named:
         if problem is not None:
             break
-        problem = host_problem(f"{what[:-1]} {name!r}", t, reducible, cuda)
+        problem = host_problem(f"{what[:-1]} {name!r}", t, reducible, cuda, copied)
     devices = sorted({str(t.device) for _, t in named})
     if problem is not None and len(devices) > 1:
         problem = type(problem)(f"{problem} (the {what} are on several devices: "

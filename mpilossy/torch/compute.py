@@ -12,6 +12,7 @@ from collections import deque
 from typing import Deque, Iterable, Iterator, Optional, Union
 
 import numpy as np
+import torch
 from mpi4py import MPI
 
 from .. import Communicator
@@ -52,11 +53,18 @@ class ComputeDeadline:
         where "auto" agrees (collective: every rank iterates the same number
         of steps); the optimizer wrappers fill it in with their
         communicator's.
+    device:
+        where the micro-batches run.  On a CUDA device each micro-batch is
+        timed once the work it queued is done (``torch.cuda.synchronize``):
+        kernels run asynchronously, and the time to queue them says nothing
+        of the time they take.  The optimizer wrappers fill it in with
+        their parameters' device.
     """
 
     def __init__(self, budget: Union[float, str] = "auto", *, max_micro_batches: int,
                  comm: Optional[MPI.Intracomm] = None, slack: float = 0.1,
-                 agree_every: int = 10, history: int = 50) -> None:
+                 agree_every: int = 10, history: int = 50,
+                 device: Union[None, str, torch.device] = None) -> None:
         if isinstance(budget, str):
             if budget != "auto":
                 raise ValueError(f"budget must be seconds > 0 or 'auto', got {budget!r}")
@@ -70,6 +78,10 @@ class ComputeDeadline:
         if isinstance(slack, bool) or not isinstance(slack, (int, float)) \
                 or not (math.isfinite(slack) and slack >= 0):
             raise ValueError(f"slack must be a number >= 0, got {slack!r}")
+        try:
+            self.device = None if device is None else torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ValueError(f"device must name a torch device, got {device!r}: {exc}") from None
         self.auto = budget == "auto"
         self.budget: float = math.inf if self.auto else float(budget)
         self.max_micro_batches = max_micro_batches
@@ -96,6 +108,8 @@ class ComputeDeadline:
         began = last = time.perf_counter()
         while True:
             yield self.micro_batches
+            if self.device is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
             now = time.perf_counter()
             self.times.append(now - last)
             last = now
@@ -122,6 +136,16 @@ class ComputeDeadline:
         return (f"ComputeDeadline({budget}, max_micro_batches={self.max_micro_batches}, "
                 f"current budget {self.budget:.4g} s, steps {self.steps}, "
                 f"cut {self.cut_steps})")
+
+
+def fill_in(deadline: ComputeDeadline, comm: MPI.Intracomm,
+            params: Iterable[torch.Tensor]) -> None:
+    """What an optimizer wrapper gives its compute deadline where it has
+    none: the communicator to agree on, the device its parameters are on."""
+    if deadline.comm is None:
+        deadline.comm = comm
+    if deadline.device is None:
+        deadline.device = next((p.device for p in params if p.device.type == "cuda"), None)
 
 
 def deadline_problem(lc: Communicator, op: str, deadline: object,

@@ -81,7 +81,7 @@ def measure_drift(parameters: Any, *, comm: CommLike = None) -> float:
     every rank holds the same values).  Reliable (MPI_Allreduce)."""
     comm = reliable_comm(comm)
     named = named_tensors(parameters)
-    check_tensors(comm, named, reducible=False)
+    check_tensors(comm, named, reducible=False, copied=True)
     return max(_Meter(comm, [t for _, t in named])())
 
 
@@ -120,7 +120,7 @@ class DriftController:
                                          if isinstance(parameters, torch.nn.Module)
                                          else [t for _, t in named])
         # (collective: a bad argument on one rank raises on every rank)
-        check_tensors(self.comm, named, reducible=False, problem=problem,
+        check_tensors(self.comm, named, reducible=False, problem=problem, copied=True,
                       extra=(broadcast_every, measure_every, root_rank, optimizer is not None,
                              resync, synchronize is not None))
         self.broadcast_every = broadcast_every

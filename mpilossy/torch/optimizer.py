@@ -15,7 +15,7 @@ from ..call.config import UNSET
 from .checks import check_tensors
 from .communicators import lossy_communicator, reliable_comm
 from .compression import Compression, compression_problem
-from .compute import ComputeDeadline, deadline_problem, weigh
+from .compute import ComputeDeadline, deadline_problem, fill_in, weigh
 from .drift import DriftController, every_problem, resync_problem
 from .feedback import ErrorFeedback, feedback_problem
 from .stats import Recorder, StepStats
@@ -191,7 +191,7 @@ class _GradientAllreduce(Engine):
             for i, p in enumerate(self.params):
                 reduced = self.flat.view(i, p)
                 if p.grad is None:      # no gradient here: it counted as zeros
-                    p.grad = reduced.clone()
+                    p.grad = reduced.to(p.device, copy=True)
                 else:
                     p.grad.copy_(reduced)
         if policy is not None and policy.grad_norm_threshold is not None:
@@ -323,12 +323,12 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         named = optimizer_parameters(optimizer, named_parameters)
     except (TypeError, ValueError) as exc:
         problem, named = problem or exc, []
-    check_tensors(comm, named, reducible=True, problem=problem,
+    check_tensors(comm, named, reducible=True, problem=problem, copied=True,
                   extra=(op, bucket_bytes, broadcast_every, measure_every, broadcast_state,
                          root_rank, repr(tolerance), resync, error_feedback,
                          compute_deadline is not None, repr(compression)))
-    if compute_deadline is not None and compute_deadline.comm is None:
-        compute_deadline.comm = comm
+    if compute_deadline is not None:
+        fill_in(compute_deadline, comm, [p for _, p in named])
     drift = None
     if broadcast_every is not None or measure_every is not None:
         drift = DriftController(named, comm=comm, broadcast_every=broadcast_every,

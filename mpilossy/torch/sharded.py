@@ -31,7 +31,7 @@ from .broadcast import bcast_tensors
 from .checks import check_everywhere, check_tensors
 from .communicators import lossy_communicator, reliable_comm
 from .compression import Compression, compression_problem
-from .compute import ComputeDeadline, deadline_problem, weigh
+from .compute import ComputeDeadline, deadline_problem, fill_in, weigh
 from .drift import DriftController, every_problem
 from .feedback import ErrorFeedback, feedback_problem
 from .optimizer import (Engine, WrappedOptimizer, already_wrapped, check_settings, params_changed,
@@ -344,8 +344,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     check_tensors(comm, named, reducible=True, problem=problem,
                   extra=("sharded", op, resync_every, measure_every, root_rank, error_feedback,
                          missed, compute_deadline is not None, repr(compression)))
-    if compute_deadline is not None and compute_deadline.comm is None:
-        compute_deadline.comm = comm
+    if compute_deadline is not None:
+        fill_in(compute_deadline, comm, [p for _, p in named])
     params = [p for _, p in named]
     groups = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
     engine = _ShardedExchange(lc, comm, params, groups, len(optimizer.param_groups), op,

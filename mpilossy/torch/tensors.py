@@ -11,6 +11,9 @@ import torch
 
 from ..call.device import CUPY_HINT
 
+# The parts of mpilossy.torch that take CUDA tensors (docs/gpu.md).
+CUDA_TAKERS = ("DistributedOptimizer, the broadcasts, drift control, average_parameters and "
+               "the DDP hook without compression")
 # What the lossy collectives reduce (the core's float dtypes).
 REDUCIBLE = (torch.float16, torch.float32, torch.float64)
 NamedTensors = List[Tuple[str, torch.Tensor]]
@@ -58,12 +61,16 @@ def optimizer_parameters(optimizer: torch.optim.Optimizer,
 
 
 def host_problem(name: str, tensor: torch.Tensor, reducible: bool,
-                 cuda: bool = False) -> Optional[Exception]:
+                 cuda: bool = False, copied: bool = False) -> Optional[Exception]:
     """Why `tensor` cannot go through this build (None if it can).  `cuda`:
     the caller hands CUDA tensors to the communicator as they are (staged
-    through pinned host memory, call/device.py), which needs CuPy."""
+    through pinned host memory, call/device.py), which needs CuPy;
+    `copied`: the caller copies tensors into host buffers of its own
+    (Flat, torch's copies), so CUDA tensors need nothing more."""
     # The one place that decides by device.
-    if tensor.device.type == "cuda" and cuda:
+    if tensor.device.type == "cuda" and copied:
+        pass
+    elif tensor.device.type == "cuda" and cuda:
         try:
             import cupy  # noqa: F401
         except ImportError:
@@ -71,8 +78,7 @@ def host_problem(name: str, tensor: torch.Tensor, reducible: bool,
                                f"CuPy, which is not installed ({CUPY_HINT})")
     elif tensor.device.type != "cpu":
         return BufferError(f"{name} is on device {tensor.device}; this part of mpilossy.torch "
-                           f"works on CPU tensors only (the DDP hook without compression takes "
-                           f"CUDA tensors)")
+                           f"works on CPU tensors only ({CUDA_TAKERS} take CUDA tensors)")
     if tensor.layout != torch.strided:
         return TypeError(f"{name} has layout {tensor.layout}; only dense tensors are supported")
     if reducible and tensor.dtype not in REDUCIBLE:
@@ -87,6 +93,9 @@ class Flat:
     move them all.  Slot i holds tensor i."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None):
+        # Host buffers whatever the tensors' device: pinned where some are
+        # on a GPU, so that pack() and unpack() copy at full speed.
+        pinned = any(t.device.type == "cuda" for t in tensors)
         sizes: Dict[torch.dtype, int] = {}
         self.slots: List[Tuple[torch.dtype, int, int]] = []
         for t in tensors:
@@ -96,7 +105,7 @@ class Flat:
             sizes[key] = offset + t.numel()
         # dtypes in order of first appearance: the same on every rank
         self.buffers: Dict[torch.dtype, torch.Tensor] = {
-            key: torch.zeros(n, dtype=key) for key, n in sizes.items()}
+            key: torch.zeros(n, dtype=key, pin_memory=pinned) for key, n in sizes.items()}
         # NumPy views for the lossy collectives (dtypes that NumPy knows)
         self.arrays: Dict[torch.dtype, np.ndarray] = {
             key: as_numpy(buf) for key, buf in self.buffers.items() if key in REDUCIBLE}

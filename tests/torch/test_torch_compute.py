@@ -60,6 +60,22 @@ def test_prediction_uses_this_steps_mean(clock):
     assert run_step(d, clock, [0.05, 0.01, 0.04]) == 3
 
 
+def test_on_a_gpu_micro_batches_are_timed_when_their_work_is_done(clock, monkeypatch):
+    """Kernels are queued at once and run later: on a CUDA device the time
+    is read after torch.cuda.synchronize, which is where it passes."""
+    synced = []
+
+    def synchronize(device=None):
+        synced.append(device)
+        clock.now += 1 / 32                 # the queued work of one micro-batch
+    monkeypatch.setattr(compute.torch.cuda, "synchronize", synchronize)
+    on_gpu = mt.ComputeDeadline(0.08, max_micro_batches=8, device="cuda:0")
+    assert run_step(on_gpu, clock, [0.0]) == 2      # as test_fixed_budget_stops_before...
+    assert synced == [torch.device("cuda:0")] * 2
+    on_cpu = mt.ComputeDeadline(0.08, max_micro_batches=8, device="cpu")
+    assert run_step(on_cpu, clock, [0.0]) == 8 and len(synced) == 2
+
+
 def test_weight_before_any_micro_batch():
     with pytest.raises(RuntimeError, match="iterate"):
         mt.ComputeDeadline(1.0, max_micro_batches=2).weight
@@ -68,7 +84,7 @@ def test_weight_before_any_micro_batch():
 @pytest.mark.parametrize("kwargs", [
     {"budget": 0}, {"budget": -1.0}, {"budget": float("nan")}, {"budget": "fast"},
     {"budget": True}, {"max_micro_batches": 0}, {"max_micro_batches": 2.0},
-    {"slack": -0.1}, {"agree_every": 0}, {"history": 0}])
+    {"slack": -0.1}, {"agree_every": 0}, {"history": 0}, {"device": "warp-drive"}])
 def test_bad_arguments(kwargs):
     args = {"budget": 1.0, "max_micro_batches": 4, **kwargs}
     with pytest.raises(ValueError):
