@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-import mpilossy
 import mpilossy.torch as mt
 from helpers import all_ranks_raise
 from torch_helpers import batch, gather_check, make_model
