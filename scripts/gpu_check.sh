@@ -14,10 +14,13 @@
 #              host buffers, to try the script where there is no GPU)
 #     cpu16    python -m mpilossy.bench allreduce at 4, 8 and 16 ranks
 #              (direct, ring, tree, 1-64 MiB): CPU ratios on 16 cores
+#     train    the example (python -m mpilossy.examples.lm --device $DEVICE) on a
+#              model of about 25M parameters, at $TRAIN_RANKS ranks, each seed of
+#              $SEEDS with each loss of $TRAIN_LOSSES in turn (paired runs)
 #
 # Everything goes to $OUT (default build/gpu-check): check.log (all output),
-# tests.log, device.json and cpu16.json.  Exit status: the first failing
-# stage's.
+# tests.log, device.json, cpu16.json and train.json.  Exit status: the first
+# failing stage's.
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit
 OUT=${OUT:-build/gpu-check}
@@ -29,6 +32,12 @@ RANKS=${RANKS:-1,2,4}
 CPU_RANKS=${CPU_RANKS:-4,8,16}
 LOSSES=${LOSSES:-none,bernoulli:0.1}
 BENCH_ARGS=${BENCH_ARGS:-}            # more options of the figures' benchmark
+TEST_SIZES=${TEST_SIZES:-1,2,3,4}
+TEST_K=${TEST_K:-gpu or device or pipeline}
+TRAIN_RANKS=${TRAIN_RANKS:-4}
+SEEDS=${SEEDS:-0,1,2}
+TRAIN_LOSSES=${TRAIN_LOSSES:-0,0.1}
+TRAIN_ARGS=${TRAIN_ARGS:---width 512 --layers 8 --heads 8 --lr 1e-3 --steps 200 --eval-every 50}
 # Bounds, so that one stuck stage leaves time to the others in a short lease:
 # seconds per benchmark run, per test size (tests/run.py --timeout) and per test.
 STAGE_TIMEOUT=${STAGE_TIMEOUT:-400}
@@ -117,8 +126,8 @@ print('mpilossy', mpilossy.__version__, 'on', M.Get_library_version().splitlines
 }
 
 stage_tests() {
-    say "tests (gpu, device) at 1-4 ranks"
-    "$PYTHON" tests/run.py --sizes 1,2,3,4 --timeout "$TEST_TIMEOUT" --per-test "$PER_TEST" -k "gpu or device or pipeline" -rs >"$OUT/tests.log" 2>&1
+    say "tests ($TEST_K) at $TEST_SIZES ranks"
+    "$PYTHON" tests/run.py --sizes "$TEST_SIZES" --timeout "$TEST_TIMEOUT" --per-test "$PER_TEST" -k "$TEST_K" -rs >"$OUT/tests.log" 2>&1
     local code=$?
     grep -E "^== |SKIPPED|FAILED|ERROR" "$OUT/tests.log" | tee -a "$LOG"
     if [ "$code" != 0 ]; then
@@ -152,6 +161,23 @@ stage_cpu16() {
     merge "$OUT/cpu16.json" "${parts[@]}"
 }
 
+stage_train() {
+    say "train: the example on $DEVICE at $TRAIN_RANKS ranks, seeds $SEEDS, losses $TRAIN_LOSSES"
+    local mpiexec parts=() extra=() i=0
+    mpiexec="$(bindir)/mpiexec"
+    read -ra extra <<<"$TRAIN_ARGS"
+    for seed in ${SEEDS//,/ }; do
+        for loss in ${TRAIN_LOSSES//,/ }; do
+            i=$((i + 1))
+            step timeout "$STAGE_TIMEOUT" "$mpiexec" -n "$TRAIN_RANKS" "$PYTHON" -m mpilossy.examples.lm \
+                --device "$DEVICE" --seed "$seed" --loss "$loss" --progress lines "${extra[@]}" \
+                --json "$OUT/train-$i.json"
+            parts+=("$OUT/train-$i.json")
+        done
+    done
+    merge "$OUT/train.json" "${parts[@]}"
+}
+
 stages=("$@")
 [ ${#stages[@]} -eq 0 ] && stages=(env setup tests)
 for s in "${stages[@]}"; do
@@ -161,7 +187,8 @@ for s in "${stages[@]}"; do
         tests) stage_tests ;;
         figures) stage_figures ;;
         cpu16) stage_cpu16 ;;
-        *) echo "gpu_check: unknown stage '$s' (env setup tests figures cpu16)" >&2; exit 2 ;;
+        train) stage_train ;;
+        *) echo "gpu_check: unknown stage '$s' (env setup tests figures cpu16 train)" >&2; exit 2 ;;
     esac
     if [ "$s" = setup ] && [ "$status" != 0 ]; then
         say "setup failed: stopping"

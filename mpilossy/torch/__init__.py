@@ -21,12 +21,13 @@
 - ``WrappedOptimizer``: the type of what the optimizer wrappers return (for
   annotations: ``stats``, ``drift_control``, ``communicator``...).
 
-See docs/training.md.  Devices (docs/gpu.md): DistributedOptimizer, the
-broadcasts, drift control and average_parameters take CUDA tensors (copied
-into pinned host buffers of their own); the DDP hook without compression
-takes CUDA gradients (staged through pinned host memory, which needs CuPy);
-ShardedOptimizer and the hook with compression take CPU tensors only and
-say so on every rank for any other device.
+See docs/training.md.  Devices (docs/gpu.md): everything here takes CUDA
+tensors as well as CPU ones.  The optimizers, the broadcasts, drift control,
+the averaging functions and the DDP hook with compression copy them into
+pinned host buffers of their own (ShardedOptimizer keeps the parameters on
+the GPU and a host mirror of them); the DDP hook without compression hands
+CUDA buckets to the communicator, which stages them through pinned host
+memory and needs CuPy.  Other devices are refused on every rank.
 """
 
 try:

@@ -68,11 +68,12 @@ def group_average_parameters(parameters: Any, averager: "GroupAverager",
     range's overflow), so none loses precision.  Returns the fraction of
     elements delivered."""
     named = [(n, t) for n, t in named_tensors(parameters) if t.is_floating_point()]
-    check_tensors(averager.comm, named, reducible=True)
+    check_tensors(averager.comm, named, reducible=True, copied=True)
     wide = (torch.float64 if any(t.dtype == torch.float64 for _, t in named)
             else torch.float32)
     with torch.no_grad():
-        flat = torch.cat([t.detach().reshape(-1).to(wide) for _, t in named])
+        # (a new host tensor, whatever the tensors' device)
+        flat = torch.cat([t.detach().reshape(-1).to("cpu", wide) for _, t in named])
         stats = averager.average(flat.numpy(), **call_arguments)
         at = 0
         for _, tensor in named:
@@ -110,7 +111,8 @@ def average_optimizer_state(optimizer: torch.optim.Optimizer, *, comm: CommLike 
                              "there is no common state to average")
     named = [] if problem else _state_tensors(optimizer)
     averaged = [(n, t) for n, t in named if t.is_floating_point() and not n.endswith(".step")]
-    check_tensors(comm, averaged, reducible=False, problem=problem, what="optimizer states")
+    check_tensors(comm, averaged, reducible=False, problem=problem, what="optimizer states",
+                  copied=True)
     with torch.no_grad():
         average_tensors(comm, [t for _, t in averaged], 0)
     return time.perf_counter() - began

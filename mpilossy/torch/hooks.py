@@ -40,8 +40,9 @@ class AllreduceHookState:
         same parameters, as check_parameters() does.
     compression:
         LowBit or TopK (mpilossy.torch.compression), with its own error
-        feedback; CPU gradients (without compression, CUDA gradients are
-        staged through pinned host memory: docs/gpu.md).  The residuals
+        feedback.  CUDA buckets are staged through pinned host memory
+        (docs/gpu.md): by the communicator without compression, by the
+        hook's own host copy of each bucket with it.  The residuals
         follow the parameters, not the bucket index: DDP rebuilds its
         buckets after the first iteration (other parameters under the same
         index), and each new bucket's residual is assembled from its
@@ -62,7 +63,8 @@ class AllreduceHookState:
             problem = problem or TypeError("background must be a bool")
         named = [] if model is None else named_tensors(model.named_parameters())
         check_tensors(comm, named, reducible=True, problem=problem,
-                      extra=(op, repr(compression)), cuda=compression is None)
+                      extra=(op, repr(compression)), cuda=compression is None,
+                      copied=compression is not None)
         self.op = op
         self.compression = compression
         self.bucket_stats: Dict[int, CollectiveStats] = {}
@@ -73,6 +75,8 @@ class AllreduceHookState:
         self._residual_of: Dict[int, Tuple[Hashable, int]] = {}
         self._bucket_keys: Set[Hashable] = set()
         self._worker = ThreadPoolExecutor(1, "mpilossy-hook") if background else None
+        # compression on CUDA buckets: a pinned host copy of each bucket
+        self._host: Dict[int, torch.Tensor] = {}
 
     @property
     def stats(self) -> Optional[StepStats]:
@@ -115,18 +119,31 @@ class AllreduceHookState:
         self._bucket_keys &= used
         return key
 
+    def _on_host(self, index: int, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` if it is in host memory, else a copy in this bucket's
+        pinned host buffer (made again when DDP rebuilds its buckets)."""
+        if tensor.device.type == "cpu":
+            return tensor
+        host = self._host.get(index)
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            host = self._host[index] = torch.empty(tensor.shape, dtype=tensor.dtype,
+                                                   pin_memory=tensor.device.type == "cuda")
+        host.copy_(tensor)
+        return host
+
     def _reduce(self, tensor: torch.Tensor, index: int, last: bool,
                 future: torch.futures.Future[torch.Tensor],
                 layout: Optional[List[Tuple[int, int, int]]] = None) -> None:
         try:
             if self.compression is not None:
-                if tensor.device.type != "cpu":
-                    raise BufferError("compression needs CPU gradients")
                 key: Hashable = index
                 if layout is not None and tensor.dtype == torch.float32:
                     key = self._residual_key(layout, tensor.numel())
-                stats = self.compression.allreduce(self.communicator, key, as_numpy(tensor),
+                host = self._on_host(index, tensor)
+                stats = self.compression.allreduce(self.communicator, key, as_numpy(host),
                                                    op=self.op)
+                if host is not tensor:
+                    tensor.copy_(host)
             else:
                 stats = self.communicator.allreduce(tensor, op=self.op)
         except BufferError as exc:

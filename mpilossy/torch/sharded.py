@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
+import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -56,20 +57,49 @@ class _ShardedExchange(Engine):
         self.compute_deadline = compute_deadline
         self.compression = compression
         self.comm = comm
-        self.flat = Flat(params)            # the parameters themselves, from now on
+        device = params[0].device if params else torch.device("cpu")
+        self.flat = Flat(params, device=device)     # the parameters themselves, from now on
         self.flat.pack(params)
         bcast_tensors(comm, list(self.flat.buffers.values()), root_rank)
         with torch.no_grad():
             for i, p in enumerate(params):
                 p.data = self.flat.view(i, p)
+        # What the collectives move: the parameters themselves on the host,
+        # else a pinned host mirror of them, copied around each exchange.
+        self.mirrored = needs_mirror(device)
+        self.host = Flat(params) if self.mirrored else self.flat
         self.grads = Flat(params)           # gradients, packed for the reduce-scatter
         self.bounds = {d: lc.chunk_bounds(b.numel()) for d, b in self.flat.buffers.items()}
-        self.shard_grads = {d: torch.zeros(hi - lo, dtype=d) for d, (lo, hi) in self.bounds.items()}
+        pinned = self.mirrored and device.type == "cuda"
+        self.shard_grads = {d: torch.zeros(hi - lo, dtype=d, pin_memory=pinned)
+                            for d, (lo, hi) in self.bounds.items()}
+        # the chunk's gradients where the optimizer reads them
+        self.device_grads = ({d: torch.zeros_like(g, device=device)
+                              for d, g in self.shard_grads.items()}
+                             if self.mirrored else self.shard_grads)
         self.shards = self._shards(groups, n_groups)
         if error_feedback:
             self.feedback = ErrorFeedback(lc, self.grads)
+        self._download()
+        # (on the parameters' device: on a GPU its passes cost next to nothing)
         self.trends = ({d: _Trend(b) for d, b in self.flat.buffers.items() if d in REDUCIBLE}
                        if missed == "extrapolate" else None)
+
+    def _download(self, chunk_only: bool = False) -> None:
+        """The parameters (this rank's chunk only) into the host mirror."""
+        if self.mirrored:
+            with torch.no_grad():
+                for dtype, buf in self.flat.buffers.items():
+                    lo, hi = self.bounds[dtype] if chunk_only else (0, buf.numel())
+                    self.host.buffers[dtype][lo:hi].copy_(buf[lo:hi])
+
+    def _upload(self) -> None:
+        """The host mirror into the parameters.  Blocking: the mirror may be
+        written again as soon as this returns."""
+        if self.mirrored:
+            with torch.no_grad():
+                for dtype, buf in self.flat.buffers.items():
+                    buf.copy_(self.host.buffers[dtype])
 
     def _shards(self, groups: List[int],
                 n_groups: int) -> List[List[Tuple[torch.Tensor, torch.Tensor]]]:
@@ -87,7 +117,7 @@ class _ShardedExchange(Engine):
             a, b = max(first, lo), min(end, hi)
             if a < b:
                 shards[group].append((self.flat.buffers[dtype][a:b],
-                                      self.shard_grads[dtype][a - lo:b - lo]))
+                                      self.device_grads[dtype][a - lo:b - lo]))
         return shards
 
     def reduce_scatter(self) -> None:
@@ -111,6 +141,8 @@ class _ShardedExchange(Engine):
                                                weight=weight)
             self.recorder.add(stats)
             calls.append((dtype, 0, stats))
+            if self.mirrored:
+                self.device_grads[dtype].copy_(recv)
         if feedback is not None:
             feedback.record(calls)
         for views in self.shards:
@@ -118,19 +150,27 @@ class _ShardedExchange(Engine):
                 view.grad = grad            # (zero_grad of the optimizer may have cleared it)
 
     def allgather(self) -> None:
-        for dtype, full in self.flat.arrays.items():
+        self._download(chunk_only=True)
+        calls = []
+        for dtype, full in self.host.arrays.items():
             lo, hi = self.bounds[dtype]
             stats = self.lc.allgather(full[lo:hi], full)
             self.recorder.add(stats)
-            if self.trends is not None:
+            calls.append((dtype, stats))
+        # A block missed here keeps the mirror's previous values; the
+        # extrapolation below replaces them from the trend alone.
+        self._upload()
+        if self.trends is not None:
+            for dtype, stats in calls:
                 self.trends[dtype].update(self.flat.buffers[dtype], stats)
 
     def resynchronize(self, root_rank: Optional[int] = None) -> None:
         """Reliable: every owner's chunk to every rank (root_rank None: drift
         exactly 0), or `root_rank`'s whole parameters to every rank."""
+        self._download()
         if root_rank is not None:
-            bcast_tensors(self.comm, list(self.flat.buffers.values()), root_rank)
-        for dtype, buf in self.flat.buffers.items():
+            bcast_tensors(self.comm, list(self.host.buffers.values()), root_rank)
+        for dtype, buf in self.host.buffers.items():
             if root_rank is None:
                 data = as_bytes(buf)
                 itemsize = buf.element_size()
@@ -138,8 +178,10 @@ class _ShardedExchange(Engine):
                 counts = [(hi - lo) * itemsize for lo, hi in bounds]
                 displs = [lo * itemsize for lo, _ in bounds]
                 self.comm.Allgatherv(MPI.IN_PLACE, [data, (counts, displs), MPI.BYTE])
-            if self.trends is not None:
-                self.trends[dtype].exact(buf)
+        self._upload()
+        if self.trends is not None:
+            for dtype, trend in self.trends.items():
+                trend.exact(self.flat.buffers[dtype])
 
     def shard_record(self) -> Dict[str, Any]:
         """What a state_dict of this rank's chunk is: rank, size, the chunk
@@ -171,29 +213,49 @@ class _ShardedExchange(Engine):
         return None
 
 
+def needs_mirror(device: torch.device) -> bool:
+    """Whether parameters on `device` travel through a host mirror (all but
+    host memory; tests set it for CPU parameters to run the mirror's code)."""
+    return device.type != "cpu"
+
+
 class _Trend:
     """missed="extrapolate": per element, the last value received from its
     owner, the owner's mean update per step since the one before, and the
     steps since.  A block missed by the all-gather is set to the last value
     plus that rate times the steps since: with momentum optimizers a step's
     update is close to the last ones, so the estimate is nearer the owner's
-    value than the stale one.  The owner's own chunk is always exact."""
+    value than the stale one.  The owner's own chunk is always exact.
+
+    Every pass works in place (one scratch buffer), and a step that missed
+    nothing takes three passes: for the example's 25M parameters the
+    out-of-place version cost 0.7 s a step on one core, this one 0.06 s
+    (0.2 s at 10% loss).  It runs where the parameters are."""
 
     def __init__(self, values: torch.Tensor) -> None:
         self.last = values.clone()
         self.rate = torch.zeros_like(values)
         self.age = torch.ones_like(values)
+        self.scratch = torch.empty_like(values)
 
     def update(self, values: torch.Tensor, stats: CollectiveStats) -> None:
         contributors = stats.contributors
         assert contributors is not None     # (the all-gather records them)
-        got = torch.from_numpy(contributors.received())
+        got_blocks = contributors.members().any(axis=1)
         with torch.no_grad():
-            fresh = torch.where(got, (values - self.last) / self.age, self.rate)
-            self.rate.copy_(fresh)
-            self.last.copy_(torch.where(got, values, self.last))
-            values.copy_(torch.where(got, values, self.last + self.rate * self.age))
-            self.age.copy_(torch.where(got, torch.ones_like(self.age), self.age + 1))
+            if got_blocks.all():
+                torch.sub(values, self.last, out=self.rate).div_(self.age)
+                self.last.copy_(values)
+                self.age.fill_(1)
+                return
+            _, lengths = contributors.blocks()
+            got = torch.from_numpy(np.repeat(got_blocks, lengths)).to(values.device)
+            torch.sub(values, self.last, out=self.scratch).div_(self.age)
+            torch.where(got, self.scratch, self.rate, out=self.rate)
+            torch.where(got, values, self.last, out=self.last)
+            torch.addcmul(self.last, self.rate, self.age, out=self.scratch)
+            torch.where(got, values, self.scratch, out=values)
+            self.age.add_(1).masked_fill_(got, 1)
 
     def exact(self, values: torch.Tensor) -> None:
         """Every value is the owner's again (after a reliable re-synchronisation)."""
@@ -293,6 +355,9 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     parameter tensors stay the same objects; their ``.data`` becomes a view)
     and set to `root_rank`'s values, and the optimizer's param_groups are
     rewritten to hold views of this rank's chunk, keeping their options.
+    The parameters must all be on one device; on a GPU the buffers stay
+    there (the optimizer updates the chunk on the GPU) and the collectives
+    move a pinned host mirror of them (docs/gpu.md).
     The optimizer must be elementwise (SGD, Adam, AdamW, RMSprop, Adagrad...):
     one that looks at a whole tensor (LARS, LAMB, Adafactor) would see chunks.
 
@@ -341,7 +406,11 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
                              "match the chunks): wrap it before the first step")
     if not (isinstance(root_rank, int) and 0 <= root_rank < comm.size):
         problem = problem or ValueError(f"root_rank must be a rank, got {root_rank!r}")
-    check_tensors(comm, named, reducible=True, problem=problem,
+    devices = sorted({str(p.device) for _, p in named})
+    if problem is None and len(devices) > 1:
+        problem = ValueError(f"ShardedOptimizer keeps the parameters in one buffer per dtype, "
+                             f"on one device; these are on {', '.join(devices)}")
+    check_tensors(comm, named, reducible=True, problem=problem, copied=True,
                   extra=("sharded", op, resync_every, measure_every, root_rank, error_feedback,
                          missed, compute_deadline is not None, repr(compression)))
     if compute_deadline is not None:

@@ -11,9 +11,9 @@ import torch
 
 from ..call.device import CUPY_HINT
 
-# The parts of mpilossy.torch that take CUDA tensors (docs/gpu.md).
-CUDA_TAKERS = ("DistributedOptimizer, the broadcasts, drift control, average_parameters and "
-               "the DDP hook without compression")
+# The parts of mpilossy.torch that take CUDA tensors (docs/gpu.md): all of them.
+CUDA_TAKERS = ("DistributedOptimizer, ShardedOptimizer, the DDP hook, the broadcasts, drift "
+               "control and the averaging functions")
 # What the lossy collectives reduce (the core's float dtypes).
 REDUCIBLE = (torch.float16, torch.float32, torch.float64)
 NamedTensors = List[Tuple[str, torch.Tensor]]
@@ -90,12 +90,15 @@ def host_problem(name: str, tensor: torch.Tensor, reducible: bool,
 class Flat:
     """Copies of a list of tensors, held in one contiguous 1-D buffer per
     dtype (or in one buffer of `dtype`, cast), so that few collective calls
-    move them all.  Slot i holds tensor i."""
+    move them all.  Slot i holds tensor i.  The buffers are in host memory
+    unless `device` names another (then there are no NumPy `arrays`)."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None):
-        # Host buffers whatever the tensors' device: pinned where some are
-        # on a GPU, so that pack() and unpack() copy at full speed.
-        pinned = any(t.device.type == "cuda" for t in tensors)
+    def __init__(self, tensors: Sequence[torch.Tensor], dtype: Optional[torch.dtype] = None,
+                 device: Optional[torch.device] = None):
+        device = torch.device("cpu") if device is None else device
+        # Host buffers are pinned where some tensors are on a GPU, so that
+        # pack() and unpack() copy at full speed.
+        pinned = device.type == "cpu" and any(t.device.type == "cuda" for t in tensors)
         sizes: Dict[torch.dtype, int] = {}
         self.slots: List[Tuple[torch.dtype, int, int]] = []
         for t in tensors:
@@ -105,10 +108,12 @@ class Flat:
             sizes[key] = offset + t.numel()
         # dtypes in order of first appearance: the same on every rank
         self.buffers: Dict[torch.dtype, torch.Tensor] = {
-            key: torch.zeros(n, dtype=key, pin_memory=pinned) for key, n in sizes.items()}
+            key: torch.zeros(n, dtype=key, device=device, pin_memory=pinned)
+            for key, n in sizes.items()}
         # NumPy views for the lossy collectives (dtypes that NumPy knows)
         self.arrays: Dict[torch.dtype, np.ndarray] = {
-            key: as_numpy(buf) for key, buf in self.buffers.items() if key in REDUCIBLE}
+            key: as_numpy(buf) for key, buf in self.buffers.items()
+            if key in REDUCIBLE and device.type == "cpu"}
 
     def view(self, i: int, like: torch.Tensor) -> torch.Tensor:
         key, offset, n = self.slots[i]

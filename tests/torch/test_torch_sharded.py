@@ -11,6 +11,7 @@ from mpi4py import MPI  # noqa: E402
 
 import mpilossy  # noqa: E402
 import mpilossy.torch as mt  # noqa: E402
+from mpilossy.torch import sharded  # noqa: E402
 from torch_helpers import (assert_matches_reference, backward, flat, gather_check,  # noqa: E402
                            make_model, reliable_average, same_on_every_rank,
                            train_reference)
@@ -26,6 +27,22 @@ def two_groups(model, cls, **options):
                **options)
 
 
+@pytest.fixture(params=["direct", "mirrored"])
+def placement(request, monkeypatch):
+    """Where the collectives find the parameters: in the flat buffers
+    themselves (host memory), or in the pinned host mirror that parameters
+    on a GPU go through (its code, run here on CPU tensors)."""
+    if request.param == "mirrored":
+        monkeypatch.setattr(sharded, "needs_mirror", lambda device: True)
+    return request.param
+
+
+def check_placement(opt, placement):
+    engine = opt._mpilossy
+    assert engine.mirrored == (placement == "mirrored")
+    assert (engine.host is not engine.flat) == engine.mirrored
+
+
 OPTIMIZERS = {
     "sgd": lambda m: two_groups(m, torch.optim.SGD, lr=0.1, momentum=0.9, weight_decay=1e-3),
     "adamw": lambda m: two_groups(m, torch.optim.AdamW, lr=1e-2),
@@ -34,12 +51,13 @@ OPTIMIZERS = {
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_lossless_equals_reliable_training(comm, lc, name):
+def test_lossless_equals_reliable_training(comm, lc, name, placement):
     ref = make_model()
     train_reference(comm, ref, OPTIMIZERS[name](ref), STEPS)
     model = make_model(seed=comm.rank)          # set to rank 0's values by the wrapper
     params_before = list(model.parameters())
     opt = mt.ShardedOptimizer(OPTIMIZERS[name](model), model.named_parameters(), lc)
+    check_placement(opt, placement)
     assert isinstance(opt, torch.optim.Optimizer)
     for step in range(STEPS):
         opt.zero_grad()
@@ -58,7 +76,7 @@ def test_lossless_equals_reliable_training(comm, lc, name):
 
 
 @pytest.mark.mpi
-def test_mixed_dtypes(comm, lc):
+def test_mixed_dtypes(comm, lc, placement):
     """One flat buffer per dtype: float32 and float64 parameters together."""
     def build():
         torch.manual_seed(4)
@@ -74,6 +92,7 @@ def test_mixed_dtypes(comm, lc):
     ref_opt = torch.optim.SGD(ref, lr=0.05)
     mine = build()
     opt = mt.ShardedOptimizer(torch.optim.SGD(mine, lr=0.05), communicator=lc)
+    check_placement(opt, placement)
     assert opt.stats is None
     for step in range(3):
         for ps, o in ((ref, ref_opt), (mine, opt)):
@@ -112,12 +131,13 @@ def test_drift_bounded_under_loss(comm):
 
 
 @pytest.mark.mpi(min_size=2)
-def test_resync_makes_drift_zero(comm):
+def test_resync_makes_drift_zero(comm, placement):
     lc = mpilossy.Communicator(comm, timeout=0.02, block_bytes=512,
                                loss=mpilossy.loss.Bernoulli(0.2, seed=3))
     model = make_model()
     opt = mt.ShardedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2),
                               model.named_parameters(), lc, resync_every=5, measure_every=5)
+    check_placement(opt, placement)
     drifts = []
     for step in range(1, 16):
         opt.zero_grad()
@@ -135,7 +155,7 @@ def test_resync_makes_drift_zero(comm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("missed,resync_every", [("keep", None), ("extrapolate", None),
                                                  ("extrapolate", 4)])
-def test_missed_blocks_extrapolated(comm, missed, resync_every):
+def test_missed_blocks_extrapolated(comm, missed, resync_every, placement):
     """Constant gradients and plain SGD: every owner's parameters move on a
     straight line, so extrapolating a missed block by the owner's update per
     step gives the owner's value exactly (up to rounding), where keeping it
@@ -146,6 +166,7 @@ def test_missed_blocks_extrapolated(comm, missed, resync_every):
     opt = mt.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
                               model.named_parameters(), lc, missed=missed,
                               resync_every=resync_every)
+    check_placement(opt, placement)
     gaps, missed_any = [], 0.0
     for step in range(30):
         opt.zero_grad()

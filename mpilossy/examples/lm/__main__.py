@@ -122,6 +122,10 @@ def parser() -> argparse.ArgumentParser:
                     "terminal (also through mpiexec), lines elsewhere")
     ap.add_argument("--no-progress", dest="progress", action="store_const", const="none",
                     help="the same as --progress none")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default=d.device,
+                    help="where the model trains: cpu, or cuda (each rank takes its node's "
+                    "GPU number node-local rank mod GPUs; gradients are staged through "
+                    "pinned host memory: docs/gpu.md)")
     ap.add_argument("--json", help="write the results to this file (rank 0)")
     return ap
 
@@ -144,7 +148,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  steps=args.steps, batch=args.batch, context=args.context, width=args.width,
                  layers=args.layers, heads=args.heads, lr=args.lr, warmup=args.warmup,
                  seed=args.seed, val_windows=args.val_windows,
-                 measure_every=args.measure_every, threads=args.threads)
+                 measure_every=args.measure_every, threads=args.threads, device=args.device)
     comm = MPI.COMM_WORLD
     result = train(cfg, comm, progress=args.progress)
     if comm.rank == 0:
@@ -156,7 +160,8 @@ def main(argv: Optional[List[str]] = None) -> int:
             f"{'' if cfg.redundancy == 'none' else ', redundancy ' + cfg.redundancy}")
         print(f"ranks {r['ranks']}  reduce {how}  loss {cfg.loss or 'none'}  "
               f"{'' if cfg.reduce == 'mpi' else 'deadline ' + str(r.get('timeout')) + '  '}"
-              f"params {r['parameters']}  steps {cfg.steps}")
+              f"params {r['parameters']}  steps {cfg.steps}"
+              f"{'  on ' + r['device'] if r['device'] != 'cpu' else ''}")
         print(f"train loss      {r['train_loss_first']:.3f} -> {r['train_loss_last']:.3f}")
         print(f"val perplexity  {r['val_perplexity']:.4f}  (rank 0's model; ranks "
               f"{min(r['val_perplexity_ranks']):.4f}..{max(r['val_perplexity_ranks']):.4f})")

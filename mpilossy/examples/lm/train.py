@@ -74,6 +74,8 @@ class Config:
     val_windows: int = 1024
     measure_every: int = 25
     threads: int = 1
+    device: str = "cpu"               # "cpu" or "cuda" (each rank takes its node's GPU
+                                      # number local rank mod GPUs; they may share one)
 
 
 # The deadline where the learned one would run the hierarchy: on fake 2 x 2
@@ -163,9 +165,28 @@ def redundancy(cfg: Config) -> Union[None, str, Tuple[int, int]]:
     return (k, m)
 
 
-def windows(text: np.ndarray, starts: np.ndarray, length: int) -> torch.Tensor:
+def windows(text: np.ndarray, starts: np.ndarray, length: int,
+            device: Optional[torch.device] = None) -> torch.Tensor:
     idx = starts[:, None] + np.arange(length)[None, :]
-    return torch.from_numpy(text[idx].astype(np.int64))
+    return torch.from_numpy(text[idx].astype(np.int64)).to(device)
+
+
+def pick_device(name: str, comm: MPI.Intracomm) -> torch.device:
+    """The torch device of this rank: "cpu", or "cuda" (the node's GPU
+    number node-local rank mod GPUs, so that ranks spread over a node's
+    GPUs and share them when there are fewer)."""
+    if name == "cpu":
+        return torch.device("cpu")
+    if name != "cuda":
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {name!r}")
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if not all(comm.allgather(gpus)):
+        raise ValueError("device 'cuda' needs a CUDA device on every rank; torch sees none "
+                         "on some (torch.cuda.is_available())")
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    local = node.rank
+    node.Free()
+    return torch.device("cuda", local % gpus)
 
 
 @torch.no_grad()
@@ -180,16 +201,18 @@ def perplexity(model: TinyGPT, val: torch.Tensor, batch: int = 64) -> float:
 
 
 class MPIAllreduce:
-    """The reliable baseline: one MPI_Allreduce of all gradients per step."""
+    """The reliable baseline: one MPI_Allreduce of all gradients per step
+    (on a GPU, through a pinned host buffer, as mpilossy's)."""
 
     def __init__(self, comm: MPI.Intracomm, params: Sequence[torch.Tensor]) -> None:
         self.comm, self.params = comm, params
-        self.flat = torch.zeros(sum(p.numel() for p in params))
+        self.flat = torch.zeros(sum(p.numel() for p in params),
+                                pin_memory=any(p.is_cuda for p in params))
 
     def __call__(self) -> float:
         began = time.perf_counter()
         grads = [gradient(p) for p in self.params]
-        torch.cat([g.reshape(-1) for g in grads], out=self.flat)
+        self.flat.copy_(torch.cat([g.reshape(-1) for g in grads]))
         self.comm.Allreduce(MPI.IN_PLACE, self.flat.numpy(), op=MPI.SUM)
         self.flat /= self.comm.size
         offset = 0
@@ -230,14 +253,16 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     torch.set_num_threads(cfg.threads)
     rank, size = comm.rank, comm.size
     began = time.perf_counter()
+    device = pick_device(cfg.device, comm)
     data = corpus_mod.load()
     picker = np.random.default_rng(12345)      # the same validation windows everywhere
     val = windows(data.val, picker.integers(0, data.val.size - cfg.context - 1, cfg.val_windows),
-                  cfg.context + 1)
+                  cfg.context + 1, device)
     sampler = np.random.default_rng([cfg.seed, rank])
 
     torch.manual_seed(cfg.seed)
-    model = TinyGPT(corpus_mod.VOCAB, cfg.context, cfg.width, cfg.layers, cfg.heads)
+    # (built on the CPU, then moved: the same initial values on any device)
+    model = TinyGPT(corpus_mod.VOCAB, cfg.context, cfg.width, cfg.layers, cfg.heads).to(device)
     mt.broadcast_parameters(model, comm=comm)
     params = [p for p in model.parameters()]
     if cfg.optimizer == "sgd":
@@ -315,7 +340,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         for _ in (deadline if deadline is not None else range(cfg.micro_batches)):
             computing = time.perf_counter()
             starts = sampler.integers(0, data.train.size - cfg.context - 1, per_micro)
-            part = model.loss(windows(data.train, starts, cfg.context + 1))
+            part = model.loss(windows(data.train, starts, cfg.context + 1, device))
             (part * scale if scale != 1.0 else part).backward()
             parts.append(part.item())
             if factor > 1.0:    # a throttled or shared core: the same work, slower
@@ -372,6 +397,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         "comm_seconds": comm.allreduce(comm_seconds, op=MPI.MAX),
         "wall_seconds": comm.allreduce(time.perf_counter() - began, op=MPI.MAX),
         "parameters": sum(p.numel() for p in params),
+        "device": str(device),
         "train_tokens": int(data.train.size),
         "val_tokens": int(data.val.size),
         "broadcasts": drift_control.broadcasts,
