@@ -8,7 +8,7 @@ import atexit
 import itertools
 import time
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -23,9 +23,11 @@ from .call.spec import CallResolver, asks_for_auto, check_residual
 from .call.stats import ALGORITHM_NAMES, COLLECTIVE_NAMES, AllreduceStats, CollectiveStats, stats_of
 from .call.trace import Trace
 from .control.deadline import AutoDeadline
+from .control.elastic import Membership, check_elastic
+from .control.failures import survivors
 from .control.lag import LagWatch
 from .control.redundancy import AutoRedundancy
-from .errors import MPILossyError
+from .errors import EvictedError, MismatchError, MPILossyError
 from .hierarchy import Hierarchy, NodeLayout
 from .hierarchy.allreduce import allreduce as hierarchical_allreduce
 from .hierarchy.scatter import reduce_scatter as hierarchical_reduce_scatter
@@ -81,6 +83,14 @@ class Communicator:
       about this size, the copies of one overlapping the transport of
       another (docs/gpu.md); 0 stages every call in one piece.
 
+    - elastic=True: a rank that exits (MPI reports it: launch with
+      ``mpiexec -disable-auto-cleanup``) or that falls `evict_after` calls
+      (default 20) behind is excluded by agreement of the others, which go
+      on over a communicator of themselves (``members``, ``stats.excluded``,
+      on_exclusion()); an excluded rank gets EvictedError.  Needs a
+      deadline; `elastic_wait` (10 s) bounds each of the agreement's two
+      rounds (mpilossy/control/elastic.py, docs/elastic.md).
+
     Construction and free() are collective over `comm`.
     """
 
@@ -94,7 +104,8 @@ class Communicator:
                  redundancy: Union[None, str, Tuple[int, int]] = DEFAULTS.redundancy,
                  redundancy_target: float = DEFAULTS.redundancy_target,
                  delivered_target: float = UNSET,
-                 pipeline_bytes: Optional[int] = None) -> None:
+                 pipeline_bytes: Optional[int] = None, elastic: bool = False,
+                 evict_after: int = 20, elastic_wait: float = 10.0) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -119,7 +130,10 @@ class Communicator:
             self._comm.Free()
             raise
         _live.add(self)
+        self._arguments = arguments
         self._config = config
+        self._membership: Optional[Membership] = None
+        self._on_exclusion: List[Callable[[Tuple[int, ...], Tuple[int, ...]], None]] = []
         self._rank, self._size = rank, self._comm.Get_size()
         # (one rank: a call is a copy, nothing travels that copies could overlap)
         self._buffers = BufferIntake(rank, self._size,
@@ -132,6 +146,7 @@ class Communicator:
         self._lag = LagWatch(rank, self._size, config.max_behind)
         self._trace = Trace.open(config.trace, self._serial, rank)
         self._layout, self._hierarchy = self._two_levels(arguments)
+        self._elastic(elastic, evict_after, elastic_wait)
         environment.log.info("communicator of %d ranks: channel=%s timeout=%s loss=%s "
                            "block_bytes=%d", self._size, self._channel, self.timeout,
                            list(config.loss) or None, config.block_bytes)
@@ -161,6 +176,98 @@ class Communicator:
         finally:
             node.Free()
 
+    def _elastic(self, elastic: Any, evict_after: Any, wait: Any) -> None:
+        """Collective: check and agree on the elastic settings, and start
+        the membership if elastic."""
+        problem: Optional[Exception] = None
+        if not isinstance(elastic, bool):
+            problem = TypeError(f"elastic must be a bool, got {elastic!r}")
+        elif elastic:
+            problem = check_elastic(self._config.timeout, evict_after, wait)
+        settings = (elastic, evict_after, wait) if elastic else (False,)
+        every = self._comm.allgather((None if problem is None else str(problem), settings))
+        errors = [(r, e) for r, (e, _) in enumerate(every) if e is not None]
+        if errors:
+            self.free()
+            raise (type(problem) if problem is not None else ValueError)(
+                f"rank {errors[0][0]}: {errors[0][1]}")
+        if len({repr(v) for _, v in every}) > 1:
+            self.free()
+            raise MismatchError(f"elastic settings differ across ranks: "
+                                f"{[v for _, v in every]}")
+        if elastic:
+            self._membership = Membership(self._comm, list(range(self._size)), evict_after,
+                                          float(wait))
+
+    @property
+    def elastic(self) -> bool:
+        return self._membership is not None
+
+    @property
+    def members(self) -> Tuple[int, ...]:
+        """The ranks (in the communicator this Communicator was built on)
+        still in: all of them unless elastic=True excluded some."""
+        if self._membership is None:
+            return tuple(range(self._size))
+        return tuple(self._membership.members)
+
+    def on_exclusion(self, callback: Callable[[Tuple[int, ...], Tuple[int, ...]], None]
+                     ) -> None:
+        """elastic=True: call `callback(excluded, members)` (ranks of the
+        communicator this one was built on) on every rank that goes on,
+        right after an exclusion, before the call that led to it returns:
+        to re-shard, log or checkpoint."""
+        if not callable(callback):
+            raise TypeError("callback must be callable")
+        if self._membership is None:
+            raise ValueError("on_exclusion() needs a communicator built with elastic=True")
+        self._on_exclusion.append(callback)
+
+    def _after_call(self, stats: CollectiveStats) -> CollectiveStats:
+        """elastic=True: heartbeat, and if a rank is suspected (or another
+        rank started an agreement), agree on who is out and switch to the
+        survivors' communicator.  The stats say whom this call excluded."""
+        membership = self._membership
+        if membership is None:
+            return stats
+        suspects = membership.after_call(stats.seq)
+        if suspects is None:
+            return stats
+        began = time.perf_counter()
+        out, failed = membership.agree(suspects, stats.seq)
+        if not out:
+            return stats
+        excluded = tuple(membership.members[r] for r in sorted(out))
+        reported = [membership.members[r] for r in sorted(failed)]
+        self._switch(out)
+        environment.log.warning("excluded ranks %s (MPI reported %s failed) after call %d "
+                                "in %.3f s; %d ranks go on", list(excluded), reported,
+                                stats.seq, time.perf_counter() - began, self._size)
+        members = self.members
+        for callback in self._on_exclusion:
+            callback(excluded, members)
+        return stats._replace(excluded=excluded)
+
+    def _switch(self, out: Any) -> None:
+        """Go on over the survivors: a new communicator of them and the
+        Communicator's whole state built afresh on it (collective over the
+        survivors).  What belonged to the old one (windows, duplicates,
+        agreements in flight) is left as it is: freeing any of it is
+        collective over ranks that are gone."""
+        membership = self._membership
+        assert membership is not None
+        rest = survivors(self._comm, out)
+        try:
+            fresh = Communicator(rest, **self._arguments)
+        finally:
+            rest.Free()
+        _live.discard(fresh)
+        for name in ("_core", "_comm", "_config", "_channel", "_rank", "_size", "_buffers",
+                     "_auto", "_codes", "_calls", "_lag", "_trace", "_layout", "_hierarchy"):
+            setattr(self, name, getattr(fresh, name))
+        fresh._core = None              # (its state is this one's now)
+        membership.rebind(self._comm, out)
+
     # -- properties ----------------------------------------------------------
     @property
     def layout(self) -> NodeLayout:
@@ -168,7 +275,7 @@ class Communicator:
         return self._layout
 
     @property
-    def comm(self) -> MPI.Comm:
+    def comm(self) -> MPI.Intracomm:
         """The private duplicate that carries mpilossy's traffic."""
         self._alive()
         return self._comm
@@ -258,8 +365,13 @@ class Communicator:
 
     # -- lifetime ------------------------------------------------------------
     def free(self) -> None:
-        """Release windows and the duplicate communicator (collective)."""
+        """Release windows and the duplicate communicator (collective; on a
+        rank that elastic=True excluded, nothing: the others are gone)."""
         if self._core is None:
+            return
+        if self._membership is not None and self._membership.evicted:
+            self._core = None
+            _live.discard(self)
             return
         if self._trace is not None:
             self._trace.close()
@@ -289,7 +401,12 @@ class Communicator:
                 f"timeout={self.timeout!r} loss={list(self._config.loss)!r}>")
 
     def _alive(self) -> Core:
-        """The compiled core; raises once the communicator was freed."""
+        """The compiled core; raises once the communicator was freed, or
+        once elastic=True excluded this rank."""
+        if self._membership is not None and self._membership.evicted:
+            raise EvictedError(self._membership.evicted)
+        if self._membership is not None and self._membership.broken:
+            raise MPILossyError(self._membership.broken)
         if self._core is None:
             raise MPILossyError("this mpilossy.Communicator was freed")
         return self._core
@@ -325,8 +442,8 @@ class Communicator:
         "auto") for this call (default: the communicator's); every rank
         passes the same.
         """
-        return self._run(ALLREDUCE, sendbuf, recvbuf, op, algorithm, timeout, weight,
-                         compression, residual, redundancy)
+        return self._after_call(self._run(ALLREDUCE, sendbuf, recvbuf, op, algorithm, timeout,
+                                          weight, compression, residual, redundancy))
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, *, op: str = "sum",
                        algorithm: str = "auto", timeout: Any = UNSET,
@@ -342,8 +459,8 @@ class Communicator:
         sizes; hierarchical where allreduce would be, on nodes of equal size,
         without weight or residual); unbiased like allreduce.  weight,
         compression, residual, redundancy: as in allreduce."""
-        return self._run(REDUCE_SCATTER, sendbuf, recvbuf, op, algorithm, timeout, weight,
-                         compression, residual, redundancy)
+        return self._after_call(self._run(REDUCE_SCATTER, sendbuf, recvbuf, op, algorithm,
+                                          timeout, weight, compression, residual, redundancy))
 
     def allgather(self, sendbuf: Any, recvbuf: Any, *, timeout: Any = UNSET,
                   redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
@@ -351,8 +468,8 @@ class Communicator:
         r's `sendbuf`.  A chunk (block) that does not arrive in time keeps
         the previous contents of `recvbuf`.  `sendbuf` may be this rank's
         own chunk of `recvbuf` (in place).  redundancy: as in allreduce."""
-        return self._run(ALLGATHER, sendbuf, recvbuf, "sum", "auto", timeout, None, UNSET, None,
-                         redundancy)
+        return self._after_call(self._run(ALLGATHER, sendbuf, recvbuf, "sum", "auto", timeout,
+                                          None, UNSET, None, redundancy))
 
     def _run(self, collective: int, sendbuf: Any, recvbuf: Any, op: Any, algorithm: Any,
              timeout: Any, weight: Any, compression: Any, residual: Any,

@@ -3,7 +3,7 @@ these are for misuse and for protocol failures."""
 
 from __future__ import annotations
 
-__all__ = ["MPILossyError", "MismatchError", "LaggingError"]
+__all__ = ["MPILossyError", "MismatchError", "LaggingError", "EvictedError"]
 
 
 class MPILossyError(RuntimeError):
@@ -18,3 +18,9 @@ class LaggingError(MPILossyError):
     """This rank found every peer already past its call on many calls in a
     row: it no longer takes part in the others' calls (a call made on some
     ranks only, or a rank that cannot keep up)."""
+
+
+class EvictedError(MPILossyError):
+    """Communicator(elastic=True): the other ranks went on without this one
+    (it was behind, stopped or cut off, or it is in a minority of the ranks
+    still running).  Every later call on the communicator raises it too."""

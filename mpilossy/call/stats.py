@@ -55,6 +55,9 @@ class CollectiveStats(NamedTuple):
     their group's parity (they count as arrived everywhere else)."""
     redundancy: Optional[Tuple[int, int]] = None
     """The code this call used (with redundancy="auto": the one picked)."""
+    excluded: Tuple[int, ...] = ()
+    """elastic=True: the ranks (of the communicator the Communicator was
+    built on) that the agreement after this call excluded."""
 
     def contributed(self, rank: Optional[int] = None) -> float:
         """Fraction of this rank's result that holds `rank`'s data (default:

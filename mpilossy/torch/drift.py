@@ -143,6 +143,12 @@ class DriftController:
         self.measure_seconds = 0.0
         """Total seconds spent measuring."""
 
+    def rebind(self, comm: MPI.Intracomm) -> None:
+        """Go on over `comm` (an elastic communicator's survivors, after an
+        exclusion); its rank 0 is the root from now on."""
+        self.comm = self._meter.comm = comm
+        self.root_rank = 0
+
     def step(self) -> DriftStep:
         """Count a training step; measure and re-synchronise when due."""
         self.steps += 1

@@ -58,6 +58,11 @@ class ErrorFeedback:
         self.residuals = {d: torch.zeros_like(b) for d, b in flat.buffers.items() if d in REDUCIBLE}
         self.sent = {d: torch.zeros_like(b) for d, b in self.residuals.items()}
 
+    def rebind(self, comm: MPI.Intracomm) -> None:
+        """Go on over `comm` (after an elastic exclusion)."""
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+
     def add_to(self, flat: Flat) -> None:
         """Add the residual to the packed gradients; remember what is sent."""
         with torch.no_grad():

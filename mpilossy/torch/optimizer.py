@@ -4,6 +4,7 @@ before every step, with no torch.distributed process group."""
 from __future__ import annotations
 
 import math
+import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type, TypeVar, cast
 
 import numpy as np
@@ -86,6 +87,21 @@ def wrap(optimizer: torch.optim.Optimizer, mixin: Type[_W], engine: Engine) -> _
     return wrapped
 
 
+def follow_exclusions(engine: Engine) -> None:
+    """Communicator(elastic=True): rebind `engine` after each exclusion
+    (weakly: the communicator does not keep the optimizer alive)."""
+    if not engine.lc.elastic:
+        return
+    ref = weakref.ref(engine)
+
+    def react(excluded: Tuple[int, ...], members: Tuple[int, ...]) -> None:
+        alive = ref()
+        if alive is not None:
+            alive.rebind()
+
+    engine.lc.on_exclusion(react)
+
+
 def already_wrapped(optimizer: Any) -> Optional[Exception]:
     if isinstance(optimizer, WrappedOptimizer) or "_mpilossy" in getattr(optimizer, "__dict__", {}):
         return ValueError("this optimizer is already wrapped by mpilossy.torch")
@@ -113,9 +129,23 @@ class Engine:
     def __init__(self, lc: Communicator, params: List[torch.Tensor], op: str,
                  drift: Optional[DriftController]) -> None:
         self.lc, self.params, self.op, self.drift = lc, params, op, drift
+        self.reliable = reliable_comm(lc)     # (what the wrappers' reliable calls use)
         self.ids: List[int] = [id(p) for p in params]      # the optimizer's parameters
         self.recorder = Recorder()
         self.feedback: Optional[ErrorFeedback] = None
+
+    def rebind(self) -> None:
+        """After an elastic exclusion (Communicator.on_exclusion): the
+        reliable collectives go over the survivors' communicator."""
+        comm = self.lc.comm
+        if self.drift is not None:
+            self.drift.rebind(comm)
+        if self.feedback is not None:
+            self.feedback.rebind(comm)
+        deadline = getattr(self, "compute_deadline", None)
+        if deadline is not None and deadline.comm is self.reliable:
+            deadline.comm = comm
+        self.reliable = comm
 
     def finish(self) -> StepStats:
         """Close the step: drift control when due, then the statistics."""
@@ -336,4 +366,5 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                                 optimizer=optimizer if broadcast_state else None, resync=resync)
     engine = _GradientAllreduce(lc, [p for _, p in named], op, bucket_bytes, drift, tolerance,
                                 error_feedback, compute_deadline, compression)
+    follow_exclusions(engine)
     return wrap(optimizer, _DistributedOptimizer, engine)

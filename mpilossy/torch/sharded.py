@@ -21,6 +21,7 @@ therefore stays bounded without broadcasts.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import numpy as np
@@ -28,6 +29,7 @@ import torch
 from mpi4py import MPI
 
 from .. import CollectiveStats, Communicator
+from ..call.buffers import chunk_bounds
 from .broadcast import bcast_tensors
 from .checks import check_everywhere, check_tensors
 from .communicators import lossy_communicator, reliable_comm
@@ -35,8 +37,8 @@ from .compression import Compression, compression_problem
 from .compute import ComputeDeadline, deadline_problem, fill_in, weigh
 from .drift import DriftController, every_problem
 from .feedback import ErrorFeedback, feedback_problem
-from .optimizer import (Engine, WrappedOptimizer, already_wrapped, check_settings, params_changed,
-                        wrap)
+from .optimizer import (Engine, WrappedOptimizer, already_wrapped, check_settings,
+                        follow_exclusions, params_changed, wrap)
 from .tensors import Flat, REDUCIBLE, as_bytes, as_numpy, optimizer_parameters
 
 __all__ = ["ShardedOptimizer"]
@@ -69,21 +71,72 @@ class _ShardedExchange(Engine):
         self.mirrored = needs_mirror(device)
         self.host = Flat(params) if self.mirrored else self.flat
         self.grads = Flat(params)           # gradients, packed for the reduce-scatter
-        self.bounds = {d: lc.chunk_bounds(b.numel()) for d, b in self.flat.buffers.items()}
-        pinned = self.mirrored and device.type == "cuda"
-        self.shard_grads = {d: torch.zeros(hi - lo, dtype=d, pin_memory=pinned)
-                            for d, (lo, hi) in self.bounds.items()}
-        # the chunk's gradients where the optimizer reads them
-        self.device_grads = ({d: torch.zeros_like(g, device=device)
-                              for d, g in self.shard_grads.items()}
-                             if self.mirrored else self.shard_grads)
-        self.shards = self._shards(groups, n_groups)
+        self.device = device
+        self.groups, self.n_groups = groups, n_groups
+        self._cut()
+        # elastic communicators: the members the chunks were cut for, and
+        # whether an exclusion calls for cutting them again
+        self.members = lc.members
+        self.rebalance_due = False
+        self.optimizer: Optional[Callable[[], Optional[torch.optim.Optimizer]]] = None
         if error_feedback:
             self.feedback = ErrorFeedback(lc, self.grads)
         self._download()
         # (on the parameters' device: on a GPU its passes cost next to nothing)
         self.trends = ({d: _Trend(b) for d, b in self.flat.buffers.items() if d in REDUCIBLE}
                        if missed == "extrapolate" else None)
+
+    def _cut(self) -> None:
+        """This rank's chunk of every buffer (for the communicator's size),
+        its gradient buffers, and each param group's views of it."""
+        lc = self.lc
+        self.bounds = {d: lc.chunk_bounds(b.numel()) for d, b in self.flat.buffers.items()}
+        pinned = self.mirrored and self.device.type == "cuda"
+        self.shard_grads = {d: torch.zeros(hi - lo, dtype=d, pin_memory=pinned)
+                            for d, (lo, hi) in self.bounds.items()}
+        # the chunk's gradients where the optimizer reads them
+        self.device_grads = ({d: torch.zeros_like(g, device=self.device)
+                              for d, g in self.shard_grads.items()}
+                             if self.mirrored else self.shard_grads)
+        self.shards = self._shards(self.groups, self.n_groups)
+
+    def rebind(self) -> None:
+        """After an elastic exclusion: the chunks are cut again for the
+        survivors at the end of this step (rebalance), and until then the
+        step's remaining lossy calls are skipped."""
+        super().rebind()
+        self.comm = self.lc.comm
+        self.rebalance_due = True
+
+    def rebalance(self) -> None:
+        """Cut the chunks for the survivors.  Every survivor's old chunk
+        comes from it (exact: it just updated it), a gone rank's from the
+        lowest survivor's copy (its last values there), by reliable
+        broadcasts; then the optimizer holds views of the new chunk, with a
+        fresh state (the state of the old chunks stays with their owners)."""
+        optimizer = self.optimizer() if self.optimizer is not None else None
+        assert optimizer is not None        # (set by ShardedOptimizer; it is alive: stepping)
+        old, members = list(self.members), list(self.lc.members)
+        self._download()
+        for buf in self.host.buffers.values():
+            for old_rank, who in enumerate(old):
+                lo, hi = chunk_bounds(buf.numel(), len(old), old_rank)
+                if hi > lo:
+                    self.comm.Bcast(as_bytes(buf[lo:hi]),
+                                    root=members.index(who) if who in members else 0)
+        self._upload()
+        for group in optimizer.param_groups:
+            for view in group["params"]:
+                optimizer.state.pop(view, None)
+        self._cut()
+        for group, views in zip(optimizer.param_groups, self.shards):
+            group["params"] = [view for view, _ in views]
+        self.ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
+        if self.trends is not None:
+            for dtype, trend in self.trends.items():
+                trend.exact(self.flat.buffers[dtype])
+        self.members = tuple(members)
+        self.rebalance_due = False
 
     def _download(self, chunk_only: bool = False) -> None:
         """The parameters (this rank's chunk only) into the host mirror."""
@@ -131,6 +184,8 @@ class _ShardedExchange(Engine):
         weight = weigh(self.compute_deadline, self.grads.arrays.values())
         calls = []
         for dtype, send in self.grads.arrays.items():
+            if self.rebalance_due:          # (an exclusion: the rest waits for new chunks)
+                break
             recv = self.shard_grads[dtype]
             if self.compression is not None:
                 stats = self.compression.reduce_scatter(self.lc, dtype, send, as_numpy(recv),
@@ -153,6 +208,8 @@ class _ShardedExchange(Engine):
         self._download(chunk_only=True)
         calls = []
         for dtype, full in self.host.arrays.items():
+            if self.rebalance_due:
+                break
             lo, hi = self.bounds[dtype]
             stats = self.lc.allgather(full[lo:hi], full)
             self.recorder.add(stats)
@@ -281,7 +338,10 @@ class _ShardedOptimizer(WrappedOptimizer):
         params_changed(engine, self)
         engine.reduce_scatter()
         super().step(**kwargs)
-        engine.allgather()
+        if not engine.rebalance_due:
+            engine.allgather()
+        if engine.rebalance_due:            # (an elastic exclusion during this step)
+            engine.rebalance()
         engine.finish()
         return loss
 
@@ -426,4 +486,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     for group, views in zip(optimizer.param_groups, engine.shards):
         group["params"] = [view for view, _ in views]
     engine.ids = [id(p) for g in optimizer.param_groups for p in g["params"]]   # the chunks
-    return wrap(optimizer, _ShardedOptimizer, engine)
+    wrapped = wrap(optimizer, _ShardedOptimizer, engine)
+    engine.optimizer = weakref.ref(wrapped)
+    follow_exclusions(engine)
+    return wrapped

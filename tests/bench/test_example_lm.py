@@ -19,6 +19,7 @@ pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch
 pytest.importorskip("tqdm", reason="tqdm is not installed")
 
 from helpers import clean_subprocess_env, is_singleton, mpiexec, run_bounded  # noqa: E402
+from mpilossy.control.failures import reports_failures  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not is_singleton(), reason="starts its own mpiexec: runs at size 1")
 
@@ -206,3 +207,22 @@ def test_timeout_argument():
     assert parser().parse_args(["--timeout", "0.25"]).timeout == 0.25
     with pytest.raises(SystemExit):
         parser().parse_args(["--timeout", "soon"])
+
+
+@pytest.mark.skipif(not reports_failures(), reason="this MPI does not report failed ranks")
+@pytest.mark.parametrize("mode", ["sharded", "replicated"])
+def test_kill_rank_the_others_go_on(tmp_path, mode):
+    """--kill-rank 1 --at-step 15 at 3 ranks (mpiexec -disable-auto-cleanup):
+    rank 1 exits, the others exclude it and finish, the lowest survivor
+    reports, and every process ends (os._exit: MPI_Finalize would hang)."""
+    out = tmp_path / "result.json"
+    done = run_bounded([mpiexec(), "-disable-auto-cleanup", "-n", "3", sys.executable, "-m",
+                        "mpilossy.examples.lm", *TINY, "--mode", mode, "--kill-rank", "1",
+                        "--at-step", "15", "--json", out], timeout=240,
+                       env=clean_subprocess_env(OMP_NUM_THREADS="1"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "ranks [1] excluded; 2 went on" in done.stdout, done.stdout
+    r = json.loads(out.read_text())
+    assert r["members"] == [0, 2] and r["ranks"] == 2, r
+    assert r["train_loss_last"] < r["train_loss_first"] - 0.5, r
+    assert all(math.isfinite(p) and 1 < p < 100 for p in r["val_perplexity_ranks"]), r

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional
 
@@ -126,6 +127,13 @@ def parser() -> argparse.ArgumentParser:
                     help="where the model trains: cpu, or cuda (each rank takes its node's "
                     "GPU number node-local rank mod GPUs; gradients are staged through "
                     "pinned host memory: docs/gpu.md)")
+    ap.add_argument("--elastic", action="store_true",
+                    help="go on without a rank that exits or hangs (Communicator(elastic=True); "
+                    "launch with mpiexec -disable-auto-cleanup: docs/elastic.md)")
+    ap.add_argument("--kill-rank", type=int, default=None, metavar="R",
+                    help="rank R exits before step --at-step (implies --elastic)")
+    ap.add_argument("--at-step", type=int, default=d.kill_at, metavar="S",
+                    help="the step before which --kill-rank exits")
     ap.add_argument("--json", help="write the results to this file (rank 0)")
     return ap
 
@@ -148,10 +156,12 @@ def main(argv: Optional[List[str]] = None) -> int:
                  steps=args.steps, batch=args.batch, context=args.context, width=args.width,
                  layers=args.layers, heads=args.heads, lr=args.lr, warmup=args.warmup,
                  seed=args.seed, val_windows=args.val_windows,
-                 measure_every=args.measure_every, threads=args.threads, device=args.device)
+                 measure_every=args.measure_every, threads=args.threads, device=args.device,
+                 elastic=args.elastic, kill_rank=args.kill_rank, kill_at=args.at_step)
     comm = MPI.COMM_WORLD
     result = train(cfg, comm, progress=args.progress)
-    if comm.rank == 0:
+    lost = len(result["members"]) < comm.size
+    if comm.rank == result["members"][0]:
         r = result
         how = cfg.reduce if cfg.reduce == "mpi" else (
             f"mpilossy {cfg.mode}{' + error feedback' if cfg.error_feedback else ''}"
@@ -179,9 +189,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"(compute deadline {cfg.compute_deadline})")
         if "phase_aware" in r:
             print(f"phase-aware     {r['phase_aware']}")
+        if lost:
+            print(f"elastic         ranks {sorted(set(range(comm.size)) - set(result['members']))}"
+                  f" excluded; {len(result['members'])} went on")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
+    if lost:        # (MPI_Finalize hangs after a rank is gone: docs/elastic.md)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     return 0
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -76,6 +77,10 @@ class Config:
     threads: int = 1
     device: str = "cpu"               # "cpu" or "cuda" (each rank takes its node's GPU
                                       # number local rank mod GPUs; they may share one)
+    elastic: bool = False             # go on without a rank that exits or hangs
+                                      # (Communicator(elastic=True); docs/elastic.md)
+    kill_rank: Optional[int] = None   # this rank exits (os._exit) before step kill_at:
+    kill_at: int = 0                  # the scenario of --kill-rank R --at-step S (elastic)
 
 
 # The deadline where the learned one would run the hierarchy: on fake 2 x 2
@@ -165,6 +170,24 @@ def redundancy(cfg: Config) -> Union[None, str, Tuple[int, int]]:
     return (k, m)
 
 
+# Elastic runs line the ranks up with a barrier that gives up after this
+# long: a rank that is gone never enters it, and the lossy call that
+# follows is where the others notice and exclude it.
+LINE_UP_WAIT = 2.0
+_abandoned: List[MPI.Request] = []      # (MPI cannot cancel a collective: kept)
+
+
+def line_up(comm: MPI.Intracomm) -> None:
+    """MPI_Ibarrier, waited for at most LINE_UP_WAIT seconds."""
+    request = comm.Ibarrier()
+    ends = time.monotonic() + LINE_UP_WAIT
+    while not request.Test():
+        if time.monotonic() > ends:
+            _abandoned.append(request)
+            return
+        time.sleep(0.0005)
+
+
 def windows(text: np.ndarray, starts: np.ndarray, length: int,
             device: Optional[torch.device] = None) -> torch.Tensor:
     idx = starts[:, None] + np.arange(length)[None, :]
@@ -246,6 +269,11 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                          "has no phase-aware tolerance")
     if cfg.micro_batches < 1 or cfg.batch % cfg.micro_batches:
         raise ValueError(f"micro_batches must divide batch ({cfg.batch}), got {cfg.micro_batches}")
+    elastic = cfg.elastic or cfg.kill_rank is not None
+    if elastic and cfg.reduce != "mpilossy":
+        raise ValueError("elastic training (and --kill-rank) needs reduce='mpilossy'")
+    if cfg.kill_rank is not None and not 0 <= cfg.kill_rank < comm.size:
+        raise ValueError(f"kill_rank must be a rank (0..{comm.size - 1}), got {cfg.kill_rank}")
     slow_p, slow_factor = straggler(cfg.straggle)
     deadline = compute_deadline(cfg)
     if deadline is not None and cfg.reduce != "mpilossy":
@@ -294,7 +322,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                                    channel=cfg.channel,
                                    scaling="zero-fill" if plain else "unbiased",
                                    rotate=not pinned_reducers(cfg),
-                                   redundancy=redundancy(cfg), **target)
+                                   redundancy=redundancy(cfg), elastic=elastic, **target)
         if cfg.phase_aware:
             tolerance = mt.PhaseAwareTolerance(critical_steps=int(cfg.steps * cfg.critical_fraction))
         if cfg.mode == "sharded":
@@ -328,7 +356,17 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     slowness = np.random.default_rng([cfg.seed, rank, 7])
     per_micro = cfg.batch // cfg.micro_batches
     train_began = time.perf_counter()
+    def reliable() -> MPI.Intracomm:
+        """Where the reliable calls go: the survivors' communicator once an
+        elastic run lost a rank."""
+        return lc.comm if lc is not None and lc.elastic else comm
+
     for step in range(cfg.steps):
+        if step == cfg.kill_at and rank == cfg.kill_rank:
+            bar.close()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)             # (a rank that is gone: the others go on)
         for group in inner.param_groups:
             group["lr"] = lr_at(cfg, step)
         optimizer.zero_grad(set_to_none=False)   # (the wrapper: sharded mode clears the model's)
@@ -356,7 +394,10 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                 # Ranks that time-share cores finish their backward passes up
                 # to ~100 ms apart, which a 50 ms deadline would count as
                 # loss; lined up, the loss measured is the injected one.
-                comm.Barrier()
+                if lc is not None and lc.elastic:
+                    line_up(reliable())
+                else:
+                    reliable().Barrier()
             assert wrapped is not None
             optimizer.step()
             stats = wrapped.stats
@@ -366,7 +407,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         losses.append(loss.item())
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             pause = time.perf_counter()
-            ppl_now = comm.bcast(perplexity(model, val) if rank == 0 else None)
+            ppl_now = reliable().bcast(perplexity(model, val) if reliable().rank == 0 else None)
             curve.append((step + 1, pause - train_began - paused, ppl_now))
             paused += time.perf_counter() - pause
         # the last 10 steps' mean training loss and delivered fraction
@@ -375,6 +416,8 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         bar.update(1)
     train_seconds = time.perf_counter() - train_began - paused
     bar.close()
+    comm = reliable()
+    size = comm.size
 
     # Drift of the models as trained: the measurement of the last step was
     # taken before that step's broadcast, if it had one.
@@ -386,6 +429,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     result = {
         "config": asdict(cfg),
         "ranks": size,
+        "members": list(lc.members) if lc is not None else list(range(size)),
         "val_perplexity": ppl[0],                 # rank 0's model
         "val_perplexity_ranks": ppl,
         "final_drift": final_drift,

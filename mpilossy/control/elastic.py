@@ -1,0 +1,214 @@
+"""Who is still in (Communicator(elastic=True); docs/elastic.md).
+
+A rank is out when MPI reports it failed (it exited: control/failures.py),
+or when it has fallen `evict_after` calls behind this rank's (hung, stopped,
+cut off).  Ranks tell each other how far they are with a heartbeat, one
+small message to every peer after each call, on a duplicate communicator of
+their own (`ctl`) whose messages never block: a send to a rank that is gone
+completes or fails locally, and nothing ever waits for a receive without a
+deadline.
+
+The ranks that still run agree on who is out in two rounds of messages,
+each waiting at most `wait` seconds for a peer that says nothing:
+
+1. every rank sends the ranks it suspects to every rank it does not, and
+   collects theirs: the union, with the ranks it did not hear from in time
+   and those MPI reports failed, is its first set;
+2. every rank sends its first set (and the ranks MPI reports failed) the
+   same way: the union of the first sets it hears is the decision.
+
+Two ranks that noticed at different calls meet in round 1 (the one that
+noticed later enters when it finds the other's message after its own
+call).  A rank heard by some and not by others in round 1 (it stopped or
+died during it) is in some first sets, so in every decision.  The
+decisions differ only if a rank dies or stops during round 2, or between
+its messages and the survivors' new communicator (MPI_Comm_create_group,
+which cannot survive a member that is gone): not survived, documented.
+
+The ranks not out go on only if they are a majority of those not reported
+failed (half, with the lowest of them): a rank cut off from the others
+decides that they are all out, and must not go on alone.  The others and
+any rank the decision names get EvictedError.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
+
+from mpi4py import MPI
+
+from ..errors import EvictedError, MPILossyError
+from .failures import failed_ranks
+
+__all__ = ["Membership", "check_elastic"]
+
+BEAT, ROUND_1, ROUND_2, OUT = 1, 2, 3, 4      # message tags on the control communicator
+POLL = 0.001                                  # seconds between looks while waiting
+
+
+def check_elastic(timeout: Any, evict_after: Any, wait: Any) -> Optional[Exception]:
+    """Why these elastic settings cannot work (None if they can)."""
+    if timeout is None:
+        return ValueError("elastic=True needs a deadline (timeout seconds or 'auto'): "
+                          "without one a call waits for a rank that is gone forever")
+    if isinstance(evict_after, bool) or not isinstance(evict_after, int) or evict_after < 1:
+        return ValueError(f"evict_after must be an int >= 1 (calls), got {evict_after!r}")
+    if (isinstance(wait, bool) or not isinstance(wait, (int, float))
+            or not 0 < wait < float("inf")):
+        return ValueError(f"elastic_wait must be seconds > 0, got {wait!r}")
+    return None
+
+
+class Membership:
+    """Heartbeats, suspicion and the agreement of one elastic communicator.
+    Ranks here are the current communicator's; `members[r]` is rank r's
+    rank in the communicator the user built the Communicator with."""
+
+    def __init__(self, comm: MPI.Intracomm, members: List[int], evict_after: int,
+                 wait: float) -> None:
+        self.evict_after, self.wait = evict_after, float(wait)
+        self.members = list(members)
+        self.epoch = 0                          # exclusions so far
+        self.evicted: Optional[str] = None      # why this rank is out, once it is
+        self.broken: Optional[str] = None       # why the survivors could not go on
+        self._bind(comm)
+
+    def _bind(self, comm: MPI.Intracomm) -> None:
+        self.ctl = comm.Dup()
+        self.ctl.Set_errhandler(MPI.ERRORS_RETURN)
+        self.rank, self.size = self.ctl.Get_rank(), self.ctl.Get_size()
+        self.seen = [0] * self.size             # the last call each peer finished
+        self.inbox: Dict[int, Dict[int, Any]] = {ROUND_1: {}, ROUND_2: {}}
+        self.sends: List[MPI.Request] = []
+
+    # -- messages ------------------------------------------------------------
+    def _send(self, obj: Any, dest: int, tag: int) -> None:
+        try:
+            self.sends.append(self.ctl.isend(obj, dest, tag))
+        except MPI.Exception:       # a peer that is gone: it needs to hear nothing
+            pass
+
+    def _drain(self) -> None:
+        """Take every message that has arrived; forget finished sends."""
+        status = MPI.Status()
+        try:
+            while self.ctl.iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                source, tag = status.Get_source(), status.Get_tag()
+                epoch, body = self.ctl.recv(source=source, tag=tag)
+                if tag == OUT and self.rank in body:
+                    self.evicted = (f"the other ranks excluded this rank (it was behind or "
+                                    f"silent; exclusion {epoch + 1})")
+                elif epoch != self.epoch:
+                    continue                    # (an older exclusion's late message)
+                elif tag == BEAT:
+                    self.seen[source] = max(self.seen[source], body)
+                elif tag in self.inbox:
+                    self.inbox[tag][source] = body
+        except MPI.Exception:
+            pass
+        still = []
+        for request in self.sends:
+            try:
+                if not request.Test():
+                    still.append(request)
+            except MPI.Exception:
+                pass
+        self.sends = still
+
+    # -- after every call -----------------------------------------------------
+    def after_call(self, seq: int) -> Optional[FrozenSet[int]]:
+        """Heartbeat for call `seq`; then None (almost always), or the ranks
+        this rank suspects, possibly none, when an agreement is to run
+        (it suspects someone, or another rank started one).  Raises
+        EvictedError if the others excluded this rank."""
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._send((self.epoch, seq), peer, BEAT)
+        self._drain()
+        if self.evicted:
+            raise EvictedError(self.evicted)
+        suspects = set(failed_ranks(self.ctl))
+        suspects.update(r for r in range(self.size)
+                        if r != self.rank and seq - self.seen[r] >= self.evict_after)
+        if not suspects and not self.inbox[ROUND_1]:
+            return None
+        return frozenset(suspects)
+
+    def agree(self, suspects: FrozenSet[int], seq: int) -> Tuple[FrozenSet[int], FrozenSet[int]]:
+        """The two rounds (module documentation) after call `seq`: (ranks
+        out, ranks among them that MPI reports failed), the same on every
+        rank that goes on.  Raises EvictedError on a rank that is out or in
+        a minority, and MPILossyError on every rank that goes on if they
+        came to the agreement after different calls (not handled yet:
+        going on would pair one rank's calls with another's next ones)."""
+        first, failed, _ = self._round(ROUND_1, set(suspects), seq)
+        decided, failed, seqs = self._round(ROUND_2, set(first), seq, failed)
+        out = frozenset(decided)
+        if self.rank in out:
+            self._evict(out, "the other ranks excluded this rank (it was behind or silent)")
+        counted = [r for r in range(self.size) if r not in failed]
+        kept = [r for r in counted if r not in out]
+        if 2 * len(kept) < len(counted) or (2 * len(kept) == len(counted)
+                                            and min(counted) not in kept):
+            self._evict(out, f"this rank and {len(kept) - 1} other(s) are not a majority of "
+                             f"the {len(counted)} ranks not reported failed: the others may "
+                             f"go on without them")
+        for r in out:               # (a rank that wakes up learns it is out)
+            self._send((self.epoch, out), r, OUT)
+        kept_seqs = {r: seqs.get(r, seq) for r in kept}
+        if len(set(kept_seqs.values())) > 1:
+            self.broken = (f"the ranks still running noticed that ranks {sorted(out)} were "
+                           f"gone after different calls (call numbers by rank: "
+                           f"{kept_seqs}); lining them up again is not built, so this "
+                           f"elastic communicator stops here")
+            raise MPILossyError(self.broken)
+        return out, frozenset(failed & out)
+
+    def _round(self, tag: int, mine: Set[int], seq: int, failed: Optional[Set[int]] = None
+               ) -> Tuple[Set[int], Set[int], Dict[int, int]]:
+        """Send (mine, failed, seq) to every rank not in `mine`, collect
+        theirs until each such rank was heard or `wait` passed.  Returns the
+        union of the sets heard (and of those not heard), the ranks reported
+        failed, and the call after which each rank heard came."""
+        failed = set(failed or ()) | set(failed_ranks(self.ctl))
+        mine |= failed
+        mine.discard(self.rank)
+        for peer in range(self.size):
+            if peer != self.rank and peer not in mine:
+                self._send((self.epoch, (sorted(mine), sorted(failed), seq)), peer, tag)
+        union = set(mine)
+        ends = time.monotonic() + self.wait
+        while True:
+            self._drain()
+            if self.evicted:
+                raise EvictedError(self.evicted)
+            heard = self.inbox[tag]
+            for body in heard.values():
+                union.update(body[0])
+                failed.update(body[1])
+            now_failed = failed_ranks(self.ctl)
+            failed |= now_failed
+            union |= now_failed
+            union.discard(self.rank)
+            waiting = [r for r in range(self.size)
+                       if r != self.rank and r not in union and r not in heard]
+            if not waiting:
+                break
+            if time.monotonic() >= ends:
+                union.update(waiting)       # silent for `wait` seconds: out
+                break
+            time.sleep(POLL)
+        return union, failed, {r: body[2] for r, body in heard.items()}
+
+    def _evict(self, out: FrozenSet[int], why: str) -> None:
+        self.evicted = f"{why} (exclusion {self.epoch + 1}: ranks {sorted(out)} out)"
+        raise EvictedError(self.evicted)
+
+    def rebind(self, comm: MPI.Intracomm, out: FrozenSet[int]) -> None:
+        """After the switch to `comm`, the survivors' communicator.  The old
+        control communicator is left as it is: freeing it is collective
+        over ranks that are gone."""
+        self.members = [m for r, m in enumerate(self.members) if r not in out]
+        self.epoch += 1
+        self._bind(comm)

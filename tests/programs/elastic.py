@@ -1,0 +1,127 @@
+"""Communicator(elastic=True) losing ranks in the middle of lossy all-reduces
+(docs/elastic.md).  Launch with ``mpiexec -disable-auto-cleanup`` (else Hydra
+ends the whole job when a rank exits).
+
+    mpiexec -disable-auto-cleanup -n N python elastic.py CHANNEL SCENARIO [CALLS]
+
+SCENARIO, one of:
+  exit:V@C         rank V exits (os._exit) before call C
+  stop:V@C         rank V stops itself (SIGSTOP) before call C; when the
+                   others are done they wake it (SIGCONT) and it must get
+                   EvictedError on its next call
+  exit:V@C,W@D     two ranks exit at different calls
+  during:V@C,W     V exits before call C, W exits as it enters the agreement
+  late:V@C,W       V exits before call C, W looks for it one call later than
+                   the others: every survivor must raise MPILossyError (not
+                   going on with its calls paired with the others' next ones)
+
+Every call is a direct all-reduce (op avg, deadline 0.2 s, no injected
+loss) of (original rank + 1 + call / 1000); each block of each result is
+checked against the mean over the ranks the call records as its
+contributors.  Every rank still running at the end prints one JSON line:
+its rank, the calls made, the wrong blocks (0 expected), the exclusions it
+saw (call, ranks, seconds from the loss to the end of the excluding call)
+and the members at the end.  A woken rank prints what its next call
+raised.  Everyone ends with os._exit: MPI_Finalize hangs after a death."""
+
+import json
+import os
+import signal
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpilossy
+from mpilossy.control import elastic
+
+comm = MPI.COMM_WORLD
+channel, scenario = sys.argv[1], sys.argv[2]
+calls = int(sys.argv[3]) if len(sys.argv) > 3 else 30
+kind, _, spec = scenario.partition(":")
+leaves = {}             # original rank -> call before which it leaves
+during = None           # the rank that exits as it enters the agreement
+for part in spec.split(","):
+    if "@" in part:
+        victim, at = part.split("@")
+        leaves[int(victim)] = int(at)
+    else:
+        during = int(part)
+pids = comm.allgather(os.getpid())
+me = comm.rank
+
+if me == during and kind == "late":
+    original_after_call = elastic.Membership.after_call
+
+    def after_call_one_late(self, seq):
+        if seq == min(leaves.values()) + 1:       # (the call C, counted from 1)
+            return None
+        return original_after_call(self, seq)
+
+    elastic.Membership.after_call = after_call_one_late
+elif me == during:
+
+    def agree_then_exit(self, *args):
+        sys.stdout.flush()
+        os._exit(0)
+
+    elastic.Membership.agree = agree_then_exit
+
+lc = mpilossy.Communicator(comm, channel=channel, timeout=0.2, algorithm="direct",
+                           elastic=True, evict_after=5, elastic_wait=1.0)
+seen = []
+lc.on_exclusion(lambda excluded, members: seen.append((list(excluded), list(members))))
+n = 3000                # (several blocks at any size)
+wrong = 0
+exclusions = []
+lost_at = None          # when the first rank left, as this rank saw the call begin
+for call in range(calls):
+    if leaves.get(me) == call:
+        if kind == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+            # woken by the others when they are done: the next call must refuse
+            try:
+                lc.allreduce(np.ones(n), op="avg")
+                outcome = "returned a result"
+            except mpilossy.EvictedError as exc:
+                outcome = f"EvictedError: {exc}"
+            print(json.dumps({"rank": me, "woken": outcome}), flush=True)
+            os._exit(0)
+        sys.stdout.flush()
+        os._exit(0)
+    if call in leaves.values() and lost_at is None:
+        lost_at = time.perf_counter()
+    members = lc.members
+    x = np.full(n, me + 1 + call / 1000.0)
+    try:
+        stats = lc.allreduce(x, op="avg")
+    except mpilossy.MPILossyError as exc:
+        print(json.dumps({"rank": me, "call": call, "error": f"{type(exc).__name__}: {exc}"}),
+              flush=True)
+        os._exit(0)
+    record = stats.contributors
+    if record is not None:
+        firsts, lengths = record.blocks()
+        who = record.members()
+        for first, length, row in zip(firsts, lengths, who):
+            if length == 0:
+                continue
+            ranks = [members[r] for r in np.flatnonzero(row)]
+            want = np.mean([r + 1 + call / 1000.0 for r in ranks])
+            if not np.allclose(x[first:first + length], want, rtol=0, atol=1e-9):
+                wrong += 1
+    if stats.excluded:
+        exclusions.append({"call": call, "excluded": list(stats.excluded),
+                           "after": None if lost_at is None
+                           else round(time.perf_counter() - lost_at, 3),
+                           "delivered": round(stats.delivered, 3)})
+        lost_at = None
+print(json.dumps({"rank": me, "calls": calls, "wrong": wrong, "exclusions": exclusions,
+                  "callbacks": seen, "members": list(lc.members), "size": lc.size}),
+      flush=True)
+if kind == "stop":
+    for victim in leaves:
+        os.kill(pids[victim], signal.SIGCONT)
+    time.sleep(3.0)     # (the woken rank's call reads this rank's windows)
+os._exit(0)

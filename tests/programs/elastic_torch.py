@@ -1,0 +1,110 @@
+"""The torch wrappers on an elastic communicator going on after a rank is
+lost (docs/elastic.md).  Launch with ``mpiexec -disable-auto-cleanup``.
+
+    mpiexec -disable-auto-cleanup -n N python elastic_torch.py WRAPPER CHANNEL HOW:V@S [STEPS]
+
+WRAPPER: distributed or sharded; HOW: exit (os._exit) or stop (SIGSTOP) of
+rank V before step S.  No injected loss, a 0.2 s deadline.  Every rank
+still running at the end prints one JSON line: the exclusions, the loss of
+the first and last five steps, whether its parameters equal every other
+survivor's, the size of its optimizer's chunk, and the largest difference
+from a reference: the same model trained by MPI_Allreduce over the
+survivors only from the exclusion's step on, started from the survivors'
+parameters right after it, and the least delivered fraction of a step
+after the exclusion."""
+
+import json
+import os
+import signal
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: torch_helpers
+
+import mpilossy  # noqa: E402
+import mpilossy.torch as mt  # noqa: E402
+from torch_helpers import batch, make_model  # noqa: E402
+
+comm = MPI.COMM_WORLD
+wrapper, channel, lose = sys.argv[1], sys.argv[2], sys.argv[3]
+steps = int(sys.argv[4]) if len(sys.argv) > 4 else 30
+how, _, where = lose.partition(":")
+victim, at = (int(v) for v in where.split("@"))
+me = comm.rank
+pids = comm.allgather(os.getpid())
+
+torch.manual_seed(0)
+model = make_model(1)
+lc = mpilossy.Communicator(comm, channel=channel, timeout=0.2, algorithm="direct",
+                           elastic=True, evict_after=5, elastic_wait=1.0)
+inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0)
+if wrapper == "sharded":
+    opt = mt.ShardedOptimizer(inner, model.named_parameters(), lc)
+else:
+    # (re-synchronised every step: the survivors start the reference equal)
+    opt = mt.DistributedOptimizer(inner, model.named_parameters(), lc, broadcast_every=1)
+
+
+def flat(m):
+    return np.concatenate([p.detach().double().reshape(-1).numpy() for p in m.parameters()])
+
+
+losses, exclusions, delivered_after = [], [], []
+snapshot = None             # (step, parameters) right after the exclusion
+for step in range(steps):
+    if me == victim and step == at:
+        sys.stdout.flush()
+        if how == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        os._exit(0)
+    opt.zero_grad()
+    x, y = batch(me, step)
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    losses.append(loss.item())
+    if snapshot is not None:
+        delivered_after.append(opt.stats.delivered)
+    if lc.size < comm.size and snapshot is None:
+        exclusions.append({"step": step, "size": lc.size, "members": list(lc.members)})
+        snapshot = (step + 1, flat(model))
+
+# The reference: plain SGD over the survivors, exact, from the snapshot on.
+survivors = lc.comm
+ref = make_model(1)
+at_step, values = snapshot
+values = survivors.bcast(values, root=0)        # (replicated: rank 0's copy wins)
+offset = 0
+with torch.no_grad():
+    for p in ref.parameters():
+        p.copy_(torch.from_numpy(values[offset:offset + p.numel()]).view_as(p))
+        offset += p.numel()
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+for step in range(at_step, steps):
+    ref_opt.zero_grad()
+    x, y = batch(me, step)
+    torch.nn.functional.mse_loss(ref(x), y).backward()
+    for p in ref.parameters():
+        g = p.grad.numpy()
+        survivors.Allreduce(MPI.IN_PLACE, g)
+        g /= survivors.size
+    ref_opt.step()
+
+mine = flat(model)
+every = survivors.allgather(mine)
+chunk = sum(p.numel() for g in opt.param_groups for p in g["params"])
+print(json.dumps({"rank": me, "exclusions": exclusions, "members": list(lc.members),
+                  "first": float(np.mean(losses[:5])), "last": float(np.mean(losses[-5:])),
+                  "same": all(np.array_equal(v, every[0]) for v in every),
+                  "chunk": chunk, "total": int(mine.size),
+                  "delivered_after": min(delivered_after, default=1.0),
+                  "from_reference": float(np.abs(mine - flat(ref)).max())}), flush=True)
+if how == "stop":
+    survivors.Barrier()
+    if survivors.rank == 0:
+        os.kill(pids[victim], signal.SIGCONT)   # (it exits when woken)
+os._exit(0)
