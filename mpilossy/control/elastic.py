@@ -69,7 +69,7 @@ class Membership:
                  wait: float) -> None:
         self.evict_after, self.wait = evict_after, float(wait)
         self.members = list(members)
-        self.epoch = 0                          # exclusions so far
+        self.epoch = 0                          # agreements so far
         self.evicted: Optional[str] = None      # why this rank is out, once it is
         self.broken: Optional[str] = None       # why the survivors could not go on
         self._bind(comm)
@@ -98,11 +98,11 @@ class Membership:
                 epoch, body = self.ctl.recv(source=source, tag=tag)
                 if tag == OUT and self.rank in body:
                     self.evicted = (f"the other ranks excluded this rank (it was behind or "
-                                    f"silent; exclusion {epoch + 1})")
-                elif epoch != self.epoch:
-                    continue                    # (an older exclusion's late message)
+                                    f"silent; agreement {epoch + 1})")
                 elif tag == BEAT:
                     self.seen[source] = max(self.seen[source], body)
+                elif epoch != self.epoch:
+                    continue                    # (an earlier agreement's late message)
                 elif tag in self.inbox:
                     self.inbox[tag][source] = body
         except MPI.Exception:
@@ -156,6 +156,9 @@ class Membership:
                              f"go on without them")
         for r in out:               # (a rank that wakes up learns it is out)
             self._send((self.epoch, out), r, OUT)
+        # (the next agreement, if any, is another: its messages carry the next epoch)
+        self.epoch += 1
+        self.inbox = {ROUND_1: {}, ROUND_2: {}}
         kept_seqs = {r: seqs.get(r, seq) for r in kept}
         if len(set(kept_seqs.values())) > 1:
             self.broken = (f"the ranks still running noticed that ranks {sorted(out)} were "
@@ -190,7 +193,8 @@ class Membership:
             now_failed = failed_ranks(self.ctl)
             failed |= now_failed
             union |= now_failed
-            union.discard(self.rank)
+            if self.rank in union:          # another rank suspects this one
+                self._evict(frozenset(union), "another rank found this rank behind or silent")
             waiting = [r for r in range(self.size)
                        if r != self.rank and r not in union and r not in heard]
             if not waiting:
@@ -202,7 +206,7 @@ class Membership:
         return union, failed, {r: body[2] for r, body in heard.items()}
 
     def _evict(self, out: FrozenSet[int], why: str) -> None:
-        self.evicted = f"{why} (exclusion {self.epoch + 1}: ranks {sorted(out)} out)"
+        self.evicted = f"{why} (agreement {self.epoch + 1}: ranks {sorted(out)} out)"
         raise EvictedError(self.evicted)
 
     def rebind(self, comm: MPI.Intracomm, out: FrozenSet[int]) -> None:
@@ -210,5 +214,4 @@ class Membership:
         control communicator is left as it is: freeing it is collective
         over ranks that are gone."""
         self.members = [m for r, m in enumerate(self.members) if r not in out]
-        self.epoch += 1
         self._bind(comm)

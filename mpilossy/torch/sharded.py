@@ -112,31 +112,92 @@ class _ShardedExchange(Engine):
         """Cut the chunks for the survivors.  Every survivor's old chunk
         comes from it (exact: it just updated it), a gone rank's from the
         lowest survivor's copy (its last values there), by reliable
-        broadcasts; then the optimizer holds views of the new chunk, with a
-        fresh state (the state of the old chunks stays with their owners)."""
+        broadcasts; the optimizer's elementwise state (momenta) travels the
+        same way, zeros for a gone rank's chunk, and its counters take the
+        largest value; then the optimizer holds views of the new chunk."""
         optimizer = self.optimizer() if self.optimizer is not None else None
         assert optimizer is not None        # (set by ShardedOptimizer; it is alive: stepping)
         old, members = list(self.members), list(self.lc.members)
         self._download()
         for buf in self.host.buffers.values():
-            for old_rank, who in enumerate(old):
-                lo, hi = chunk_bounds(buf.numel(), len(old), old_rank)
-                if hi > lo:
-                    self.comm.Bcast(as_bytes(buf[lo:hi]),
-                                    root=members.index(who) if who in members else 0)
+            self._from_old_owners(buf, old, members)
         self._upload()
-        for group in optimizer.param_groups:
-            for view in group["params"]:
-                optimizer.state.pop(view, None)
+        elementwise, counters = self._old_state(optimizer, old, members)
         self._cut()
         for group, views in zip(optimizer.param_groups, self.shards):
             group["params"] = [view for view, _ in views]
+            for view, _ in views:
+                lo, n = view.storage_offset(), view.numel()
+                state = {key: full[lo:lo + n].to(self.device, copy=True)
+                         for (dtype, key), full in elementwise.items() if dtype == view.dtype}
+                state.update({key: make() for key, make in counters.items()})
+                if state:
+                    optimizer.state[view] = state
         self.ids = [id(p) for g in optimizer.param_groups for p in g["params"]]
         if self.trends is not None:
             for dtype, trend in self.trends.items():
                 trend.exact(self.flat.buffers[dtype])
         self.members = tuple(members)
         self.rebalance_due = False
+
+    def _from_old_owners(self, buf: torch.Tensor, old: List[int], members: List[int]) -> None:
+        """Reliable: each old chunk of host buffer `buf` from its owner if it
+        is still in, else from the lowest survivor."""
+        for old_rank, who in enumerate(old):
+            lo, hi = chunk_bounds(buf.numel(), len(old), old_rank)
+            if hi > lo:
+                self.comm.Bcast(as_bytes(buf[lo:hi]),
+                                root=members.index(who) if who in members else 0)
+
+    def _old_state(self, optimizer: torch.optim.Optimizer, old: List[int], members: List[int]
+                   ) -> Tuple[Dict[Tuple[torch.dtype, str], torch.Tensor],
+                              Dict[str, Callable[[], Any]]]:
+        """Collective: the optimizer's state of the old chunks, taken out of
+        it.  Elementwise tensors (as long as their view) become whole host
+        buffers (one per dtype and key) filled by their old owners; every
+        other entry (a step counter) the largest over the survivors, as a
+        maker of a fresh copy of it."""
+        elementwise: Dict[Tuple[torch.dtype, str], torch.Tensor] = {}
+        largest: Dict[str, Tuple[float, Any]] = {}
+        for group in optimizer.param_groups:
+            for view in group["params"]:
+                for key, value in optimizer.state.pop(view, {}).items():
+                    if isinstance(value, torch.Tensor) and value.shape == view.shape:
+                        full = elementwise.get((view.dtype, key))
+                        if full is None:
+                            full = elementwise[(view.dtype, key)] = torch.zeros_like(
+                                self.host.buffers[view.dtype], dtype=value.dtype)
+                        lo = view.storage_offset()
+                        full[lo:lo + view.numel()].copy_(value)
+                    else:
+                        number = float(value)
+                        if key not in largest or number > largest[key][0]:
+                            largest[key] = (number, value)
+        # (the same keys on every survivor, in the same order, before the broadcasts)
+        every = self.comm.allgather((sorted((str(d), k, str(t.dtype))
+                                            for (d, k), t in elementwise.items()),
+                                     {k: v[0] for k, v in largest.items()}))
+        dtypes = {str(d): d for d in self.host.buffers}
+        for names, _ in every:
+            for dtype_name, key, value_dtype in names:
+                dtype = dtypes[dtype_name]
+                if (dtype, key) not in elementwise:
+                    elementwise[(dtype, key)] = torch.zeros_like(
+                        self.host.buffers[dtype], dtype=getattr(torch, value_dtype[6:]))
+        for (dtype, key) in sorted(elementwise, key=lambda dk: (str(dk[0]), dk[1])):
+            self._from_old_owners(elementwise[(dtype, key)], old, members)
+        counters: Dict[str, Callable[[], Any]] = {}
+        for key in sorted({k for _, numbers in every for k in numbers}):
+            top = max(numbers[key] for _, numbers in every if key in numbers)
+            like = largest[key][1] if key in largest else top
+
+            def make(top: float = top, like: Any = like) -> Any:
+                if isinstance(like, torch.Tensor):
+                    return torch.tensor(top, dtype=like.dtype, device=like.device)
+                return type(like)(top)
+
+            counters[key] = make
+        return elementwise, counters
 
     def _download(self, chunk_only: bool = False) -> None:
         """The parameters (this rank's chunk only) into the host mirror."""

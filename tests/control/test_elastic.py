@@ -140,11 +140,14 @@ def test_survivors_that_noticed_at_different_calls_stop_clearly(channel):
 def test_torch_wrappers_go_on_after_an_exclusion(wrapper, ranks, channel, lose):
     """The survivors train on: their models equal each other's and, within
     float32 rounding, an exact MPI_Allreduce run over the survivors from
-    the exclusion on; the sharded optimizer's chunks are cut again for
-    them (tests/programs/elastic_torch.py)."""
+    the exclusion on (sharded: SGD with momentum, the reference starting
+    from the momenta the survivors carried over); the sharded optimizer's
+    chunks are cut again for them, and its momenta travel with them
+    (tests/programs/elastic_torch.py)."""
     victim = int(lose.split(":")[1].split("@")[0])
+    momentum = "0.9" if wrapper == "sharded" else "0"
     cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), sys.executable,
-           str(PROGRAMS / "elastic_torch.py"), wrapper, channel, lose, "30"]
+           str(PROGRAMS / "elastic_torch.py"), wrapper, channel, lose, "30", momentum]
     proc = run_bounded(cmd, 90, clean_subprocess_env())
     lines = reports(proc.stdout)
     survivors = [r for r in range(ranks) if r != victim]
@@ -158,5 +161,10 @@ def test_torch_wrappers_go_on_after_an_exclusion(wrapper, ranks, channel, lose):
     chunks = [r["chunk"] for r in lines]
     if wrapper == "sharded":
         assert sum(chunks) == lines[0]["total"] and max(chunks) - min(chunks) <= 1, chunks
+        # the momenta travelled with the chunks: all but the lost owner's (zeros)
+        total = lines[0]["total"]
+        lost_chunk = total // ranks + (victim < total % ranks)
+        assert all(abs(r["momentum_kept"] - (1 - lost_chunk / total)) < 1e-9 for r in lines), \
+            [r["momentum_kept"] for r in lines]
     else:
         assert chunks == [lines[0]["total"]] * len(survivors), chunks

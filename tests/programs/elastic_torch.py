@@ -1,7 +1,7 @@
 """The torch wrappers on an elastic communicator going on after a rank is
 lost (docs/elastic.md).  Launch with ``mpiexec -disable-auto-cleanup``.
 
-    mpiexec -disable-auto-cleanup -n N python elastic_torch.py WRAPPER CHANNEL HOW:V@S [STEPS]
+    mpiexec -disable-auto-cleanup -n N python elastic_torch.py WRAPPER CHANNEL HOW:V@S [STEPS [MOMENTUM]]
 
 WRAPPER: distributed or sharded; HOW: exit (os._exit) or stop (SIGSTOP) of
 rank V before step S.  No injected loss, a 0.2 s deadline.  Every rank
@@ -32,6 +32,7 @@ from torch_helpers import batch, make_model  # noqa: E402
 comm = MPI.COMM_WORLD
 wrapper, channel, lose = sys.argv[1], sys.argv[2], sys.argv[3]
 steps = int(sys.argv[4]) if len(sys.argv) > 4 else 30
+momentum = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
 how, _, where = lose.partition(":")
 victim, at = (int(v) for v in where.split("@"))
 me = comm.rank
@@ -41,7 +42,7 @@ torch.manual_seed(0)
 model = make_model(1)
 lc = mpilossy.Communicator(comm, channel=channel, timeout=0.2, algorithm="direct",
                            elastic=True, evict_after=5, elastic_wait=1.0)
-inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.0)
+inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
 if wrapper == "sharded":
     opt = mt.ShardedOptimizer(inner, model.named_parameters(), lc)
 else:
@@ -51,6 +52,18 @@ else:
 
 def flat(m):
     return np.concatenate([p.detach().double().reshape(-1).numpy() for p in m.parameters()])
+
+
+def momenta(opt):
+    """Sharded: the momentum of every parameter, from its new owner (the
+    chunks in rank order make the flat vector); replicated: this rank's."""
+    views = [v for g in opt.param_groups for v in g["params"]]
+    mine = np.concatenate([opt.state[v]["momentum_buffer"].double().reshape(-1).numpy()
+                           if "momentum_buffer" in opt.state.get(v, {}) else
+                           np.zeros(v.numel()) for v in views]) if views else np.zeros(0)
+    if wrapper == "sharded":
+        return np.concatenate(lc.comm.allgather(mine))
+    return mine
 
 
 losses, exclusions, delivered_after = [], [], []
@@ -71,19 +84,26 @@ for step in range(steps):
         delivered_after.append(opt.stats.delivered)
     if lc.size < comm.size and snapshot is None:
         exclusions.append({"step": step, "size": lc.size, "members": list(lc.members)})
-        snapshot = (step + 1, flat(model))
+        snapshot = (step + 1, flat(model), momenta(opt))
 
 # The reference: plain SGD over the survivors, exact, from the snapshot on.
 survivors = lc.comm
 ref = make_model(1)
-at_step, values = snapshot
+at_step, values, moment = snapshot
 values = survivors.bcast(values, root=0)        # (replicated: rank 0's copy wins)
+moment = survivors.bcast(moment, root=0)
 offset = 0
 with torch.no_grad():
     for p in ref.parameters():
         p.copy_(torch.from_numpy(values[offset:offset + p.numel()]).view_as(p))
         offset += p.numel()
-ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+ref_opt = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=momentum)
+if momentum:        # (the momenta the survivors carried over)
+    offset = 0
+    for p in ref.parameters():
+        ref_opt.state[p]["momentum_buffer"] = torch.from_numpy(
+            moment[offset:offset + p.numel()]).float().view_as(p).clone()
+        offset += p.numel()
 for step in range(at_step, steps):
     ref_opt.zero_grad()
     x, y = batch(me, step)
@@ -102,6 +122,7 @@ print(json.dumps({"rank": me, "exclusions": exclusions, "members": list(lc.membe
                   "same": all(np.array_equal(v, every[0]) for v in every),
                   "chunk": chunk, "total": int(mine.size),
                   "delivered_after": min(delivered_after, default=1.0),
+                  "momentum_kept": float(np.mean(moment != 0)) if momentum else None,
                   "from_reference": float(np.abs(mine - flat(ref)).max())}), flush=True)
 if how == "stop":
     survivors.Barrier()
