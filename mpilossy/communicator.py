@@ -27,7 +27,7 @@ from .control.elastic import Membership, check_elastic
 from .control.failures import survivors
 from .control.lag import LagWatch
 from .control.redundancy import AutoRedundancy
-from .errors import EvictedError, MismatchError, MPILossyError
+from .errors import EvictedError, MPILossyError
 from .hierarchy import Hierarchy, NodeLayout
 from .hierarchy.allreduce import allreduce as hierarchical_allreduce
 from .hierarchy.scatter import reduce_scatter as hierarchical_reduce_scatter
@@ -104,8 +104,9 @@ class Communicator:
                  redundancy: Union[None, str, Tuple[int, int]] = DEFAULTS.redundancy,
                  redundancy_target: float = DEFAULTS.redundancy_target,
                  delivered_target: float = UNSET,
-                 pipeline_bytes: Optional[int] = None, elastic: bool = False,
-                 evict_after: int = 20, elastic_wait: float = 10.0) -> None:
+                 pipeline_bytes: Optional[int] = None, elastic: bool = DEFAULTS.elastic,
+                 evict_after: int = DEFAULTS.evict_after,
+                 elastic_wait: float = DEFAULTS.elastic_wait) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -118,7 +119,8 @@ class Communicator:
                          scaling=scaling, rotate=rotate, compression=compression,
                          compression_group=compression_group, redundancy=redundancy,
                          redundancy_target=redundancy_target, delivered_target=delivered_target,
-                         pipeline_bytes=pipeline_bytes)
+                         pipeline_bytes=pipeline_bytes, elastic=elastic, evict_after=evict_after,
+                         elastic_wait=elastic_wait)
         try:
             config, env = agree(self._comm, arguments)
             rank = self._comm.Get_rank()
@@ -146,7 +148,7 @@ class Communicator:
         self._lag = LagWatch(rank, self._size, config.max_behind)
         self._trace = Trace.open(config.trace, self._serial, rank)
         self._layout, self._hierarchy = self._two_levels(arguments)
-        self._elastic(elastic, evict_after, elastic_wait)
+        self._elastic()
         environment.log.info("communicator of %d ranks: channel=%s timeout=%s loss=%s "
                            "block_bytes=%d", self._size, self._channel, self.timeout,
                            list(config.loss) or None, config.block_bytes)
@@ -176,28 +178,20 @@ class Communicator:
         finally:
             node.Free()
 
-    def _elastic(self, elastic: Any, evict_after: Any, wait: Any) -> None:
-        """Collective: check and agree on the elastic settings, and start
-        the membership if elastic."""
-        problem: Optional[Exception] = None
-        if not isinstance(elastic, bool):
-            problem = TypeError(f"elastic must be a bool, got {elastic!r}")
-        elif elastic:
-            problem = check_elastic(self._config.timeout, evict_after, wait)
-        settings = (elastic, evict_after, wait) if elastic else (False,)
-        every = self._comm.allgather((None if problem is None else str(problem), settings))
-        errors = [(r, e) for r, (e, _) in enumerate(every) if e is not None]
+    def _elastic(self) -> None:
+        """Collective: start the membership if elastic (its settings are
+        checked and agreed with the others; here: a deadline on every rank)."""
+        config = self._config
+        if not config.elastic:
+            return
+        problem = check_elastic(config.timeout)
+        errors = [(r, e) for r, e in enumerate(
+            self._comm.allgather(None if problem is None else str(problem))) if e]
         if errors:
             self.free()
-            raise (type(problem) if problem is not None else ValueError)(
-                f"rank {errors[0][0]}: {errors[0][1]}")
-        if len({repr(v) for _, v in every}) > 1:
-            self.free()
-            raise MismatchError(f"elastic settings differ across ranks: "
-                                f"{[v for _, v in every]}")
-        if elastic:
-            self._membership = Membership(self._comm, list(range(self._size)), evict_after,
-                                          float(wait))
+            raise ValueError(f"rank {errors[0][0]}: {errors[0][1]}")
+        self._membership = Membership(self._comm, list(range(self._size)), config.evict_after,
+                                      config.elastic_wait)
 
     @property
     def elastic(self) -> bool:
@@ -258,7 +252,7 @@ class Communicator:
         assert membership is not None
         rest = survivors(self._comm, out)
         try:
-            fresh = Communicator(rest, **self._arguments)
+            fresh = Communicator(rest, **dict(self._arguments, elastic=False))
         finally:
             rest.Free()
         _live.discard(fresh)

@@ -238,6 +238,9 @@ class Config:
         meaning="a GPU all-reduce of at least four times this many bytes is staged in segments of "
                 "about this size, each copied while the one before travels; 0: in one piece "
                 "(docs/gpu.md)")
+    elastic: bool = setting(False, check=_bool, agreed=True)
+    evict_after: int = setting(20, check=_int_in(1, words="an int >= 1 (calls)"), agreed=True)
+    elastic_wait: float = setting(10.0, check=_seconds(), agreed=True)
     # from the environment only
     rma_shm: bool = setting(
         True, check=_bool, env="MPILOSSY_RMA_SHM", convert=to_switch, argument=False,

@@ -71,6 +71,7 @@ BAD_ARGUMENTS = {
     "compression_group": (63, ValueError), "redundancy": ((4, 4), ValueError),
     "redundancy_target": (0.0, ValueError),
     "delivered_target": (1.0, ValueError), "pipeline_bytes": (-1, ValueError),
+    "elastic": ("yes", TypeError), "evict_after": (0, ValueError), "elastic_wait": (0, ValueError),
 }
 
 
@@ -91,8 +92,8 @@ def test_the_agreed_settings_are_marked_on_the_fields():
     labels = [label for label, _ in config.agreed()]
     assert labels == ["channel", "block_bytes", "capacity", "tree_radix", "scaling", "rotate",
                       "compression", "compression_group", "redundancy", "redundancy_target",
-                      "delivered_target", "pipeline_bytes",
-                      "MPILOSSY_RMA_SHM",
+                      "delivered_target", "pipeline_bytes", "elastic", "evict_after",
+                      "elastic_wait", "MPILOSSY_RMA_SHM",
                       "datagram provider", "MPILOSSY_UD_MTU"]
     assert "timeout" not in labels and "MPILOSSY_UD_DOMAIN" not in labels   # may differ
 

@@ -94,7 +94,7 @@ def test_elastic_settings_are_checked_on_every_rank(comm):
             (dict(timeout=0.1, evict_after=0), ValueError, "evict_after"),
             (dict(timeout=0.1, elastic_wait=-1), ValueError, "elastic_wait"),
             (dict(timeout=0.1, evict_after=3 + (comm.rank == comm.size - 1)),
-             mpilossy.MismatchError if comm.size > 1 else None, "differ")]:
+             mpilossy.MismatchError if comm.size > 1 else None, "disagree on evict_after")]:
         if exc is None:
             mpilossy.Communicator(comm, elastic=True, **kwargs).free()
             continue
