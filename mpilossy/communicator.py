@@ -224,7 +224,7 @@ class Communicator:
         membership = self._membership
         if membership is None:
             return stats
-        suspects = membership.after_call(stats.seq)
+        suspects = membership.after_call(stats.seq, stats.deadline_hit)
         if suspects is None:
             return stats
         began = time.perf_counter()
@@ -360,11 +360,13 @@ class Communicator:
     # -- lifetime ------------------------------------------------------------
     def free(self) -> None:
         """Release windows and the duplicate communicator (collective; on a
-        rank that elastic=True excluded, nothing: the others are gone)."""
+        rank that elastic=True excluded, or once the survivors could not go
+        on, nothing: freeing is collective over a rank that is gone)."""
         if self._core is None:
             return
-        if self._membership is not None and self._membership.evicted:
-            self._core = None
+        if self._membership is not None and (self._membership.evicted
+                                             or self._membership.broken):
+            self._core = None       # (its ranks include one that is gone)
             _live.discard(self)
             return
         if self._trace is not None:

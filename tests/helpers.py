@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -93,6 +94,26 @@ def run_bounded(cmd: list, timeout: float, env: dict = None, **kwargs) -> subpro
 def mpiexec() -> str:
     path = Path(sys.executable).parent / "mpiexec"
     return str(path) if path.exists() else "mpiexec"
+
+
+def json_reports(stdout: str, opening: str = '{"rank"') -> list:
+    """The JSON objects that ranks printed, each starting with `opening`
+    (Hydra may forward two ranks' lines as one)."""
+    decoder, out, at = json.JSONDecoder(), [], stdout.find(opening)
+    while at >= 0:
+        obj, end = decoder.raw_decode(stdout, at)
+        out.append(obj)
+        at = stdout.find(opening, end)
+    return out
+
+
+def elastic_run(program: str, ranks: int, *args: str, timeout: float = 90) -> tuple:
+    """A program of tests/programs under its own ``mpiexec
+    -disable-auto-cleanup`` (ranks exit mid-run): (reports, output)."""
+    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), sys.executable,
+           str(PROGRAMS / program), *args]
+    proc = run_bounded(cmd, timeout, clean_subprocess_env())
+    return json_reports(proc.stdout), proc.stdout + proc.stderr
 
 
 def run_mpi_script(script: str, nprocs: int, *args: str, timeout: float = 120,

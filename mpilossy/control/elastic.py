@@ -113,18 +113,25 @@ class Membership:
         self.sends = still
 
     # -- after every call -----------------------------------------------------
-    def after_call(self, seq: int) -> Optional[FrozenSet[int]]:
+    def after_call(self, seq: int, waited: bool) -> Optional[FrozenSet[int]]:
         """Heartbeat for call `seq`; then None (almost always), or the ranks
         this rank suspects, possibly none, when an agreement is to run
         (it suspects someone, or another rank started one).  Raises
-        EvictedError if the others excluded this rank."""
+        EvictedError if the others excluded this rank.
+
+        `waited`: the call ended at its deadline.  A rank MPI reports failed
+        counts only then: one that exited just after a call it took part in
+        in full is seen by a quick peer at the end of that call and by the
+        others only at the end of the next, the first call it misses, where
+        every survivor waits for it; counting it there puts every survivor
+        into the agreement after the same call."""
         for peer in range(self.size):
             if peer != self.rank:
                 self._send((self.epoch, seq), peer, BEAT)
         self._drain()
         if self.evicted:
             raise EvictedError(self.evicted)
-        suspects = set(failed_ranks(self.ctl))
+        suspects = set(failed_ranks(self.ctl)) if waited else set()
         suspects.update(r for r in range(self.size)
                         if r != self.rank and seq - self.seen[r] >= self.evict_after)
         if not suspects and not self.inbox[ROUND_1]:
@@ -140,9 +147,7 @@ class Membership:
         going on would pair one rank's calls with another's next ones)."""
         first, failed, _ = self._round(ROUND_1, set(suspects), seq)
         decided, failed, seqs = self._round(ROUND_2, set(first), seq, failed)
-        out = frozenset(decided)
-        if self.rank in out:
-            self._evict(out, "the other ranks excluded this rank (it was behind or silent)")
+        out = frozenset(decided)          # (never this rank: _round evicts it first)
         counted = [r for r in range(self.size) if r not in failed]
         kept = [r for r in counted if r not in out]
         if 2 * len(kept) < len(counted) or (2 * len(kept) == len(counted)

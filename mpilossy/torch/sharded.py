@@ -50,7 +50,7 @@ SHARD_KEY = "mpilossy_shard"     # a sharded state_dict's record of its rank and
 class _ShardedExchange(Engine):
     """The engine behind ShardedOptimizer."""
 
-    def __init__(self, lc: Communicator, comm: MPI.Intracomm, params: List[torch.Tensor],
+    def __init__(self, lc: Communicator, params: List[torch.Tensor],
                  groups: List[int], n_groups: int, op: str, root_rank: int,
                  error_feedback: bool, missed: str,
                  compute_deadline: Optional[ComputeDeadline] = None,
@@ -58,11 +58,10 @@ class _ShardedExchange(Engine):
         super().__init__(lc, params, op, None)
         self.compute_deadline = compute_deadline
         self.compression = compression
-        self.comm = comm
         device = params[0].device if params else torch.device("cpu")
         self.flat = Flat(params, device=device)     # the parameters themselves, from now on
         self.flat.pack(params)
-        bcast_tensors(comm, list(self.flat.buffers.values()), root_rank)
+        bcast_tensors(self.reliable, list(self.flat.buffers.values()), root_rank)
         with torch.no_grad():
             for i, p in enumerate(params):
                 p.data = self.flat.view(i, p)
@@ -105,7 +104,6 @@ class _ShardedExchange(Engine):
         survivors at the end of this step (rebalance), and until then the
         step's remaining lossy calls are skipped."""
         super().rebind()
-        self.comm = self.lc.comm
         self.rebalance_due = True
 
     def rebalance(self) -> None:
@@ -146,7 +144,7 @@ class _ShardedExchange(Engine):
         for old_rank, who in enumerate(old):
             lo, hi = chunk_bounds(buf.numel(), len(old), old_rank)
             if hi > lo:
-                self.comm.Bcast(as_bytes(buf[lo:hi]),
+                self.reliable.Bcast(as_bytes(buf[lo:hi]),
                                 root=members.index(who) if who in members else 0)
 
     def _old_state(self, optimizer: torch.optim.Optimizer, old: List[int], members: List[int]
@@ -174,16 +172,13 @@ class _ShardedExchange(Engine):
                         if key not in largest or number > largest[key][0]:
                             largest[key] = (number, value)
         # (the same keys on every survivor, in the same order, before the broadcasts)
-        every = self.comm.allgather((sorted((str(d), k, str(t.dtype))
-                                            for (d, k), t in elementwise.items()),
-                                     {k: v[0] for k, v in largest.items()}))
-        dtypes = {str(d): d for d in self.host.buffers}
-        for names, _ in every:
-            for dtype_name, key, value_dtype in names:
-                dtype = dtypes[dtype_name]
+        every = self.reliable.allgather(([(d, k, t.dtype) for (d, k), t in elementwise.items()],
+                                         {k: v[0] for k, v in largest.items()}))
+        for entries, _ in every:
+            for dtype, key, value_dtype in entries:
                 if (dtype, key) not in elementwise:
-                    elementwise[(dtype, key)] = torch.zeros_like(
-                        self.host.buffers[dtype], dtype=getattr(torch, value_dtype[6:]))
+                    elementwise[(dtype, key)] = torch.zeros_like(self.host.buffers[dtype],
+                                                                 dtype=value_dtype)
         for (dtype, key) in sorted(elementwise, key=lambda dk: (str(dk[0]), dk[1])):
             self._from_old_owners(elementwise[(dtype, key)], old, members)
         counters: Dict[str, Callable[[], Any]] = {}
@@ -287,15 +282,15 @@ class _ShardedExchange(Engine):
         exactly 0), or `root_rank`'s whole parameters to every rank."""
         self._download()
         if root_rank is not None:
-            bcast_tensors(self.comm, list(self.host.buffers.values()), root_rank)
+            bcast_tensors(self.reliable, list(self.host.buffers.values()), root_rank)
         for dtype, buf in self.host.buffers.items():
             if root_rank is None:
                 data = as_bytes(buf)
                 itemsize = buf.element_size()
-                bounds = [self.lc.chunk_bounds(buf.numel(), r) for r in range(self.comm.size)]
+                bounds = [self.lc.chunk_bounds(buf.numel(), r) for r in range(self.reliable.size)]
                 counts = [(hi - lo) * itemsize for lo, hi in bounds]
                 displs = [lo * itemsize for lo, _ in bounds]
-                self.comm.Allgatherv(MPI.IN_PLACE, [data, (counts, displs), MPI.BYTE])
+                self.reliable.Allgatherv(MPI.IN_PLACE, [data, (counts, displs), MPI.BYTE])
         self._upload()
         if self.trends is not None:
             for dtype, trend in self.trends.items():
@@ -305,7 +300,7 @@ class _ShardedExchange(Engine):
         """What a state_dict of this rank's chunk is: rank, size, the chunk
         of each dtype's flat buffer, and a digest of the parameters' layout."""
         layout = [(tuple(p.shape), str(p.dtype)) for p in self.params]
-        return {"rank": self.comm.rank, "size": self.comm.size,
+        return {"rank": self.reliable.rank, "size": self.reliable.size,
                 "chunks": [(str(d), self.flat.buffers[d].numel(), lo, hi)
                            for d, (lo, hi) in self.bounds.items()],
                 "parameters": hashlib.sha256(repr(layout).encode()).hexdigest()}
@@ -423,10 +418,10 @@ class _ShardedOptimizer(WrappedOptimizer):
         problem = None
         if root_rank is not None and (isinstance(root_rank, bool) or
                                       not isinstance(root_rank, int) or
-                                      not 0 <= root_rank < engine.comm.size):
+                                      not 0 <= root_rank < engine.reliable.size):
             problem = ValueError(f"root_rank must be None or a rank of the communicator "
-                                 f"(0..{engine.comm.size - 1}), got {root_rank!r}")
-        check_everywhere(engine.comm, problem, [root_rank], "resynchronize arguments")
+                                 f"(0..{engine.reliable.size - 1}), got {root_rank!r}")
+        check_everywhere(engine.reliable, problem, [root_rank], "resynchronize arguments")
         engine.resynchronize(root_rank)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -443,7 +438,7 @@ class _ShardedOptimizer(WrappedOptimizer):
         another size or of other parameters, or one without the record,
         raises the same ValueError on every rank, and nothing is loaded."""
         engine = self._mpilossy
-        check_everywhere(engine.comm, engine.shard_problem(state_dict), (),
+        check_everywhere(engine.reliable, engine.shard_problem(state_dict), (),
                          "sharded optimizer states")
         super().load_state_dict({k: v for k, v in state_dict.items() if k != SHARD_KEY})
 
@@ -538,7 +533,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
         fill_in(compute_deadline, comm, [p for _, p in named])
     params = [p for _, p in named]
     groups = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
-    engine = _ShardedExchange(lc, comm, params, groups, len(optimizer.param_groups), op,
+    engine = _ShardedExchange(lc, params, groups, len(optimizer.param_groups), op,
                               root_rank, error_feedback, missed, compute_deadline, compression)
     if resync_every is not None or measure_every is not None:
         engine.drift = DriftController(named, comm=comm, broadcast_every=resync_every,

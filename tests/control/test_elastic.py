@@ -2,36 +2,21 @@
 the agreement are excluded by the others, which go on over themselves with
 every result exact for the ranks it records (tests/programs/elastic.py,
 under its own ``mpiexec -disable-auto-cleanup``); and the settings it
-refuses, on every rank."""
+refuses, on every rank.  (The torch wrappers: tests/torch/test_torch_elastic.py.)"""
 
-import json
-import sys
-
+import numpy as np
 import pytest
 
 import mpilossy
-from helpers import PROGRAMS, all_ranks_raise, clean_subprocess_env, mpiexec, run_bounded
+from helpers import all_ranks_raise, elastic_run
 from mpilossy.control.failures import reports_failures
 
 needs_failures = pytest.mark.skipif(not reports_failures(),
                                     reason="this MPI does not report failed ranks")
 
 
-def reports(stdout: str) -> list:
-    """Every rank's JSON object (Hydra may forward two on one line)."""
-    decoder, out, at = json.JSONDecoder(), [], stdout.find('{"rank"')
-    while at >= 0:
-        obj, end = decoder.raw_decode(stdout, at)
-        out.append(obj)
-        at = stdout.find('{"rank"', end)
-    return out
-
-
-def run(ranks: int, channel: str, scenario: str, calls: int = 25) -> list:
-    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), sys.executable,
-           str(PROGRAMS / "elastic.py"), channel, scenario, str(calls)]
-    proc = run_bounded(cmd, 90, clean_subprocess_env())
-    return reports(proc.stdout), proc.stdout + proc.stderr
+def run(ranks: int, channel: str, scenario: str, calls: int = 25) -> tuple:
+    return elastic_run("elastic.py", ranks, channel, scenario, str(calls))
 
 
 def check_survivors(lines, ranks, lost, exclusions, output):
@@ -107,7 +92,6 @@ def test_elastic_settings_are_checked_on_every_rank(comm):
 def test_nothing_lost_nothing_excluded(comm):
     with mpilossy.Communicator(comm, timeout=0.5, elastic=True) as lc:
         assert lc.elastic and lc.members == tuple(range(comm.size))
-        import numpy as np
         for _ in range(30):
             x = np.full(1000, float(comm.rank))
             stats = lc.allreduce(x, op="avg")
@@ -131,40 +115,3 @@ def test_survivors_that_noticed_at_different_calls_stop_clearly(channel):
     errors = {r["error"] for r in lines}
     assert len(errors) == 1, output
     assert "after different calls" in errors.pop() and "{0: 7, 2: 8, 3: 7}" in output
-
-
-@needs_failures
-@pytest.mark.parametrize("wrapper, ranks, channel, lose", [
-    ("sharded", 4, "rma", "exit:2@10"), ("sharded", 3, "ud", "stop:0@8"),
-    ("distributed", 4, "ud", "exit:3@10"), ("distributed", 3, "rma", "exit:0@10")])
-def test_torch_wrappers_go_on_after_an_exclusion(wrapper, ranks, channel, lose):
-    """The survivors train on: their models equal each other's and, within
-    float32 rounding, an exact MPI_Allreduce run over the survivors from
-    the exclusion on (sharded: SGD with momentum, the reference starting
-    from the momenta the survivors carried over); the sharded optimizer's
-    chunks are cut again for them, and its momenta travel with them
-    (tests/programs/elastic_torch.py)."""
-    victim = int(lose.split(":")[1].split("@")[0])
-    momentum = "0.9" if wrapper == "sharded" else "0"
-    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), sys.executable,
-           str(PROGRAMS / "elastic_torch.py"), wrapper, channel, lose, "30", momentum]
-    proc = run_bounded(cmd, 90, clean_subprocess_env())
-    lines = reports(proc.stdout)
-    survivors = [r for r in range(ranks) if r != victim]
-    assert sorted(r["rank"] for r in lines) == survivors, proc.stdout + proc.stderr
-    for r in lines:
-        assert r["members"] == survivors and len(r["exclusions"]) == 1, r
-        # (a datagram the loopback dropped after the exclusion makes a step lossy)
-        bound = 1e-4 if r["delivered_after"] == 1.0 else 1e-2
-        assert r["same"] and r["from_reference"] < bound, r
-        assert r["last"] < r["first"], r
-    chunks = [r["chunk"] for r in lines]
-    if wrapper == "sharded":
-        assert sum(chunks) == lines[0]["total"] and max(chunks) - min(chunks) <= 1, chunks
-        # the momenta travelled with the chunks: all but the lost owner's (zeros)
-        total = lines[0]["total"]
-        lost_chunk = total // ranks + (victim < total % ranks)
-        assert all(abs(r["momentum_kept"] - (1 - lost_chunk / total)) < 1e-9 for r in lines), \
-            [r["momentum_kept"] for r in lines]
-    else:
-        assert chunks == [lines[0]["total"]] * len(survivors), chunks

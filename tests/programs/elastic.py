@@ -54,10 +54,10 @@ me = comm.rank
 if me == during and kind == "late":
     original_after_call = elastic.Membership.after_call
 
-    def after_call_one_late(self, seq):
+    def after_call_one_late(self, seq, waited):
         if seq == min(leaves.values()) + 1:       # (the call C, counted from 1)
             return None
-        return original_after_call(self, seq)
+        return original_after_call(self, seq, waited)
 
     elastic.Membership.after_call = after_call_one_late
 elif me == during:
@@ -99,7 +99,8 @@ for call in range(calls):
     except mpilossy.MPILossyError as exc:
         print(json.dumps({"rank": me, "call": call, "error": f"{type(exc).__name__}: {exc}"}),
               flush=True)
-        os._exit(0)
+        time.sleep(3.0)     # (a peer may still be in the agreement: leaving now would
+        os._exit(0)         # make this rank a failure that it sees)
     record = stats.contributors
     if record is not None:
         firsts, lengths = record.blocks()

@@ -356,6 +356,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     slowness = np.random.default_rng([cfg.seed, rank, 7])
     per_micro = cfg.batch // cfg.micro_batches
     train_began = time.perf_counter()
+
     def reliable() -> MPI.Intracomm:
         """Where the reliable calls go: the survivors' communicator once an
         elastic run lost a rank."""

@@ -1,0 +1,47 @@
+"""The torch optimizers on Communicator(elastic=True) going on after a rank
+is lost (tests/programs/elastic_torch.py, under its own ``mpiexec
+-disable-auto-cleanup``; docs/elastic.md)."""
+
+import pytest
+
+pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+
+from helpers import elastic_run  # noqa: E402
+from mpilossy.control.failures import reports_failures  # noqa: E402
+
+needs_failures = pytest.mark.skipif(not reports_failures(),
+                                    reason="this MPI does not report failed ranks")
+
+
+@needs_failures
+@pytest.mark.parametrize("wrapper, ranks, channel, lose", [
+    ("sharded", 4, "rma", "exit:2@10"), ("sharded", 3, "ud", "stop:0@8"),
+    ("distributed", 4, "ud", "exit:3@10"), ("distributed", 3, "rma", "exit:0@10")])
+def test_torch_wrappers_go_on_after_an_exclusion(wrapper, ranks, channel, lose):
+    """The survivors train on: their models equal each other's and, within
+    float32 rounding, an exact MPI_Allreduce run over the survivors from
+    the exclusion on (sharded: SGD with momentum, the reference starting
+    from the momenta the survivors carried over); the sharded optimizer's
+    chunks are cut again for them, and its momenta travel with them
+    (tests/programs/elastic_torch.py)."""
+    victim = int(lose.split(":")[1].split("@")[0])
+    momentum = "0.9" if wrapper == "sharded" else "0"
+    lines, output = elastic_run("elastic_torch.py", ranks, wrapper, channel, lose, "30", momentum)
+    survivors = [r for r in range(ranks) if r != victim]
+    assert sorted(r["rank"] for r in lines) == survivors, output
+    for r in lines:
+        assert r["members"] == survivors and len(r["exclusions"]) == 1, r
+        # (a datagram the loopback dropped after the exclusion makes a step lossy)
+        bound = 1e-4 if r["delivered_after"] == 1.0 else 1e-2
+        assert r["same"] and r["from_reference"] < bound, r
+        assert r["last"] < r["first"], r
+    chunks = [r["chunk"] for r in lines]
+    if wrapper == "sharded":
+        assert sum(chunks) == lines[0]["total"] and max(chunks) - min(chunks) <= 1, chunks
+        # the momenta travelled with the chunks: all but the lost owner's (zeros)
+        total = lines[0]["total"]
+        lost_chunk = total // ranks + (victim < total % ranks)
+        assert all(abs(r["momentum_kept"] - (1 - lost_chunk / total)) < 1e-9 for r in lines), \
+            [r["momentum_kept"] for r in lines]
+    else:
+        assert chunks == [lines[0]["total"]] * len(survivors), chunks
