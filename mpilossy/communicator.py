@@ -14,6 +14,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._core import ALLGATHER, ALLREDUCE, PART_WHOLE, REDUCE_SCATTER, Core
+from .call.alone import answer_alone
 from .call.buffers import BufferIntake, chunk_bounds
 from .call.channel import open_core, pace
 from .call import environment, pipeline
@@ -136,6 +137,8 @@ class Communicator:
         self._config = config
         self._membership: Optional[Membership] = None
         self._on_exclusion: List[Callable[[Tuple[int, ...], Tuple[int, ...]], None]] = []
+        self._alone: List[int] = []     # (elastic: call numbers still to answer alone, last first)
+        self._alone_layout: Any = None  # (and the communicator they belong to: rank, size, ...)
         self._rank, self._size = rank, self._comm.Get_size()
         # (one rank: a call is a copy, nothing travels that copies could overlap)
         self._buffers = BufferIntake(rank, self._size,
@@ -205,6 +208,15 @@ class Communicator:
             return tuple(range(self._size))
         return tuple(self._membership.members)
 
+    @property
+    def behind(self) -> int:
+        """elastic=True: how many of its next calls this rank answers alone
+        (CollectiveStats.alone), because other survivors reached the last
+        agreement after more calls than it had made; 0 almost always.
+        These calls belong to the communicator before the exclusion: its
+        size, this rank's chunk in it."""
+        return len(self._alone)
+
     def on_exclusion(self, callback: Callable[[Tuple[int, ...], Tuple[int, ...]], None]
                      ) -> None:
         """elastic=True: call `callback(excluded, members)` (ranks of the
@@ -224,23 +236,52 @@ class Communicator:
         membership = self._membership
         if membership is None:
             return stats
-        suspects = membership.after_call(stats.seq, stats.deadline_hit)
+        suspects = membership.after_call(stats.deadline_hit)
         if suspects is None:
             return stats
         began = time.perf_counter()
-        out, failed = membership.agree(suspects, stats.seq)
+        calls = membership.calls
+        out, failed, behind = membership.agree(suspects)
         if not out:
             return stats
         excluded = tuple(membership.members[r] for r in sorted(out))
         reported = [membership.members[r] for r in sorted(failed)]
+        # (calls to answer alone are the old communicator's: its layout)
+        before = (self._rank, self._size, self._buffers, self._calls)
         self._switch(out)
+        self._alone = [calls + k for k in range(behind, 0, -1)]
+        self._alone_layout = before
         environment.log.warning("excluded ranks %s (MPI reported %s failed) after call %d "
-                                "in %.3f s; %d ranks go on", list(excluded), reported,
-                                stats.seq, time.perf_counter() - began, self._size)
+                                "in %.3f s; %d ranks go on%s", list(excluded), reported,
+                                calls, time.perf_counter() - began, self._size,
+                                f"; this rank answers its next {behind} call(s) alone to "
+                                f"line up with the others" if behind else "")
         members = self.members
         for callback in self._on_exclusion:
             callback(excluded, members)
         return stats._replace(excluded=excluded)
+
+    def _answer_alone(self, collective: int, sendbuf: Any, recvbuf: Any, op: Any,
+                      algorithm: Any, timeout: Any, weight: Any, compression: Any,
+                      residual: Any, redundancy: Any) -> CollectiveStats:
+        """elastic=True, after an agreement that other survivors reached
+        some calls later than this rank: one of the calls they made before
+        it, answered with this rank's data alone (call/alone.py), checked
+        as any call is.  Not counted on the survivors' communicator."""
+        self._alive()
+        seq = self._alone.pop()
+        rank, size, buffers, calls = self._alone_layout
+        bufs: Any = None
+        try:
+            bufs = buffers.take(collective, sendbuf, recvbuf)
+            spec = calls.resolve(collective, bufs.send, bufs.recv, op,
+                                       "auto" if algorithm == "hierarchical" else algorithm,
+                                       timeout, weight, compression, residual, 0.0, redundancy)
+        except BaseException:
+            if bufs is not None:
+                bufs.finish(ok=False)
+            raise
+        return answer_alone(bufs, spec, rank, size, self._config.scaling, seq)
 
     def _switch(self, out: Any) -> None:
         """Go on over the survivors: a new communicator of them and the
@@ -360,12 +401,11 @@ class Communicator:
     # -- lifetime ------------------------------------------------------------
     def free(self) -> None:
         """Release windows and the duplicate communicator (collective; on a
-        rank that elastic=True excluded, or once the survivors could not go
-        on, nothing: freeing is collective over a rank that is gone)."""
+        rank that elastic=True excluded, nothing: freeing is collective over
+        ranks that are gone)."""
         if self._core is None:
             return
-        if self._membership is not None and (self._membership.evicted
-                                             or self._membership.broken):
+        if self._membership is not None and self._membership.evicted:
             self._core = None       # (its ranks include one that is gone)
             _live.discard(self)
             return
@@ -401,8 +441,6 @@ class Communicator:
         once elastic=True excluded this rank."""
         if self._membership is not None and self._membership.evicted:
             raise EvictedError(self._membership.evicted)
-        if self._membership is not None and self._membership.broken:
-            raise MPILossyError(self._membership.broken)
         if self._core is None:
             raise MPILossyError("this mpilossy.Communicator was freed")
         return self._core
@@ -438,8 +476,8 @@ class Communicator:
         "auto") for this call (default: the communicator's); every rank
         passes the same.
         """
-        return self._after_call(self._run(ALLREDUCE, sendbuf, recvbuf, op, algorithm, timeout,
-                                          weight, compression, residual, redundancy))
+        return self._call(ALLREDUCE, sendbuf, recvbuf, op, algorithm, timeout, weight,
+                          compression, residual, redundancy)
 
     def reduce_scatter(self, sendbuf: Any, recvbuf: Any, *, op: str = "sum",
                        algorithm: str = "auto", timeout: Any = UNSET,
@@ -455,8 +493,8 @@ class Communicator:
         sizes; hierarchical where allreduce would be, on nodes of equal size,
         without weight or residual); unbiased like allreduce.  weight,
         compression, residual, redundancy: as in allreduce."""
-        return self._after_call(self._run(REDUCE_SCATTER, sendbuf, recvbuf, op, algorithm,
-                                          timeout, weight, compression, residual, redundancy))
+        return self._call(REDUCE_SCATTER, sendbuf, recvbuf, op, algorithm, timeout, weight,
+                          compression, residual, redundancy)
 
     def allgather(self, sendbuf: Any, recvbuf: Any, *, timeout: Any = UNSET,
                   redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
@@ -464,8 +502,17 @@ class Communicator:
         r's `sendbuf`.  A chunk (block) that does not arrive in time keeps
         the previous contents of `recvbuf`.  `sendbuf` may be this rank's
         own chunk of `recvbuf` (in place).  redundancy: as in allreduce."""
-        return self._after_call(self._run(ALLGATHER, sendbuf, recvbuf, "sum", "auto", timeout,
-                                          None, UNSET, None, redundancy))
+        return self._call(ALLGATHER, sendbuf, recvbuf, "sum", "auto", timeout, None, UNSET,
+                          None, redundancy)
+
+    def _call(self, collective: int, sendbuf: Any, recvbuf: Any, op: Any, algorithm: Any,
+              timeout: Any, weight: Any, compression: Any, residual: Any,
+              redundancy: Any) -> CollectiveStats:
+        if self._alone:
+            return self._answer_alone(collective, sendbuf, recvbuf, op, algorithm, timeout,
+                                      weight, compression, residual, redundancy)
+        return self._after_call(self._run(collective, sendbuf, recvbuf, op, algorithm, timeout,
+                                          weight, compression, residual, redundancy))
 
     def _run(self, collective: int, sendbuf: Any, recvbuf: Any, op: Any, algorithm: Any,
              timeout: Any, weight: Any, compression: Any, residual: Any,

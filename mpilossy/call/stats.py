@@ -58,6 +58,10 @@ class CollectiveStats(NamedTuple):
     excluded: Tuple[int, ...] = ()
     """elastic=True: the ranks (of the communicator the Communicator was
     built on) that the agreement after this call excluded."""
+    alone: bool = False
+    """elastic=True: this rank answered the call alone, with its own data,
+    to line up with survivors that reached the last agreement after more
+    calls than it had made (docs/elastic.md)."""
 
     def contributed(self, rank: Optional[int] = None) -> float:
         """Fraction of this rank's result that holds `rank`'s data (default:

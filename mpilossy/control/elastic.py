@@ -19,7 +19,8 @@ each waiting at most `wait` seconds for a peer that says nothing:
 
 Two ranks that noticed at different calls meet in round 1 (the one that
 noticed later enters when it finds the other's message after its own
-call).  A rank heard by some and not by others in round 1 (it stopped or
+call); the rounds carry each rank's call count, and a rank behind the
+furthest answers the calls it lacks alone (Communicator.behind).  A rank heard by some and not by others in round 1 (it stopped or
 died during it) is in some first sets, so in every decision.  The
 decisions differ only if a rank dies or stops during round 2, or between
 its messages and the survivors' new communicator (MPI_Comm_create_group,
@@ -38,7 +39,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 from mpi4py import MPI
 
-from ..errors import EvictedError, MPILossyError
+from ..errors import EvictedError
 from .failures import failed_ranks
 
 __all__ = ["Membership", "check_elastic"]
@@ -67,13 +68,13 @@ class Membership:
         self.members = list(members)
         self.epoch = 0                          # agreements so far
         self.evicted: Optional[str] = None      # why this rank is out, once it is
-        self.broken: Optional[str] = None       # why the survivors could not go on
         self._bind(comm)
 
     def _bind(self, comm: MPI.Intracomm) -> None:
         self.ctl = comm.Dup()
         self.ctl.Set_errhandler(MPI.ERRORS_RETURN)
         self.rank, self.size = self.ctl.Get_rank(), self.ctl.Get_size()
+        self.calls = 0                          # calls made on `comm`
         self.seen = [0] * self.size             # the last call each peer finished
         self.inbox: Dict[int, Dict[int, Any]] = {ROUND_1: {}, ROUND_2: {}}
         self.sends: List[MPI.Request] = []
@@ -113,8 +114,8 @@ class Membership:
         self.sends = still
 
     # -- after every call -----------------------------------------------------
-    def after_call(self, seq: int, waited: bool) -> Optional[FrozenSet[int]]:
-        """Heartbeat for call `seq`; then None (almost always), or the ranks
+    def after_call(self, waited: bool) -> Optional[FrozenSet[int]]:
+        """Count a call and send its heartbeat; then None (almost always), or the ranks
         this rank suspects, possibly none, when an agreement is to run
         (it suspects someone, or another rank started one).  Raises
         EvictedError if the others excluded this rank.
@@ -125,6 +126,8 @@ class Membership:
         others only at the end of the next, the first call it misses, where
         every survivor waits for it; counting it there puts every survivor
         into the agreement after the same call."""
+        self.calls += 1
+        seq = self.calls
         for peer in range(self.size):
             if peer != self.rank:
                 self._send((self.epoch, seq), peer, BEAT)
@@ -138,13 +141,16 @@ class Membership:
             return None
         return frozenset(suspects)
 
-    def agree(self, suspects: FrozenSet[int], seq: int) -> Tuple[FrozenSet[int], FrozenSet[int]]:
-        """The two rounds (module documentation) after call `seq`: (ranks
-        out, ranks among them that MPI reports failed), the same on every
-        rank that goes on.  Raises EvictedError on a rank that is out or in
-        a minority, and MPILossyError on every rank that goes on if they
-        came to the agreement after different calls (not handled yet:
-        going on would pair one rank's calls with another's next ones)."""
+    def agree(self, suspects: FrozenSet[int]) -> Tuple[FrozenSet[int], FrozenSet[int], int]:
+        """The two rounds (module documentation) after this rank's last
+        call: (ranks out, ranks among them that MPI reports failed, calls
+        this rank is behind), the first two the same on every rank that
+        goes on.  Raises EvictedError on a rank that is out or in a
+        minority.  Ranks that came to the agreement after different calls
+        learn each other's call numbers here; one that is d calls behind
+        the furthest answers its next d calls alone (call/alone.py), so that
+        every survivor's next call on the new communicator is the same."""
+        seq = self.calls
         first, failed, _ = self._round(ROUND_1, set(suspects), seq)
         decided, failed, seqs = self._round(ROUND_2, set(first), seq, failed)
         out = frozenset(decided)          # (never this rank: _round evicts it first)
@@ -160,14 +166,8 @@ class Membership:
         # (the next agreement, if any, is another: its messages carry the next epoch)
         self.epoch += 1
         self.inbox = {ROUND_1: {}, ROUND_2: {}}
-        kept_seqs = {r: seqs.get(r, seq) for r in kept}
-        if len(set(kept_seqs.values())) > 1:
-            self.broken = (f"the ranks still running noticed that ranks {sorted(out)} were "
-                           f"gone after different calls (call numbers by rank: "
-                           f"{kept_seqs}); lining them up again is not built, so this "
-                           f"elastic communicator stops here")
-            raise MPILossyError(self.broken)
-        return out, frozenset(failed & out)
+        furthest = max([seq] + [seqs[r] for r in kept if r in seqs])
+        return out, frozenset(failed & out), furthest - seq
 
     def _round(self, tag: int, mine: Set[int], seq: int, failed: Optional[Set[int]] = None
                ) -> Tuple[Set[int], Set[int], Dict[int, int]]:

@@ -102,7 +102,9 @@ class _ShardedExchange(Engine):
     def rebind(self) -> None:
         """After an elastic exclusion: the chunks are cut again for the
         survivors at the end of this step (rebalance), and until then the
-        step's remaining lossy calls are skipped."""
+        step's remaining lossy calls are skipped, but for those the
+        communicator answers alone (Communicator.behind: calls the other
+        survivors made before the exclusion, on the old chunks)."""
         super().rebind()
         self.rebalance_due = True
 
@@ -240,8 +242,8 @@ class _ShardedExchange(Engine):
         weight = weigh(self.compute_deadline, self.grads.arrays.values())
         calls = []
         for dtype, send in self.grads.arrays.items():
-            if self.rebalance_due:          # (an exclusion: the rest waits for new chunks)
-                break
+            if self.rebalance_due and not self.lc.behind:   # (an exclusion: the rest
+                break                                        # waits for new chunks)
             recv = self.shard_grads[dtype]
             if self.compression is not None:
                 stats = self.compression.reduce_scatter(self.lc, dtype, send, as_numpy(recv),
@@ -264,7 +266,7 @@ class _ShardedExchange(Engine):
         self._download(chunk_only=True)
         calls = []
         for dtype, full in self.host.arrays.items():
-            if self.rebalance_due:
+            if self.rebalance_due and not self.lc.behind:
                 break
             lo, hi = self.bounds[dtype]
             stats = self.lc.allgather(full[lo:hi], full)
@@ -394,8 +396,8 @@ class _ShardedOptimizer(WrappedOptimizer):
         params_changed(engine, self)
         engine.reduce_scatter()
         super().step(**kwargs)
-        if not engine.rebalance_due:
-            engine.allgather()
+        if not engine.rebalance_due or engine.lc.behind:
+            engine.allgather()      # (calls that other survivors made before the exclusion)
         if engine.rebalance_due:            # (an elastic exclusion during this step)
             engine.rebalance()
         engine.finish()

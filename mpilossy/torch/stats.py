@@ -42,6 +42,12 @@ class StepStats:
     reliable: bool = False
     """True if the gradients were finally reduced reliably (phase-aware
     tolerance: a tight phase, or more loss than the step could accept)."""
+    excluded: Tuple[int, ...] = ()
+    """Communicator(elastic=True): ranks excluded during this step."""
+    alone: int = 0
+    """Communicator(elastic=True): calls this rank answered alone to line up
+    with survivors that reached the exclusion's agreement later
+    (CollectiveStats.alone)."""
 
     @classmethod
     def of(cls, step: int, calls: Sequence[CollectiveStats], **extra: Any) -> "StepStats":
@@ -58,7 +64,8 @@ class StepStats:
                    deadline_hits=sum(bool(c.deadline_hit) for c in calls),
                    min_contributors=min((c.min_contributors for c in calls), default=0),
                    lost_blocks=tuple(lost), comm_seconds=sum(c.elapsed for c in calls),
-                   **extra)
+                   excluded=tuple(r for c in calls for r in c.excluded),
+                   alone=sum(c.alone for c in calls), **extra)
 
 
 class Recorder:

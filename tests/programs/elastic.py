@@ -12,8 +12,8 @@ SCENARIO, one of:
   exit:V@C,W@D     two ranks exit at different calls
   during:V@C,W     V exits before call C, W exits as it enters the agreement
   late:V@C,W       V exits before call C, W looks for it one call later than
-                   the others: every survivor must raise MPILossyError (not
-                   going on with its calls paired with the others' next ones)
+                   the others: they must answer that call alone (stats.alone)
+                   and go on with W, every call paired as before
 
 Every call is a direct all-reduce (op avg, deadline 0.2 s, no injected
 loss) of (original rank + 1 + call / 1000); each block of each result is
@@ -54,10 +54,9 @@ me = comm.rank
 if me == during and kind == "late":
     original_after_call = elastic.Membership.after_call
 
-    def after_call_one_late(self, seq, waited):
-        if seq == min(leaves.values()) + 1:       # (the call C, counted from 1)
-            return None
-        return original_after_call(self, seq, waited)
+    def after_call_one_late(self, waited):
+        found = original_after_call(self, waited)
+        return None if self.calls == min(leaves.values()) + 1 else found   # (call C, from 1)
 
     elastic.Membership.after_call = after_call_one_late
 elif me == during:
@@ -75,6 +74,7 @@ lc.on_exclusion(lambda excluded, members: seen.append((list(excluded), list(memb
 n = 3000                # (several blocks at any size)
 wrong = 0
 exclusions = []
+alone = []              # calls this rank answered alone
 lost_at = None          # when the first rank left, as this rank saw the call begin
 for call in range(calls):
     if leaves.get(me) == call:
@@ -92,8 +92,8 @@ for call in range(calls):
         os._exit(0)
     if call in leaves.values() and lost_at is None:
         lost_at = time.perf_counter()
-    members = lc.members
-    x = np.full(n, me + 1 + call / 1000.0)
+    members = lc.members if not lc.behind else before     # (a call answered alone: the
+    x = np.full(n, me + 1 + call / 1000.0)                 # old communicator's, its ranks)
     try:
         stats = lc.allreduce(x, op="avg")
     except mpilossy.MPILossyError as exc:
@@ -112,14 +112,18 @@ for call in range(calls):
             want = np.mean([r + 1 + call / 1000.0 for r in ranks])
             if not np.allclose(x[first:first + length], want, rtol=0, atol=1e-9):
                 wrong += 1
+    if stats.alone:
+        alone.append(call)
     if stats.excluded:
+        before = members
         exclusions.append({"call": call, "excluded": list(stats.excluded),
                            "after": None if lost_at is None
                            else round(time.perf_counter() - lost_at, 3),
                            "delivered": round(stats.delivered, 3)})
         lost_at = None
 print(json.dumps({"rank": me, "calls": calls, "wrong": wrong, "exclusions": exclusions,
-                  "callbacks": seen, "members": list(lc.members), "size": lc.size}),
+                  "callbacks": seen, "members": list(lc.members), "size": lc.size,
+                  "alone": alone}),
       flush=True)
 if kind == "stop":
     for victim in leaves:

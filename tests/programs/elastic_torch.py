@@ -4,7 +4,9 @@ lost (docs/elastic.md).  Launch with ``mpiexec -disable-auto-cleanup``.
     mpiexec -disable-auto-cleanup -n N python elastic_torch.py WRAPPER CHANNEL HOW:V@S [STEPS [MOMENTUM]]
 
 WRAPPER: distributed or sharded; HOW: exit (os._exit) or stop (SIGSTOP) of
-rank V before step S.  No injected loss, a 0.2 s deadline.  Every rank
+rank V before step S, or late:V@S,W: V exits and W looks for it one call
+later than the others (sharded: after the step's all-gather, the others
+after its reduce-scatter; they answer the all-gather alone).  No injected loss, a 0.2 s deadline.  Every rank
 still running at the end prints one JSON line: the exclusions, the loss of
 the first and last five steps, whether its parameters equal every other
 survivor's, the size of its optimizer's chunk, and the largest difference
@@ -34,9 +36,21 @@ wrapper, channel, lose = sys.argv[1], sys.argv[2], sys.argv[3]
 steps = int(sys.argv[4]) if len(sys.argv) > 4 else 30
 momentum = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
 how, _, where = lose.partition(":")
+where, _, late = where.partition(",")
 victim, at = (int(v) for v in where.split("@"))
 me = comm.rank
 pids = comm.allgather(os.getpid())
+alone = []              # steps with a call this rank answered alone
+
+if late and me == int(late):
+    from mpilossy.control import elastic
+    original_after_call = elastic.Membership.after_call
+
+    def after_call_one_late(self, waited):
+        found = original_after_call(self, waited)
+        return None if self.calls == 2 * at + 1 else found     # (step `at`'s first call)
+
+    elastic.Membership.after_call = after_call_one_late
 
 torch.manual_seed(0)
 model = make_model(1)
@@ -82,6 +96,8 @@ for step in range(steps):
     losses.append(loss.item())
     if snapshot is not None:
         delivered_after.append(opt.stats.delivered)
+    if opt.stats.alone:
+        alone.append(step)
     if lc.size < comm.size and snapshot is None:
         exclusions.append({"step": step, "size": lc.size, "members": list(lc.members)})
         snapshot = (step + 1, flat(model), momenta(opt))
@@ -123,6 +139,7 @@ print(json.dumps({"rank": me, "exclusions": exclusions, "members": list(lc.membe
                   "chunk": chunk, "total": int(mine.size),
                   "delivered_after": min(delivered_after, default=1.0),
                   "momentum_kept": float(np.mean(moment != 0)) if momentum else None,
+                  "alone": alone,
                   "from_reference": float(np.abs(mine - flat(ref)).max())}), flush=True)
 if how == "stop":
     survivors.Barrier()

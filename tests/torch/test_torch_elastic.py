@@ -16,14 +16,17 @@ needs_failures = pytest.mark.skipif(not reports_failures(),
 @needs_failures
 @pytest.mark.parametrize("wrapper, ranks, channel, lose", [
     ("sharded", 4, "rma", "exit:2@10"), ("sharded", 3, "ud", "stop:0@8"),
-    ("distributed", 4, "ud", "exit:3@10"), ("distributed", 3, "rma", "exit:0@10")])
+    ("distributed", 4, "ud", "exit:3@10"), ("distributed", 3, "rma", "exit:0@10"),
+    ("sharded", 4, "ud", "late:1@10,3")])
 def test_torch_wrappers_go_on_after_an_exclusion(wrapper, ranks, channel, lose):
     """The survivors train on: their models equal each other's and, within
     float32 rounding, an exact MPI_Allreduce run over the survivors from
     the exclusion on (sharded: SGD with momentum, the reference starting
     from the momenta the survivors carried over); the sharded optimizer's
     chunks are cut again for them, and its momenta travel with them
-    (tests/programs/elastic_torch.py)."""
+    (tests/programs/elastic_torch.py).  `late`: rank 3 notices the loss
+    one call after the others, which answer that call (the all-gather of
+    step 10) alone and line up."""
     victim = int(lose.split(":")[1].split("@")[0])
     momentum = "0.9" if wrapper == "sharded" else "0"
     lines, output = elastic_run("elastic_torch.py", ranks, wrapper, channel, lose, "30", momentum)
@@ -35,6 +38,8 @@ def test_torch_wrappers_go_on_after_an_exclusion(wrapper, ranks, channel, lose):
         bound = 1e-4 if r["delivered_after"] == 1.0 else 1e-2
         assert r["same"] and r["from_reference"] < bound, r
         assert r["last"] < r["first"], r
+        late = lose.partition(",")[2]
+        assert r["alone"] == ([10] if late and r["rank"] != int(late) else []), r
     chunks = [r["chunk"] for r in lines]
     if wrapper == "sharded":
         assert sum(chunks) == lines[0]["total"] and max(chunks) - min(chunks) <= 1, chunks
