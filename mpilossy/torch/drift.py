@@ -7,12 +7,14 @@ from __future__ import annotations
 import logging
 import math
 import time
+import weakref
 from typing import Any, Callable, List, NamedTuple, Optional, Tuple
 
 import numpy as np
 import torch
 from mpi4py import MPI
 
+from .. import Communicator
 from .averaging import average_optimizer_state, average_tensors
 from .broadcast import bcast_tensors, broadcast_optimizer_state
 from .checks import check_tensors
@@ -99,6 +101,13 @@ class DriftController:
     over ranks (MPI_Allreduce; integer buffers as they are on `root_rank`,
     optimizer step counters as each rank has them).
 
+    Given a Communicator built with elastic=True, it follows its exclusions
+    (the survivors' communicator, whose rank 0 is the root) and, if it
+    re-synchronises at all, does so at the end of the step in which ranks
+    were excluded: that step's lost chunks left each survivor its own
+    partial sums (the DDP hook's way to go on after an exclusion;
+    docs/elastic.md).
+
     Construction and every method are collective over `comm`.
     """
 
@@ -140,6 +149,8 @@ class DriftController:
         self.broadcasts = 0
         self.broadcast_seconds = 0.0
         """Total seconds spent re-synchronising."""
+        self._excluded = False          # (an elastic exclusion since the last step)
+        _follow_exclusions(self, comm)
         self.measure_seconds = 0.0
         """Total seconds spent measuring."""
 
@@ -148,6 +159,7 @@ class DriftController:
         exclusion); its rank 0 is the root from now on."""
         self.comm = self._meter.comm = comm
         self.root_rank = 0
+        self._excluded = True
 
     def step(self) -> DriftStep:
         """Count a training step; measure and re-synchronise when due."""
@@ -156,7 +168,9 @@ class DriftController:
         drift = None
         if self.measure_every and self.steps % self.measure_every == 0:
             drift = self.measure()
-        due = bool(self.broadcast_every and self.steps % self.broadcast_every == 0)
+        due = bool(self.broadcast_every and (self.steps % self.broadcast_every == 0
+                                             or self._excluded))
+        self._excluded = False
         if due:
             self.synchronize()
         return DriftStep(drift, due, time.perf_counter() - began)
@@ -195,3 +209,20 @@ class DriftController:
         if self.comm.rank == self.root_rank:
             log.info("step %d: parameters re-synchronised in %.2f ms", self.steps, took * 1e3)
         return took
+
+
+def _follow_exclusions(controller: DriftController, comm: CommLike) -> None:
+    """An elastic Communicator: rebind `controller` after each exclusion
+    (weakly: the communicator does not keep it alive).  The optimizer
+    wrappers rebind their own as well; twice is the same."""
+    if not (isinstance(comm, Communicator) and comm.elastic):
+        return
+    ref = weakref.ref(controller)
+    lc = comm
+
+    def react(excluded: Tuple[int, ...], members: Tuple[int, ...]) -> None:
+        alive = ref()
+        if alive is not None:
+            alive.rebind(lc.comm)
+
+    lc.on_exclusion(react)

@@ -48,6 +48,11 @@ class AllreduceHookState:
         index), and each new bucket's residual is assembled from its
         parameters' old ones.
 
+    On a Communicator built with elastic=True the hook goes on after an
+    exclusion; DDP must then never touch its own process group again
+    (no buffers to broadcast) and a DriftController given the same
+    Communicator brings the survivors back on one model (docs/elastic.md).
+
     ``stats`` is the StepStats of the last complete backward pass,
     ``bucket_stats`` the CollectiveStats of each bucket's last call.
     Construction is collective (one small allgather).

@@ -3,10 +3,14 @@ lost (docs/elastic.md).  Launch with ``mpiexec -disable-auto-cleanup``.
 
     mpiexec -disable-auto-cleanup -n N python elastic_torch.py WRAPPER CHANNEL HOW:V@S [STEPS [MOMENTUM]]
 
-WRAPPER: distributed or sharded; HOW: exit (os._exit) or stop (SIGSTOP) of
-rank V before step S, or late:V@S,W: V exits and W looks for it one call
-later than the others (sharded: after the step's all-gather, the others
-after its reduce-scatter; they answer the all-gather alone).  No injected loss, a 0.2 s deadline.  Every rank
+WRAPPER: distributed, sharded or ddp (DistributedDataParallel over Gloo
+with the lossy hook and a DriftController, which re-synchronises at the
+end of the step that excluded a rank; the model has no buffers, so DDP's
+own process group is used only at construction).  HOW: exit (os._exit) or
+stop (SIGSTOP) of rank V before step S, or late:V@S,W: V exits and W looks
+for it one call later than the others (sharded: after the step's
+all-gather, the others after its reduce-scatter; they answer the
+all-gather alone).  No injected loss, a 0.2 s deadline.  Every rank
 still running at the end prints one JSON line: the exclusions, the loss of
 the first and last five steps, whether its parameters equal every other
 survivor's, the size of its optimizer's chunk, and the largest difference
@@ -57,8 +61,17 @@ model = make_model(1)
 lc = mpilossy.Communicator(comm, channel=channel, timeout=0.2, algorithm="direct",
                            elastic=True, evict_after=5, elastic_wait=1.0)
 inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
+hook = None
 if wrapper == "sharded":
     opt = mt.ShardedOptimizer(inner, model.named_parameters(), lc)
+elif wrapper == "ddp":
+    mt.init_process_group("gloo", comm=lc.comm)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)     # (no buffers to sync)
+    hook = mt.AllreduceHookState(lc)
+    ddp.register_comm_hook(hook, mt.allreduce_hook)
+    opt = inner
+    # (its first re-synchronisation: at the end of the step that excluded a rank)
+    drift = mt.DriftController(model, comm=lc, broadcast_every=1000)
 else:
     # (re-synchronised every step: the survivors start the reference equal)
     opt = mt.DistributedOptimizer(inner, model.named_parameters(), lc, broadcast_every=1)
@@ -90,13 +103,16 @@ for step in range(steps):
         os._exit(0)
     opt.zero_grad()
     x, y = batch(me, step)
-    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss = torch.nn.functional.mse_loss((model if hook is None else ddp)(x), y)
     loss.backward()
     opt.step()
+    if hook is not None:
+        drift.step()
     losses.append(loss.item())
+    stats = opt.stats if hook is None else hook.stats
     if snapshot is not None:
-        delivered_after.append(opt.stats.delivered)
-    if opt.stats.alone:
+        delivered_after.append(stats.delivered)
+    if stats.alone:
         alone.append(step)
     if lc.size < comm.size and snapshot is None:
         exclusions.append({"step": step, "size": lc.size, "members": list(lc.members)})

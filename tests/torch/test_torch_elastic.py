@@ -17,7 +17,8 @@ needs_failures = pytest.mark.skipif(not reports_failures(),
 @pytest.mark.parametrize("wrapper, ranks, channel, lose", [
     ("sharded", 4, "rma", "exit:2@10"), ("sharded", 3, "ud", "stop:0@8"),
     ("distributed", 4, "ud", "exit:3@10"), ("distributed", 3, "rma", "exit:0@10"),
-    ("sharded", 4, "ud", "late:1@10,3")])
+    ("sharded", 4, "ud", "late:1@10,3"), ("ddp", 3, "rma", "exit:1@10"),
+    ("ddp", 4, "ud", "stop:2@8")])
 def test_torch_wrappers_go_on_after_an_exclusion(wrapper, ranks, channel, lose):
     """The survivors train on: their models equal each other's and, within
     float32 rounding, an exact MPI_Allreduce run over the survivors from
@@ -28,7 +29,7 @@ def test_torch_wrappers_go_on_after_an_exclusion(wrapper, ranks, channel, lose):
     one call after the others, which answer that call (the all-gather of
     step 10) alone and line up."""
     victim = int(lose.split(":")[1].split("@")[0])
-    momentum = "0.9" if wrapper == "sharded" else "0"
+    momentum = "0.9" if wrapper == "sharded" else "0"    # (ddp: no optimizer state re-synced)
     lines, output = elastic_run("elastic_torch.py", ranks, wrapper, channel, lose, "30", momentum)
     survivors = [r for r in range(ranks) if r != victim]
     assert sorted(r["rank"] for r in lines) == survivors, output
