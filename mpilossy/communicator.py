@@ -88,9 +88,10 @@ class Communicator:
       ``mpiexec -disable-auto-cleanup``) or that falls `evict_after` calls
       (default 20) behind is excluded by agreement of the others, which go
       on over a communicator of themselves (``members``, ``stats.excluded``,
-      on_exclusion()); an excluded rank gets EvictedError.  Needs a
-      deadline; `elastic_wait` (10 s) bounds each of the agreement's two
-      rounds (mpilossy/control/elastic.py, docs/elastic.md).
+      on_exclusion()); an excluded rank gets EvictedError; survivors that
+      noticed after different calls line up (``behind``, ``stats.alone``).
+      Needs a deadline; `elastic_wait` (10 s) bounds each of the
+      agreement's two rounds (mpilossy/control/elastic.py, docs/elastic.md).
 
     Construction and free() are collective over `comm`.
     """

@@ -25,6 +25,7 @@ COMMANDS: Dict[str, str] = {
     "device": "GPU buffers: staged mpilossy against mpi4py with host staging and Gloo",
     "group": "group averaging (GroupAverager, Moshpit) against a full lossy all-reduce",
     "node": "the hierarchy's stages within a node against MPI's reduce-scatter + allgather",
+    "elastic": "what elastic=True's heartbeat costs: elastic against plain calls, and MPI",
 }
 
 

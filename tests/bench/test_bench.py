@@ -270,3 +270,18 @@ def test_node(tmp_path):
         assert r["node_ranks"] == 2 and r["exact"], r
         assert min(r["mpilossy_us"], r["mpi_us"], r["mpi_allreduce_us"]) > 0, r
         assert math.isclose(r["mpilossy_over_mpi"], r["mpilossy_us"] / r["mpi_us"]), r
+
+
+def test_elastic(tmp_path):
+    """The heartbeat's cost: a row per size and channel, both sides timed,
+    the elastic results exact where nothing was lost, nobody excluded."""
+    out = tmp_path / "elastic.json"
+    text = command(tmp_path, "elastic", "--sizes", "4K,64K", "-n", "6", "-w", "1",
+                   "--json", str(out), nprocs=3)
+    assert text.startswith("# elastic=True against a plain Communicator, 3 ranks"), text
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["size"], r["channel"]) for r in rows] == [
+        (4096, "rma"), (65536, "rma"), (4096, "ud"), (65536, "ud")]
+    for r in rows:
+        assert r["elastic_us"] > 0 and r["plain_us"] > 0 and r["mpi_us"] > 0, r
+        assert r["wrong"] == 0 and r["excluded"] == 0 and r["checked"] > 0, r

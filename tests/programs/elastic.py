@@ -2,7 +2,7 @@
 (docs/elastic.md).  Launch with ``mpiexec -disable-auto-cleanup`` (else Hydra
 ends the whole job when a rank exits).
 
-    mpiexec -disable-auto-cleanup -n N python elastic.py CHANNEL SCENARIO [CALLS]
+    mpiexec -disable-auto-cleanup -n N python elastic.py CHANNEL SCENARIO [CALLS [LOSS]]
 
 SCENARIO, one of:
   exit:V@C         rank V exits (os._exit) before call C
@@ -16,7 +16,7 @@ SCENARIO, one of:
                    and go on with W, every call paired as before
 
 Every call is a direct all-reduce (op avg, deadline 0.2 s, no injected
-loss) of (original rank + 1 + call / 1000); each block of each result is
+loss unless LOSS, e.g. bernoulli:0.1) of (original rank + 1 + call / 1000); each block of each result is
 checked against the mean over the ranks the call records as its
 contributors.  Every rank still running at the end prints one JSON line:
 its rank, the calls made, the wrong blocks (0 expected), the exclusions it
@@ -39,6 +39,7 @@ from mpilossy.control import elastic
 comm = MPI.COMM_WORLD
 channel, scenario = sys.argv[1], sys.argv[2]
 calls = int(sys.argv[3]) if len(sys.argv) > 3 else 30
+loss = sys.argv[4] if len(sys.argv) > 4 else None      # e.g. bernoulli:0.1 (injected)
 kind, _, spec = scenario.partition(":")
 leaves = {}             # original rank -> call before which it leaves
 during = None           # the rank that exits as it enters the agreement
@@ -68,7 +69,7 @@ elif me == during:
     elastic.Membership.agree = agree_then_exit
 
 lc = mpilossy.Communicator(comm, channel=channel, timeout=0.2, algorithm="direct",
-                           elastic=True, evict_after=5, elastic_wait=1.0)
+                           elastic=True, evict_after=5, elastic_wait=1.0, loss=loss)
 seen = []
 lc.on_exclusion(lambda excluded, members: seen.append((list(excluded), list(members))))
 n = 3000                # (several blocks at any size)
