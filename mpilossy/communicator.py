@@ -91,7 +91,8 @@ class Communicator:
       on_exclusion()); an excluded rank gets EvictedError; survivors that
       noticed after different calls line up (``behind``, ``stats.alone``).
       Needs a deadline; `elastic_wait` (10 s) bounds each of the
-      agreement's two rounds (mpilossy/control/elastic.py, docs/elastic.md).
+      agreement's two rounds; builds no hierarchy (its algorithms run flat)
+      (mpilossy/control/elastic.py, docs/elastic.md).
 
     Construction and free() are collective over `comm`.
     """
@@ -162,7 +163,10 @@ class Communicator:
         sub-communicators of the hierarchical all-reduce."""
         layout, node = NodeLayout.detect(self._comm)
         try:
-            if not layout.hierarchical:
+            # (elastic: none.  Its stages are Communicators of their own, which
+            # would notice a loss and switch apart from this one: wrong blocks,
+            # seen on fake nodes; docs/elastic.md)
+            if not layout.hierarchical or self._config.elastic:
                 return layout, None
             config = self._config
 

@@ -107,12 +107,13 @@ def json_reports(stdout: str, opening: str = '{"rank"') -> list:
     return out
 
 
-def elastic_run(program: str, ranks: int, *args: str, timeout: float = 90) -> tuple:
+def elastic_run(program: str, ranks: int, *args: str, timeout: float = 90,
+                **env: str) -> tuple:
     """A program of tests/programs under its own ``mpiexec
     -disable-auto-cleanup`` (ranks exit mid-run): (reports, output)."""
     cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), sys.executable,
            str(PROGRAMS / program), *args]
-    proc = run_bounded(cmd, timeout, clean_subprocess_env())
+    proc = run_bounded(cmd, timeout, clean_subprocess_env(**env))
     return json_reports(proc.stdout), proc.stdout + proc.stderr
 
 

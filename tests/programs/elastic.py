@@ -68,7 +68,8 @@ elif me == during:
 
     elastic.Membership.agree = agree_then_exit
 
-lc = mpilossy.Communicator(comm, channel=channel, timeout=0.2, algorithm="direct",
+algorithm = os.environ.get("ELASTIC_ALGORITHM", "direct")     # (hierarchical: fake nodes)
+lc = mpilossy.Communicator(comm, channel=channel, timeout=0.2, algorithm=algorithm,
                            elastic=True, evict_after=5, elastic_wait=1.0, loss=loss)
 seen = []
 lc.on_exclusion(lambda excluded, members: seen.append((list(excluded), list(members))))
