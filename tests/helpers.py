@@ -113,7 +113,8 @@ def elastic_run(program: str, ranks: int, *args: str, timeout: float = 90,
     -disable-auto-cleanup`` (ranks exit mid-run): (reports, output)."""
     cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), sys.executable,
            str(PROGRAMS / program), *args]
-    proc = run_bounded(cmd, timeout, clean_subprocess_env(**env))
+    # (a crash prints its Python stack: PYTHONFAULTHANDLER)
+    proc = run_bounded(cmd, timeout, clean_subprocess_env(PYTHONFAULTHANDLER="1", **env))
     return json_reports(proc.stdout), proc.stdout + proc.stderr
 
 

@@ -11,11 +11,12 @@ SCENARIO, one of:
                    EvictedError on its next call
   exit:V@C,W@D     two ranks exit at different calls
   during:V@C,W     V exits before call C, W exits as it enters the agreement
+  none:            nobody is lost
   late:V@C,W       V exits before call C, W looks for it one call later than
                    the others: they must answer that call alone (stats.alone)
                    and go on with W, every call paired as before
 
-Every call is a direct all-reduce (op avg, deadline 0.2 s, no injected
+Every call is a direct all-reduce ($ELASTIC_ALGORITHM: another) (op avg, deadline 0.2 s, no injected
 loss unless LOSS, e.g. bernoulli:0.1) of (original rank + 1 + call / 1000); each block of each result is
 checked against the mean over the ranks the call records as its
 contributors.  Every rank still running at the end prints one JSON line:
@@ -43,7 +44,7 @@ loss = sys.argv[4] if len(sys.argv) > 4 else None      # e.g. bernoulli:0.1 (inj
 kind, _, spec = scenario.partition(":")
 leaves = {}             # original rank -> call before which it leaves
 during = None           # the rank that exits as it enters the agreement
-for part in spec.split(","):
+for part in spec.split(",") if spec else ():
     if "@" in part:
         victim, at = part.split("@")
         leaves[int(victim)] = int(at)
@@ -77,6 +78,7 @@ n = 3000                # (several blocks at any size)
 wrong = 0
 exclusions = []
 alone = []              # calls this rank answered alone
+algorithms = set()      # what the calls ran (an elastic communicator builds no hierarchy)
 lost_at = None          # when the first rank left, as this rank saw the call begin
 for call in range(calls):
     if leaves.get(me) == call:
@@ -116,6 +118,7 @@ for call in range(calls):
                 wrong += 1
     if stats.alone:
         alone.append(call)
+    algorithms.add(stats.algorithm)
     if stats.excluded:
         before = members
         exclusions.append({"call": call, "excluded": list(stats.excluded),
@@ -125,7 +128,7 @@ for call in range(calls):
         lost_at = None
 print(json.dumps({"rank": me, "calls": calls, "wrong": wrong, "exclusions": exclusions,
                   "callbacks": seen, "members": list(lc.members), "size": lc.size,
-                  "alone": alone}),
+                  "alone": alone, "algorithms": sorted(algorithms)}),
       flush=True)
 if kind == "stop":
     for victim in leaves:
