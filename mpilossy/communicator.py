@@ -199,7 +199,7 @@ class Communicator:
             self.free()
             raise ValueError(f"rank {errors[0][0]}: {errors[0][1]}")
         self._membership = Membership(self._comm, list(range(self._size)), config.evict_after,
-                                      config.elastic_wait)
+                                      config.elastic_wait, across_nodes=self._layout.nodes > 1)
 
     @property
     def elastic(self) -> bool:
@@ -410,10 +410,12 @@ class Communicator:
         ranks that are gone)."""
         if self._core is None:
             return
-        if self._membership is not None and self._membership.evicted:
-            self._core = None       # (its ranks include one that is gone)
-            _live.discard(self)
-            return
+        if self._membership is not None:
+            self._membership.close()
+            if self._membership.evicted:
+                self._core = None       # (its ranks include one that is gone)
+                _live.discard(self)
+                return
         if self._trace is not None:
             self._trace.close()
             self._trace = None

@@ -3,10 +3,11 @@
 A rank is out when MPI reports it failed (it exited: control/failures.py),
 or when it has fallen `evict_after` calls behind this rank's (hung, stopped,
 cut off).  Ranks tell each other how far they are with a heartbeat, one
-small message to every peer after each call, on a duplicate communicator of
-their own (`ctl`) whose messages never block: a send to a rank that is gone
-completes or fails locally, and nothing ever waits for a receive without a
-deadline.
+small message to every peer after each call (control/signals.py: UDP
+datagrams across nodes, where MPI sends to a rank that is gone crash or
+hang on some netmods; MPI through shared memory on one node); nothing
+ever waits for one without a deadline, and a round's message is sent
+again until the round ends.
 
 The ranks that still run agree on who is out in two rounds of messages,
 each waiting at most `wait` seconds for a peer that says nothing:
@@ -41,11 +42,13 @@ from mpi4py import MPI
 
 from ..errors import EvictedError
 from .failures import failed_ranks
+from .signals import signals_for
 
 __all__ = ["Membership", "check_elastic"]
 
-BEAT, ROUND_1, ROUND_2, OUT = 1, 2, 3, 4      # message tags on the control communicator
+BEAT, ROUND_1, ROUND_2, OUT = 1, 2, 3, 4      # datagram tags (control/signals.py)
 POLL = 0.001                                  # seconds between looks while waiting
+RESEND = 0.02                                 # seconds between a round's sends
 
 
 def check_elastic(timeout: Any) -> Optional[Exception]:
@@ -63,58 +66,55 @@ class Membership:
     rank in the communicator the user built the Communicator with."""
 
     def __init__(self, comm: MPI.Intracomm, members: List[int], evict_after: int,
-                 wait: float) -> None:
+                 wait: float, across_nodes: bool = True) -> None:
         self.evict_after, self.wait = evict_after, float(wait)
         self.members = list(members)
         self.epoch = 0                          # agreements so far
         self.evicted: Optional[str] = None      # why this rank is out, once it is
+        self.signals = signals_for(comm, across_nodes)
+        # the ranks excluded so far, by address: (the agreement's epoch, its OUT set),
+        # told again whenever they send anything (a rank that wakes up)
+        self.excluded: Dict[Tuple[str, int], Tuple[int, FrozenSet[int]]] = {}
         self._bind(comm)
 
     def _bind(self, comm: MPI.Intracomm) -> None:
-        self.ctl = comm.Dup()
-        self.ctl.Set_errhandler(MPI.ERRORS_RETURN)
-        self.rank, self.size = self.ctl.Get_rank(), self.ctl.Get_size()
+        self.comm = comm                        # (for failed_ranks: local)
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.calls = 0                          # calls made on `comm`
         self.seen = [0] * self.size             # the last call each peer finished
         self.inbox: Dict[int, Dict[int, Any]] = {ROUND_1: {}, ROUND_2: {}}
-        self.sends: List[MPI.Request] = []
         self.gone: FrozenSet[int] = frozenset()     # reported failed: nothing is sent to them
 
+    def close(self) -> None:
+        self.signals.close()
+
     # -- messages ------------------------------------------------------------
-    def _send(self, obj: Any, dest: int, tag: int) -> None:
-        if dest in self.gone:       # (a send to it crashes MPICH's UCX netmod)
-            return
-        try:
-            self.sends.append(self.ctl.isend(obj, dest, tag))
-        except MPI.Exception:       # a peer that is gone: it needs to hear nothing
-            pass
+    def _send(self, dest: int, tag: int, number: int = 0, first: Any = (),
+              second: Any = ()) -> None:
+        if dest not in self.gone:
+            self.signals.send(dest, tag, self.epoch, number, first, second)
 
     def _drain(self) -> None:
-        """Take every message that has arrived; forget finished sends."""
-        status = MPI.Status()
-        try:
-            while self.ctl.iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
-                source, tag = status.Get_source(), status.Get_tag()
-                epoch, body = self.ctl.recv(source=source, tag=tag)
-                if tag == OUT and self.rank in body:
+        """Take every datagram that has arrived."""
+        told = set()
+        for signal in self.signals.receive():
+            excluded = self.excluded.get(signal.address)
+            if excluded is not None:            # (an excluded rank woke up: tell it again)
+                if signal.address not in told:
+                    told.add(signal.address)
+                    self.signals.send_to(signal.address, OUT, excluded[0], 0, excluded[1])
+                continue
+            if signal.tag == OUT:
+                if signal.epoch == self.epoch and self.rank in signal.first:
                     self.evicted = (f"the other ranks excluded this rank (it was behind or "
-                                    f"silent; agreement {epoch + 1})")
-                elif tag == BEAT:
-                    self.seen[source] = max(self.seen[source], body)
-                elif epoch != self.epoch:
-                    continue                    # (an earlier agreement's late message)
-                elif tag in self.inbox:
-                    self.inbox[tag][source] = body
-        except MPI.Exception:
-            pass
-        still = []
-        for request in self.sends:
-            try:
-                if not request.Test():
-                    still.append(request)
-            except MPI.Exception:
-                pass
-        self.sends = still
+                                    f"silent; agreement {signal.epoch + 1})")
+            elif signal.epoch != self.epoch or not 0 <= signal.sender < self.size:
+                continue                        # (an earlier agreement's late message)
+            elif signal.tag == BEAT:
+                self.seen[signal.sender] = max(self.seen[signal.sender], signal.number)
+            elif signal.tag in self.inbox:
+                self.inbox[signal.tag][signal.sender] = (signal.first, signal.second,
+                                                         signal.number)
 
     # -- after every call -----------------------------------------------------
     def after_call(self, waited: bool) -> Optional[FrozenSet[int]]:
@@ -132,10 +132,10 @@ class Membership:
         self.calls += 1
         seq = self.calls
         if waited:      # (asking MPI costs ~90 us on MPICH: only when a call waited)
-            self.gone = failed_ranks(self.ctl)
+            self.gone = failed_ranks(self.comm)
         for peer in range(self.size):
             if peer != self.rank:
-                self._send((self.epoch, seq), peer, BEAT)
+                self._send(peer, BEAT, seq)
         self._drain()
         if self.evicted:
             raise EvictedError(self.evicted)
@@ -167,7 +167,8 @@ class Membership:
                              f"the {len(counted)} ranks not reported failed: the others may "
                              f"go on without them")
         for r in out:               # (a rank that wakes up learns it is out)
-            self._send((self.epoch, out), r, OUT)
+            self._send(r, OUT, 0, out)
+            self.excluded[self.signals.addresses[r]] = (self.epoch, out)
         # (the next agreement, if any, is another: its messages carry the next epoch)
         self.epoch += 1
         self.inbox = {ROUND_1: {}, ROUND_2: {}}
@@ -180,16 +181,20 @@ class Membership:
         theirs until each such rank was heard or `wait` passed.  Returns the
         union of the sets heard (and of those not heard), the ranks reported
         failed, and the call after which each rank heard came."""
-        failed = set(failed or ()) | set(failed_ranks(self.ctl))
+        failed = set(failed or ()) | set(failed_ranks(self.comm))
         self.gone = frozenset(failed)
         mine |= failed
         mine.discard(self.rank)
-        for peer in range(self.size):
-            if peer != self.rank and peer not in mine:
-                self._send((self.epoch, (sorted(mine), sorted(failed), seq)), peer, tag)
         union = set(mine)
         ends = time.monotonic() + self.wait
+        resend = 0.0
         while True:
+            now = time.monotonic()
+            if now >= resend:           # (datagrams: sent again until the round ends)
+                resend = now + RESEND
+                for peer in range(self.size):
+                    if peer != self.rank and peer not in mine:
+                        self._send(peer, tag, seq, mine, failed)
             self._drain()
             if self.evicted:
                 raise EvictedError(self.evicted)
@@ -197,9 +202,10 @@ class Membership:
             for body in heard.values():
                 union.update(body[0])
                 failed.update(body[1])
-            now_failed = failed_ranks(self.ctl)
+            now_failed = failed_ranks(self.comm)
             failed |= now_failed
             union |= now_failed
+            self.gone = frozenset(failed)
             if self.rank in union:          # another rank suspects this one
                 self._evict(frozenset(union), "another rank found this rank behind or silent")
             waiting = [r for r in range(self.size)
@@ -217,8 +223,8 @@ class Membership:
         raise EvictedError(self.evicted)
 
     def rebind(self, comm: MPI.Intracomm, out: FrozenSet[int]) -> None:
-        """After the switch to `comm`, the survivors' communicator.  The old
-        control communicator is left as it is: freeing it is collective
-        over ranks that are gone."""
+        """After the switch to `comm`, the survivors' communicator
+        (collective over it: the survivors' addresses)."""
         self.members = [m for r, m in enumerate(self.members) if r not in out]
+        self.signals.bind(comm)
         self._bind(comm)

@@ -128,3 +128,26 @@ def test_no_hierarchy_on_fake_nodes():
     for r in lines:
         assert r["algorithms"] and "hierarchical" not in r["algorithms"], r
         assert r["wrong"] == 0 and r["members"] == [0, 1, 2, 3], r
+
+
+# Fake nodes as the emulated cluster makes them: MPICH over libfabric's tcp
+# provider, no shared memory between ranks, datagrams through UDP sockets.
+ACROSS_NODES = dict(MPIR_CVAR_NUM_CLIQUES="2", MPIR_CVAR_CH4_NETMOD="ofi", FI_PROVIDER="tcp",
+                    MPIR_CVAR_NOLOCAL="1", MPILOSSY_UD_PROVIDER="native")
+
+
+@needs_failures
+@pytest.mark.parametrize("scenario, netmod", [
+    ("exit:1@6", "ofi"), ("stop:2@6", "ofi"), ("exit:3@6", "ucx")])
+def test_across_nodes(scenario, netmod):
+    """The datagram channel with every peer on another (fake) node, MPI's
+    traffic over TCP (libfabric's provider, or UCX's).  There an MPI send
+    to a rank that has exited crashed (UCX) or hung (libfabric) the
+    sender: the membership's messages are UDP datagrams of its own
+    (control/signals.py).  rma across nodes is not survived:
+    docs/elastic.md."""
+    env = dict(ACROSS_NODES) if netmod == "ofi" else dict(MPIR_CVAR_NUM_CLIQUES="2",
+                                                           UCX_TLS="tcp,self")
+    lines, output = run(4, "ud", scenario, 20, **env)
+    victim = int(scenario.split(":")[1].split("@")[0])
+    check_survivors(lines, 4, [victim], [[victim]], output)
