@@ -40,7 +40,12 @@ def test_torch_wrappers_go_on_after_an_exclusion(wrapper, ranks, channel, lose):
         assert r["same"] and r["from_reference"] < bound, r
         assert r["last"] < r["first"], r
         late = lose.partition(",")[2]
-        assert r["alone"] == ([10] if late and r["rank"] != int(late) else []), r
+        # (the others answer step 10's all-gather alone; on loaded cores MPI
+        # may report the exit late to everyone, and then nobody does)
+        assert r["alone"] in (([10], []) if late and r["rank"] != int(late) else ([],)), r
+    if lose.partition(",")[2]:
+        early = [r["alone"] for r in lines if r["rank"] != int(lose.partition(",")[2])]
+        assert all(a == early[0] for a in early), early
     chunks = [r["chunk"] for r in lines]
     if wrapper == "sharded":
         assert sum(chunks) == lines[0]["total"] and max(chunks) - min(chunks) <= 1, chunks
