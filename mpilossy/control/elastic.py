@@ -21,8 +21,9 @@ each waiting at most `wait` seconds for a peer that says nothing:
 Two ranks that noticed at different calls meet in round 1 (the one that
 noticed later enters when it finds the other's message after its own
 call); the rounds carry each rank's call count, and a rank behind the
-furthest answers the calls it lacks alone (Communicator.behind).  A rank heard by some and not by others in round 1 (it stopped or
-died during it) is in some first sets, so in every decision.  The
+furthest answers the calls it lacks alone (Communicator.behind).  A rank
+heard by some and not by others in round 1 (it stopped or died during it)
+is in some first sets, so in every decision.  The
 decisions differ only if a rank dies or stops during round 2, or between
 its messages and the survivors' new communicator (MPI_Comm_create_group,
 which cannot survive a member that is gone): not survived, documented.
