@@ -67,6 +67,66 @@ def all_ranks_raise(comm: MPI.Comm, fn, exc_type) -> str:
     return message
 
 
+def _outcome(fn, exc_type) -> tuple:
+    try:
+        fn()
+    except exc_type as exc:
+        return "raised", str(exc)
+    except Exception as exc:  # wrong type: report which
+        return "wrong", f"{type(exc).__name__}: {exc}"
+    return "returned", "no exception"
+
+
+def all_ranks_raise_by_next_call(comm: MPI.Comm, fn, then, exc_type) -> str:
+    """The rule of a call with a deadline: fn() raises exc_type on every
+    rank, or, where some rank had already returned from it when the failure
+    was found (its deadline ended first, say because the culprit entered the
+    call later than that on a loaded machine), the next call, then(), raises
+    exc_type on every rank, naming the first.  Returns fn's message.
+    `then` None (a call without deadline): fn() must raise on every rank."""
+    if then is None:
+        return all_ranks_raise(comm, fn, exc_type)
+    first = comm.allgather(_outcome(fn, exc_type))
+    wrong = [(r, m) for r, (o, m) in enumerate(first) if o == "wrong"]
+    assert not wrong, f"expected {exc_type.__name__} on every rank, got: {wrong}"
+    raised = [m for o, m in first if o == "raised"]
+    assert raised, f"expected {exc_type.__name__}: no rank raised"
+    if len(raised) == len(first):
+        return first[comm.rank][1]
+    second = comm.allgather(_outcome(then, exc_type))
+    bad = [(r, first[r], m) for r, (o, m) in enumerate(second)
+           if o != "raised" or (first[r][0] == "returned" and "failed after rank" not in m)]
+    assert not bad, f"some ranks returned from the failed call, and the next did not " \
+        f"fail on every rank naming it: {bad}"
+    return raised[0]
+
+
+def failures_in_turn(comm: MPI.Comm, lc, rounds: int) -> list:
+    """Each rank in turn (round r: rank r % size) fails three calls in a
+    row (a read-only output), then one good call follows; nothing
+    synchronises the ranks.  Returns this rank's outcome of every call:
+    "BufferError", "exact", "partial" (returned, not the exact sum), or
+    the type and message of any other exception."""
+    x = small_ints(1001, comm.rank, np.int64)
+    want = mpi_sum(comm, x)
+    seen = []
+    for r in range(rounds):
+        for call in range(4):
+            out = np.full_like(x, -1)
+            recv = out
+            if comm.rank == r % comm.size and call < 3:
+                recv = out.copy()
+                recv.flags.writeable = False
+            try:
+                lc.allreduce(x, recv)
+                seen.append("exact" if np.array_equal(out, want) else "partial")
+            except BufferError:
+                seen.append("BufferError")
+            except Exception as exc:     # noqa: BLE001 (reported by the caller)
+                seen.append(f"{type(exc).__name__}: {exc}")
+    return seen
+
+
 def clean_subprocess_env(**extra: str) -> dict:
     """Environment for a child `mpiexec`: no PMI/hydra variables inherited from
     the mpiexec that runs the test suite."""

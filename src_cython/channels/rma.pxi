@@ -503,6 +503,8 @@ cdef class RmaChannel(RmaWindow):
         # a peer's status word going for that: without it nobody could read
         # its status, and every peer waited out its deadline.
         cdef int flag, k, p
+        if self.outcomes is not None:
+            self.outcomes.reap()        # (see Outcomes.reap: notes MPI postponed)
         if self.all_shared:
             return
         MPI_Iprobe(MPI_ANY_SOURCE, MPI_ANY_TAG, self.comm, &flag, MPI_STATUS_IGNORE)

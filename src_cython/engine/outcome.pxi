@@ -106,7 +106,12 @@ cdef class Outcomes:
         return True
 
     cdef void reap(self) noexcept nogil:
-        """Free the notes MPI has sent."""
+        """Free the notes MPI has sent.  Testing them also moves the ones
+        MPI postponed (MPICH's shared-memory transport queues a send when
+        its cells are busy, and only the sender's progress sends it later):
+        a channel's waits call this, or a rank waiting on one shared-memory
+        word made no MPI call, and a peer waiting for its note of a failed
+        call gave up after NOTE_WAIT with the wrong error."""
         cdef int i = 0, flag
         while i < self.nnotes:
             MPI_Test(&self.reqs[i], &flag, MPI_STATUS_IGNORE)

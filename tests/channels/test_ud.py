@@ -13,8 +13,8 @@ import pytest
 
 import mpilossy
 from mpilossy import _core
-from helpers import (HERE, PROGRAMS, all_ranks_raise, build_package, clean_subprocess_env,
-                     importing_from, is_singleton, mpi_sum, run_bounded, run_mpi_script,
+from helpers import (HERE, PROGRAMS, all_ranks_raise, all_ranks_raise_by_next_call,
+                     build_package, clean_subprocess_env, importing_from, is_singleton, mpi_sum, run_bounded, run_mpi_script,
                      small_ints, module_path)
 
 pytestmark = pytest.mark.skipif(not _core.HAVE_LIBFABRIC,
@@ -112,10 +112,12 @@ def test_mismatch_and_local_errors_reach_every_rank(comm, timeout):
     culprit = comm.rank == comm.size - 1
     with mpilossy.Communicator(comm, channel="ud", timeout=timeout) as lc:
         x = np.ones(1001 if culprit else 1000, np.float32)
-        all_ranks_raise(comm, lambda: lc.allreduce(x), mpilossy.MismatchError)
+        ones = np.ones(1000, np.float32)
+        then = None if timeout is None else lambda: lc.allreduce(ones)
+        all_ranks_raise_by_next_call(comm, lambda: lc.allreduce(x), then, mpilossy.MismatchError)
         out = np.empty(1000, np.float32)
         out.flags.writeable = not culprit
-        all_ranks_raise(comm, lambda: lc.allreduce(np.ones(1000, np.float32), out), BufferError)
+        all_ranks_raise_by_next_call(comm, lambda: lc.allreduce(ones, out), then, BufferError)
         y = small_ints(3000, comm.rank, np.int64)
         z = np.empty_like(y)
         lc.allreduce(y, z)

@@ -10,7 +10,7 @@ import pytest
 
 import mpilossy
 from mpilossy import _core
-from helpers import all_ranks_raise, mpi_sum, small_ints
+from helpers import all_ranks_raise, all_ranks_raise_by_next_call, mpi_sum, small_ints
 
 CHANNELS = ["rma", "ud"]
 # m >= 2 is Reed-Solomon through ISA-L: built where its headers were found.
@@ -271,8 +271,10 @@ def test_calls_that_disagree_fail_on_every_rank(comm, channel, timeout):
     x = small_ints(3000, comm.rank, np.float64)
     code = (4, 1) if comm.rank == comm.size - 1 else None
     with mpilossy.Communicator(comm, channel=channel, timeout=timeout) as lc:
-        msg = all_ranks_raise(comm, lambda: lc.allreduce(x, algorithm="ring", redundancy=code),
-                              mpilossy.MismatchError)
+        msg = all_ranks_raise_by_next_call(
+            comm, lambda: lc.allreduce(x, algorithm="ring", redundancy=code),
+            None if timeout is None else lambda: lc.allreduce(x, algorithm="ring"),
+            mpilossy.MismatchError)
         out = np.empty_like(x)
         lc.allreduce(x, out, algorithm="ring")
         np.testing.assert_array_equal(out, mpi_sum(comm, x))
