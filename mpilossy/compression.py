@@ -72,6 +72,11 @@ class Compression:
         """`recv` = this rank's chunk (chunk_bounds) of the reduction of `send`."""
         raise NotImplementedError
 
+    def refusal(self, lc: Communicator) -> Optional[str]:
+        """Why this compressor cannot work over `lc` (None if it can); the
+        same on every rank, from settings the ranks agreed on."""
+        return None
+
     def _with_residual(self, key: Hashable, data: np.ndarray) -> Optional[np.ndarray]:
         """Add the residual kept under `key` to `data`; the residual (None
         without error feedback)."""
@@ -155,8 +160,20 @@ class TopK(Compression):
         if not inside.all():        # (sorted: the short block is the last chosen)
             out[full * self.block:] = values[-1, :out.size - full * self.block]
 
+    def refusal(self, lc: Communicator) -> Optional[str]:
+        if lc.elastic:
+            # (the choice is reliable, and before the lossy call: over a lost
+            # rank it waits forever, before any deadline could notice the loss)
+            return ("TopK does not work with Communicator(elastic=True): its choice of "
+                    "blocks is an MPI_Allreduce over every rank, which never returns once "
+                    "a rank is lost; LowBit compression works there")
+        return None
+
     def _select(self, lc: Communicator, blocks: np.ndarray) -> np.ndarray:
         """Indices of the chosen blocks, sorted, identical on every rank."""
+        refused = self.refusal(lc)
+        if refused:
+            raise ValueError(refused)
         energy = np.einsum("ij,ij->i", blocks, blocks, dtype=np.float64)
         # Every operand of the maximum a number (see the module docs): a
         # NaN gradient is sent, not hidden, and chosen alike everywhere.

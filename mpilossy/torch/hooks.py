@@ -63,7 +63,8 @@ class AllreduceHookState:
                  compression: Optional[Compression] = None) -> None:
         self.communicator = lossy_communicator(communicator)
         comm = reliable_comm(self.communicator)
-        problem = check_settings(op) or compression_problem(compression, False)
+        problem = (check_settings(op)
+                   or compression_problem(compression, False, self.communicator))
         if not isinstance(background, bool):
             problem = problem or TypeError("background must be a bool")
         named = [] if model is None else named_tensors(model.named_parameters())

@@ -332,7 +332,7 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                or every_problem(broadcast_every=broadcast_every, measure_every=measure_every)
                or resync_problem(resync) or feedback_problem(lc, error_feedback)
                or deadline_problem(lc, op, compute_deadline, error_feedback)
-               or compression_problem(compression, error_feedback))
+               or compression_problem(compression, error_feedback, lc))
     if problem is None and tolerance is not None and compression is not None:
         problem = ValueError("compression and tolerance do not combine (a step re-sent "
                              "reliably would not be compressed)")

@@ -512,7 +512,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
                or every_problem(resync_every=resync_every, measure_every=measure_every)
                or feedback_problem(lc, error_feedback)
                or deadline_problem(lc, op, compute_deadline, error_feedback)
-               or compression_problem(compression, error_feedback))
+               or compression_problem(compression, error_feedback, lc))
     if problem is None and missed not in MISSED:
         problem = ValueError(f"missed must be one of {MISSED}, got {missed!r}")
     try:

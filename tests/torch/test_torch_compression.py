@@ -73,3 +73,20 @@ def test_compression_with_loss_feedback_or_a_stranger_fails_everywhere(comm):
             all_ranks_raise(comm, lambda: wrap(torch.optim.SGD(model.parameters(), lr=0.1),
                                                model.named_parameters(), lc, **mine), exc)
     lc.free()
+
+
+@pytest.mark.mpi
+def test_topk_with_an_elastic_communicator_fails_everywhere(comm):
+    """(mpilossy.compression.TopK.refusal: its block choice cannot survive a
+    lost rank.)  Every wrapper says so at construction, on every rank."""
+    model = make_model()
+    with mpilossy.Communicator(comm, timeout=0.5, elastic=True) as lc:
+        for wrap in (mt.ShardedOptimizer, mt.DistributedOptimizer):
+            message = all_ranks_raise(
+                comm, lambda: wrap(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   model.named_parameters(), lc, compression=mt.TopK(0.1)),
+                ValueError)
+            assert "elastic=True" in message
+        message = all_ranks_raise(comm, lambda: mt.AllreduceHookState(
+            lc, compression=mt.TopK(0.1)), ValueError)
+        assert "elastic=True" in message
