@@ -49,7 +49,14 @@ __all__ = ["Membership", "check_elastic"]
 
 BEAT, ROUND_1, ROUND_2, OUT = 1, 2, 3, 4      # datagram tags (control/signals.py)
 POLL = 0.001                                  # seconds between looks while waiting
-RESEND = 0.02                                 # seconds between a round's sends
+RESEND = 0.02                                 # seconds between a round's sends (datagrams)
+# Heartbeats a peer has not confirmed reading, at most, over MPI.  Each
+# unread one holds a shared-memory cell of the sender's (MPICH: 64 by
+# default); with them all held, MPI postponed every send of the sender, to
+# every peer, and a rank stopped for more calls than that made all the
+# others miss each other's heartbeats and evict themselves (tried:
+# evict_after=70).  Only the latest heartbeat matters to its receiver.
+UNREAD_BEATS = 4
 
 
 def check_elastic(timeout: Any) -> Optional[Exception]:
@@ -83,6 +90,10 @@ class Membership:
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.calls = 0                          # calls made on `comm`
         self.seen = [0] * self.size             # the last call each peer finished
+        # (reliable signals: the heartbeats sent to each peer that it has not
+        # said it read, oldest first; a heartbeat says which of the
+        # receiver's it has read)
+        self.unread: List[List[int]] = [[] for _ in range(self.size)]
         self.inbox: Dict[int, Dict[int, Any]] = {ROUND_1: {}, ROUND_2: {}}
         self.gone: FrozenSet[int] = frozenset()     # reported failed: nothing is sent to them
 
@@ -113,6 +124,10 @@ class Membership:
                 continue                        # (an earlier agreement's late message)
             elif signal.tag == BEAT:
                 self.seen[signal.sender] = max(self.seen[signal.sender], signal.number)
+                read = max(signal.first, default=0)
+                unread = self.unread[signal.sender]
+                while unread and unread[0] <= read:
+                    unread.pop(0)
             elif signal.tag in self.inbox:
                 self.inbox[signal.tag][signal.sender] = (signal.first, signal.second,
                                                          signal.number)
@@ -134,9 +149,11 @@ class Membership:
         seq = self.calls
         if waited:      # (asking MPI costs ~90 us on MPICH: only when a call waited)
             self.gone = failed_ranks(self.comm)
+        if self.signals.reliable:
+            self._drain()       # (first: the heartbeats confirm what is read up to now)
         for peer in range(self.size):
             if peer != self.rank:
-                self._send(peer, BEAT, seq)
+                self._beat(peer, seq)
         self._drain()
         if self.evicted:
             raise EvictedError(self.evicted)
@@ -146,6 +163,17 @@ class Membership:
         if not suspects and not self.inbox[ROUND_1]:
             return None
         return frozenset(suspects)
+
+    def _beat(self, peer: int, seq: int) -> None:
+        """Heartbeat `seq` to `peer`, with the latest of its this rank has
+        read; over MPI, none while UNREAD_BEATS are unread (a peer that
+        stopped reading: when it reads again it confirms, and they go on)."""
+        if self.signals.reliable:
+            unread = self.unread[peer]
+            if len(unread) >= UNREAD_BEATS:
+                return
+            unread.append(seq)
+        self._send(peer, BEAT, seq, (self.seen[peer],))
 
     def agree(self, suspects: FrozenSet[int]) -> Tuple[FrozenSet[int], FrozenSet[int], int]:
         """The two rounds (module documentation) after this rank's last
@@ -192,7 +220,7 @@ class Membership:
         while True:
             now = time.monotonic()
             if now >= resend:           # (datagrams: sent again until the round ends)
-                resend = now + RESEND
+                resend = now + RESEND if not self.signals.reliable else float("inf")
                 for peer in range(self.size):
                     if peer != self.rank and peer not in mine:
                         self._send(peer, tag, seq, mine, failed)

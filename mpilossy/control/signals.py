@@ -53,6 +53,10 @@ class Signal(NamedTuple):
 class Signals:
     """One rank's control socket.  Construction and bind() are collective."""
 
+    # (datagrams may be lost: a round's message is sent again until it ends;
+    # a rank that stopped reading costs its senders nothing, the kernel drops)
+    reliable = False
+
     def __init__(self, comm: MPI.Intracomm) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         try:
@@ -155,6 +159,12 @@ class MpiSignals:
     A rank excluded and woken reads its OUT message once, on the old
     duplicate; nothing there is sent again."""
 
+    # (every message arrives, once: nothing is sent again.  A message that
+    # its receiver has not read holds one of the sender's shared-memory
+    # cells, and once they are all held MPI postpones the sender's sends to
+    # every peer: Membership bounds what a rank that stopped reading has
+    # unread)
+    reliable = True
     dropped = 0
 
     def __init__(self, comm: MPI.Intracomm) -> None:

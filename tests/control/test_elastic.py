@@ -56,6 +56,22 @@ def test_a_rank_stopped_for_good_is_excluded_and_evicted_when_woken(ranks, victi
 
 
 @needs_failures
+def test_a_rank_stopped_for_more_calls_than_mpi_has_cells():
+    """A stopped rank reads nothing, and each message sent to it holds one
+    of the sender's shared-memory cells; with all of them held, MPI
+    postponed the sender's sends to every peer.  With 8 cells (MPICH: 64
+    by default) and evict_after=20, every survivor missed the others'
+    heartbeats and evicted itself (as with 64 cells and evict_after=70).
+    Heartbeats over MPI now stop at 4 that a peer has not read."""
+    lines, output = run(4, "rma", "stop:1@6", 30, ELASTIC_EVICT_AFTER="20",
+                        MPIR_CVAR_CH4_SHM_POSIX_IQUEUE_NUM_CELLS="8")
+    for r in check_survivors(lines, 4, [1], [[1]], output):
+        assert 6 + 19 <= r["exclusions"][0]["call"] <= 6 + 21, r
+    woken = [r for r in lines if r["rank"] == 1]
+    assert len(woken) == 1 and woken[0]["woken"].startswith("EvictedError"), output
+
+
+@needs_failures
 @pytest.mark.parametrize("ranks, channel", [(3, "ud"), (4, "rma")])
 def test_two_ranks_lost_at_different_calls(ranks, channel):
     first, second = 0, ranks - 1
