@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from cluster_helpers import JOBS, cluster_fixture
-from helpers import is_singleton
+from helpers import PROGRAMS, is_singleton, json_reports, run_bounded
 from mpilossy import _core
 
 pytestmark = [pytest.mark.skipif(not is_singleton(), reason="starts its own Slurm: runs at size 1"),
@@ -242,3 +242,24 @@ def test_train_elastic_refuses_srun(slurm, tmp_path):
     in this Slurm when a rank exited: docs/elastic.md)."""
     job, code, out, err = submit(slurm, tmp_path, "train.sbatch", ELASTIC="1", LAUNCHER="srun")
     assert code == 2 and "ELASTIC=1 needs LAUNCHER=mpiexec" in err, out + err
+
+
+def test_srun_reports_no_exit_and_lossy_calls_go_on_by_heartbeat(slurm, tmp_path):
+    """Why the template refuses ELASTIC=1 with srun (docs/elastic.md, "The
+    launch"): under srun (PMI2) MPICH does not report a rank that exited,
+    so an exit is a silent rank, excluded after evict_after=5 calls by the
+    heartbeats (not in the call it was lost in, as under mpiexec
+    -disable-auto-cleanup); lossy calls alone go on that way, every block
+    exact for the ranks recorded."""
+    env = slurm.env(PATH=str(Path(sys.executable).parent) + ":" + slurm.env()["PATH"])
+    cmd = ["srun", "--mpi=pmi2", "--no-kill", "--kill-on-bad-exit=0", "-n", "4", "-t", "1",
+           sys.executable, str(PROGRAMS / "elastic.py"), "ud", "exit:2@6", "20"]
+    proc = run_bounded(cmd, 90, env, cwd=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    survivors = [r for r in json_reports(proc.stdout) if "calls" in r]
+    assert sorted(r["rank"] for r in survivors) == [0, 1, 3], proc.stdout[-2000:]
+    for r in survivors:
+        assert r["wrong"] == 0 and r["members"] == [0, 1, 3], r
+        # (with the exit reported it would be call 6)
+        assert [e["excluded"] for e in r["exclusions"]] == [[2]], r
+        assert r["exclusions"][0]["call"] >= 6 + 4, r
