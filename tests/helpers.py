@@ -48,26 +48,8 @@ def same_everywhere(comm: MPI.Comm, value) -> bool:
     return all(v == values[0] for v in values)
 
 
-def all_ranks_raise(comm: MPI.Comm, fn, exc_type) -> str:
-    """Run fn(); assert it raised exc_type on *every* rank; return the message."""
-    try:
-        fn()
-    except exc_type as exc:
-        message = str(exc)
-        ok = True
-    except Exception as exc:  # wrong type: report which
-        message = f"{type(exc).__name__}: {exc}"
-        ok = False
-    else:
-        message = "no exception"
-        ok = False
-    outcomes = comm.allgather((ok, message))
-    bad = [(r, m) for r, (o, m) in enumerate(outcomes) if not o]
-    assert not bad, f"expected {exc_type.__name__} on every rank, got: {bad}"
-    return message
-
-
 def _outcome(fn, exc_type) -> tuple:
+    """("raised", message), ("wrong", type and message) or ("returned", ...)."""
     try:
         fn()
     except exc_type as exc:
@@ -75,6 +57,14 @@ def _outcome(fn, exc_type) -> tuple:
     except Exception as exc:  # wrong type: report which
         return "wrong", f"{type(exc).__name__}: {exc}"
     return "returned", "no exception"
+
+
+def all_ranks_raise(comm: MPI.Comm, fn, exc_type) -> str:
+    """Run fn(); assert it raised exc_type on *every* rank; return the message."""
+    outcomes = comm.allgather(_outcome(fn, exc_type))
+    bad = [(r, m) for r, (o, m) in enumerate(outcomes) if o != "raised"]
+    assert not bad, f"expected {exc_type.__name__} on every rank, got: {bad}"
+    return outcomes[comm.rank][1]
 
 
 def all_ranks_raise_by_next_call(comm: MPI.Comm, fn, then, exc_type) -> str:

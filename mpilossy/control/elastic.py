@@ -6,7 +6,7 @@ cut off).  Ranks tell each other how far they are with a heartbeat, one
 small message to every peer after each call (control/signals.py: UDP
 datagrams across nodes, where MPI sends to a rank that is gone crash or
 hang on some netmods; MPI through shared memory on one node); nothing
-ever waits for one without a deadline, and a round's message is sent
+ever waits for one without a deadline, and a round's datagram is sent
 again until the round ends.
 
 The ranks that still run agree on who is out in two rounds of messages,
@@ -165,14 +165,18 @@ class Membership:
         return frozenset(suspects)
 
     def _beat(self, peer: int, seq: int) -> None:
-        """Heartbeat `seq` to `peer`, with the latest of its this rank has
-        read; over MPI, none while UNREAD_BEATS are unread (a peer that
-        stopped reading: when it reads again it confirms, and they go on)."""
-        if self.signals.reliable:
-            unread = self.unread[peer]
-            if len(unread) >= UNREAD_BEATS:
-                return
-            unread.append(seq)
+        """Heartbeat `seq` to `peer`.  Over MPI it carries the latest of the
+        peer's this rank has read, and none goes while UNREAD_BEATS are
+        unread (a peer that stopped reading: when it reads again it
+        confirms, and they go on).  (A datagram carries ranks in its sets,
+        not call numbers: over 63 calls one would not fit.)"""
+        if not self.signals.reliable:
+            self._send(peer, BEAT, seq)
+            return
+        unread = self.unread[peer]
+        if len(unread) >= UNREAD_BEATS:
+            return
+        unread.append(seq)
         self._send(peer, BEAT, seq, (self.seen[peer],))
 
     def agree(self, suspects: FrozenSet[int]) -> Tuple[FrozenSet[int], FrozenSet[int], int]:

@@ -4,11 +4,14 @@ every result exact for the ranks it records (tests/programs/elastic.py,
 under its own ``mpiexec -disable-auto-cleanup``); and the settings it
 refuses, on every rank.  (The torch wrappers: tests/torch/test_torch_elastic.py.)"""
 
+import time
+
 import numpy as np
 import pytest
 
 import mpilossy
 from helpers import all_ranks_raise, elastic_run
+from mpilossy.control.elastic import Membership
 from mpilossy.control.failures import reports_failures
 
 needs_failures = pytest.mark.skipif(not reports_failures(),
@@ -53,6 +56,30 @@ def test_a_rank_stopped_for_good_is_excluded_and_evicted_when_woken(ranks, victi
         assert 6 + 4 <= exclusion["call"] <= 6 + 6 and exclusion["after"] < 3.0, r
     woken = [r for r in lines if r["rank"] == victim]
     assert len(woken) == 1 and woken[0]["woken"].startswith("EvictedError"), output
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("across_nodes", [False, True], ids=["mpi", "datagrams"])
+def test_heartbeats_of_many_calls_reach_every_peer(comm, across_nodes):
+    """150 calls in step, nobody lost: every peer's last heartbeat arrives
+    and nobody is suspected.  (The read confirmation a heartbeat carries
+    over MPI once went into datagrams as a set of ranks too, where a call
+    number over 63 did not fit: OverflowError.)"""
+    membership = Membership(comm.Dup(), list(range(comm.size)), 1000, 1.0,
+                            across_nodes=across_nodes)
+    try:
+        for _ in range(150):
+            assert membership.after_call(False) is None
+            comm.Barrier()
+        ends = time.monotonic() + 2.0
+        while min(membership.seen[r] for r in range(comm.size) if r != comm.rank) < 150 \
+                and time.monotonic() < ends:
+            membership._drain()
+            time.sleep(0.001)
+        assert [s for r, s in enumerate(membership.seen) if r != comm.rank] == \
+            [150] * (comm.size - 1), membership.seen
+    finally:
+        membership.close()
 
 
 @needs_failures
