@@ -51,6 +51,7 @@ class CallResult(NamedTuple):
     contributors: Optional[Tuple[bytes, int, int, int, int]]
     rebuilt: int
     read_blocks: int = 0
+    weight_sum: float = -1.0
 
 def library_version() -> str: ...
 def datagram_providers() -> List[str]: ...
@@ -81,10 +82,11 @@ class CallSpec:
     fec_k: int
     fec_m: int
     part: int
-    def __init__(self, collective: int, algorithm: int, dtype: int, op: int, timeout: float,
+    tag: int
+    def __init__(self, *, collective: int, algorithm: int, dtype: int, op: int, timeout: float,
                  budget: float, weight: float, qbits: int, qgroup: int, residual: Optional[Any],
                  nbytes: int, elements: int, kind: Tuple[int, int, int], fec_k: int = ...,
-                 fec_m: int = ..., part: int = ...) -> None: ...
+                 fec_m: int = ..., part: int = ..., tag: int = ...) -> None: ...
     @property
     def redundancy(self) -> Optional[Tuple[int, int]]: ...
 

@@ -169,12 +169,26 @@ def elastic_run(program: str, ranks: int, *args: str, timeout: float = 90,
 
 
 def run_mpi_script(script: str, nprocs: int, *args: str, timeout: float = 120,
-                   prefix: tuple = (), **env: str):
+                   prefix: tuple = (), options: tuple = (), **env: str):
     """Run tests/programs/<script> under its own mpiexec (after `prefix`, e.g.
-    `ip netns exec NAME`), bounded; return CompletedProcess."""
-    cmd = [*prefix, mpiexec(), "-n", str(nprocs), sys.executable, str(PROGRAMS / script),
-           *args]
+    `ip netns exec NAME`; with mpiexec `options`), bounded; return
+    CompletedProcess."""
+    cmd = [*prefix, mpiexec(), *options, "-n", str(nprocs), sys.executable,
+           str(PROGRAMS / script), *args]
     return run_bounded(cmd, timeout, clean_subprocess_env(**env))
+
+
+def program_report(script: str, nprocs: int, *args: str, timeout: float = 150,
+                   **env: str) -> dict:
+    """Run tests/programs/<script> (run_mpi_script), which prints one JSON
+    line from rank 0 with a "failures" list; assert it ran and nothing
+    failed; return that line."""
+    proc = run_mpi_script(script, nprocs, *args, timeout=timeout, **env)
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-3000:]
+    result = json.loads(lines[-1])
+    assert proc.returncode == 0 and not result["failures"], result
+    return result
 
 
 def is_singleton() -> bool:

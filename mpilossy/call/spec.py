@@ -18,6 +18,7 @@ from ..control.redundancy import AutoRedundancy
 from .config import AUTO, COMPRESSIONS, UNSET, Config, check_algorithm, check_compression, \
     check_redundancy, check_timeout, core_timeout
 from .dtypes import DTYPE_CODES
+from .request import Request
 
 __all__ = ["CallSpec", "CallResolver", "asks_for_auto", "check_residual"]
 
@@ -34,6 +35,14 @@ TREE_MAX_BYTES_LARGE = 32 * 1024
 # ring (True) or direct (False), whichever was faster without loss
 # (docs/performance.md).  Calls with a deadline take direct.
 RING_WITHOUT_DEADLINE = True
+# What is gone of a call's deadline when a call (or a pipeline's segment)
+# starts comes out of it, down to this share of the deadline (shared by
+# the segments of a pipelined call): a pipelined call ends within
+# (1 + FLOOR_SHARE) times its deadline.
+FLOOR_SHARE = 0.25
+# Bits of CallSpec.tag: what every rank must share and the wire does not
+# show (the learned deadline; a residual; a weighted stage of the hierarchy).
+TAG_AUTO, TAG_RESIDUAL, TAG_WEIGHTED = 1, 2, 4
 
 
 def asks_for_auto(timeout: Any, config: Config) -> bool:
@@ -56,23 +65,30 @@ class CallResolver:
                                     else TREE_MAX_BYTES.get(size, TREE_MAX_BYTES_LARGE))
         self.timeout = config.core_timeout        # (read on every call)
 
-    def resolve(self, collective: int, send: np.ndarray, recv: np.ndarray, op: Any = "sum",
-                algorithm: Any = None, timeout: Any = UNSET, weight: Any = None,
-                compression: Any = UNSET, residual: Any = None,
-                spent: float = 0.0, redundancy: Any = UNSET, part: int = PART_WHOLE) -> CallSpec:
-        """The spec of one call on the host views `send` and `recv` (checked
-        by call/buffers.py).  `spent`: seconds the auto deadline's agreement
-        took at the start of this call (and, for a pipeline segment, the
-        call's earlier segments), which come out of its deadline; `part`:
-        PART_* (call/pipeline.py).
+    def asks_for_auto(self, timeout: Any) -> bool:
+        """Does a call with this `timeout=` argument use the learned deadline?"""
+        return asks_for_auto(timeout, self.config)
+
+    def resolve(self, request: Request, send: np.ndarray, recv: np.ndarray,
+                spent: float = 0.0, part: int = PART_WHOLE, segments: int = 1) -> CallSpec:
+        """The spec of `request` on the host views `send` and `recv`
+        (checked by call/buffers.py; for a segment of a pipelined call, the
+        segment's).  `spent`: seconds of the call's deadline already gone
+        (agreements at its start; a pipeline's earlier segments), taken out
+        of it down to a floor: a quarter of the deadline, shared by the
+        `segments` of a pipelined call (call/pipeline.py); `part`: PART_*.
         Raises TypeError or ValueError that say what is wrong.  (Called on
         every call: the common arguments take the short way.)"""
         config = self.config
+        collective, timeout, weight = request.collective, request.timeout, request.weight
         tmo = self.timeout if timeout is UNSET else core_timeout(check_timeout("timeout", timeout))
+        auto = tmo == AUTO
         if collective == ALLGATHER:
             opcode, algo, w, bits, err = SUM, DIRECT, 0.0, 0, None
         else:
+            algorithm = request.algorithm
             if collective == REDUCE_SCATTER:
+                algorithm = "auto" if algorithm is None else algorithm
                 if algorithm not in ("ring", "direct", "auto", "hierarchical"):
                     raise ValueError(f"reduce_scatter's algorithm must be 'ring', 'direct', "
                                      f"'hierarchical' or 'auto', got {algorithm!r}")
@@ -83,11 +99,13 @@ class CallResolver:
                 chosen = check_algorithm("algorithm", algorithm)
             if chosen == "hierarchical":
                 chosen = "auto"     # (only where the layout has one level: one node, or one rank per node)
-            opcode = _op(op, send)
-            w = 0.0 if weight is None else self.weight(weight, op, chosen)
+            opcode = _op(request.op, send)
+            w = 0.0 if weight is None else self.weight(weight, request.op, chosen)
+            compression = request.compression
             if compression is UNSET:
                 compression = config.compression
             bits = 0 if compression is None else self._bits(compression, send, chosen)
+            residual = request.residual
             err = None if residual is None else check_residual(residual, send, recv)
             if w or bits:
                 algo = DIRECT
@@ -96,11 +114,15 @@ class CallResolver:
                                        tree_ok=collective != REDUCE_SCATTER)
         nbytes = send.nbytes
         kind = (collective, algo, size_bucket(nbytes))
+        if auto:
+            tmo = self.deadlines.timeout(kind)
         budget = tmo
-        if tmo == AUTO:
-            tmo = budget = self.deadlines.timeout(kind)
-            if spent:       # the agreement's wait is part of this call's deadline
-                budget = max(tmo - spent, 0.25 * tmo)
+        if tmo > 0:
+            if spent:       # (what is gone of the deadline, down to the floor)
+                budget = max(tmo - spent, FLOOR_SHARE * tmo / segments)
+            if request.limit is not None:
+                budget = min(budget, max(request.limit, 0.0))
+        redundancy = request.redundancy
         if redundancy is UNSET:
             redundancy = config.redundancy
         elif redundancy is not None:
@@ -111,9 +133,14 @@ class CallResolver:
                                  "redundancy='auto' (where the ranks agree on the loss rate)")
             redundancy = self.codes.code()
         k, m = redundancy or (0, 0)
-        return CallSpec(collective, algo, DTYPE_CODES[send.dtype], opcode, tmo, budget, w, bits,
-                        config.compression_group, err, nbytes,
-                        recv.size if collective == ALLGATHER else send.size, kind, k, m, part)
+        # (what the ranks must share beyond what travels: a difference
+        # fails the call on every rank as a mismatch)
+        tag = (TAG_AUTO if auto else 0) | (TAG_RESIDUAL if err is not None else 0)
+        return CallSpec(collective=collective, algorithm=algo, dtype=DTYPE_CODES[send.dtype],
+                        op=opcode, timeout=tmo, budget=budget, weight=w, qbits=bits,
+                        qgroup=config.compression_group, residual=err, nbytes=nbytes,
+                        elements=recv.size if collective == ALLGATHER else send.size,
+                        kind=kind, fec_k=k, fec_m=m, part=part, tag=tag | request.tag)
 
     def _algorithm(self, algorithm: str, nbytes: int, deadline: bool, tree_ok: bool) -> int:
         """algorithm="auto" (docs/performance.md): the tree up to its measured

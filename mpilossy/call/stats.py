@@ -62,6 +62,10 @@ class CollectiveStats(NamedTuple):
     """elastic=True: this rank answered the call alone, with its own data,
     to line up with survivors that reached the last agreement after more
     calls than it had made (docs/elastic.md)."""
+    weights: Optional[float] = None
+    """A weighted average on the direct algorithm: the sum of the weights
+    of the ranks whose data reached every block of the chunk this rank
+    reduced (the hierarchy weighs a node's partial by it)."""
 
     def contributed(self, rank: Optional[int] = None) -> float:
         """Fraction of this rank's result that holds `rank`'s data (default:
@@ -83,10 +87,11 @@ def stats_of(result: CallResult, spec: Any, rank: int, size: int) -> CollectiveS
         contributors = Contributors(
             result.contributors, size=size, rank=rank, count=spec.elements,
             chunks=(rank,) if spec.collective == REDUCE_SCATTER else tuple(range(size)))
-    return CollectiveStats(result.delivered, result.elapsed, result.deadline_hit,
-                           result.fallback, result.min_contributors,
-                           ALGORITHM_NAMES[spec.algorithm], spec.nbytes, result.seq,
-                           result.lost_blocks, COLLECTIVE_NAMES[spec.collective],
-                           None if spec.timeout < 0 else spec.timeout, result.agreed,
-                           contributors, result.rebuilt,
-                           spec.redundancy)
+    return CollectiveStats(
+        delivered=result.delivered, elapsed=result.elapsed, deadline_hit=result.deadline_hit,
+        fallback=result.fallback, min_contributors=result.min_contributors,
+        algorithm=ALGORITHM_NAMES[spec.algorithm], nbytes=spec.nbytes, seq=result.seq,
+        lost_blocks=result.lost_blocks, collective=COLLECTIVE_NAMES[spec.collective],
+        timeout=None if spec.timeout < 0 else spec.timeout, agreed=result.agreed,
+        contributors=contributors, rebuilt=result.rebuilt, redundancy=spec.redundancy,
+        weights=result.weight_sum if result.weight_sum >= 0 else None)

@@ -145,17 +145,19 @@ class AutoDeadline:
         self.cut_calls = 0
         self.auto_call = False      # whether the current call uses the auto deadline
         self.pending: Deque[Agreement] = deque()
-        self.started = 0            # agreements started (one per PERIOD calls once active)
-        self.active = False
+        self.started = 0            # agreements started (one per PERIOD calls)
 
     def tick(self, auto: bool) -> float:
         """Count one call on the communicator: every rank, every call, before
         anything about the call is known (even one that fails validation).
-        `auto`: the call asked for timeout="auto" (from then on the ranks
-        agree every PERIOD calls).  Returns the seconds spent on the
-        agreement, which the call takes out of its deadline."""
+        `auto`: the call asked for timeout="auto": only such a call waits
+        for a due agreement (others look once and apply it when done).
+        Agreements run every PERIOD calls whatever the calls ask for: a
+        schedule that started at a rank's first "auto" call paired the
+        agreements of a rank that had passed "auto" once with the next of
+        the others for good.  Returns the seconds spent on the agreement,
+        which the call takes out of its deadline."""
         self.calls += 1
-        self.active = self.active or auto
         self.auto_call = auto
         spent = 0.0
         for agreement in self.pending:
@@ -165,14 +167,14 @@ class AutoDeadline:
         # Agreements complete in the order they were started; each applies
         # at its due call, or at the first call after it that finds it done.
         while self.pending and self.calls >= self.pending[0].due:
-            waited, done = self._settle(self.pending[0])
+            waited, done = self._settle(self.pending[0], auto)
             spent += waited
             if not done:
                 break
             self._apply(self.pending.popleft().recv)
         # Agreement k starts at call k * PERIOD on every rank, whatever is
         # still pending: the collectives match by order, so none is skipped.
-        if self.active and self.calls % PERIOD == 0:
+        if self.calls % PERIOD == 0:
             self._start()
         return spent
 
@@ -192,13 +194,13 @@ class AutoDeadline:
                                        recv, self.calls + LAG))
         self.started += 1
 
-    def _settle(self, agreement: Agreement) -> Tuple[float, bool]:
+    def _settle(self, agreement: Agreement, wait: bool) -> Tuple[float, bool]:
         """Wait for an agreement at most SETTLE_SHARE of the shortest deadline
         in use (every rank that is on time gets there within it, so all apply
         the result at the same call); a straggler that has not joined costs
-        no more than that.  (seconds waited, done)."""
+        no more than that.  Without `wait`, look once.  (seconds waited, done)."""
         began = time.monotonic()
-        budget = SETTLE_SHARE * min(self.timeouts.values(), default=self.cap)
+        budget = SETTLE_SHARE * min(self.timeouts.values(), default=self.cap) if wait else 0.0
         while not agreement.request.Test():
             if time.monotonic() - began > budget:
                 return time.monotonic() - began, False      # look again at the next call
@@ -233,8 +235,11 @@ class AutoDeadline:
             if anchor >= 0:
                 _injected, late, gone, torn = result.lost_blocks
                 self.record(key, end - anchor, not (result.deadline_hit or gone or torn))
-                early = anchor - start <= EARLY_ANCHOR * self.timeouts.get(key, self.cap)
-                if self.auto_call and early and result.read_blocks:
+                timeout = self.timeouts.get(key, self.cap)
+                early = anchor - start <= EARLY_ANCHOR * timeout
+                # (a kind already at the cap cannot be lengthened: its cut
+                # would lengthen every other kind's deadline, to no avail)
+                if self.auto_call and early and result.read_blocks and timeout < self.cap:
                     self.cut += min(1.0, late / result.read_blocks)
                     self.cut_calls += 1
 

@@ -7,7 +7,7 @@ small message to every peer after each call (control/signals.py: UDP
 datagrams across nodes, where MPI sends to a rank that is gone crash or
 hang on some netmods; MPI through shared memory on one node); nothing
 ever waits for one without a deadline, and a round's datagram is sent
-again until the round ends.
+again until every peer it goes to has confirmed it (ACK) or is out.
 
 The ranks that still run agree on who is out in two rounds of messages,
 each waiting at most `wait` seconds for a peer that says nothing:
@@ -47,9 +47,12 @@ from .signals import signals_for
 
 __all__ = ["Membership", "check_elastic"]
 
-BEAT, ROUND_1, ROUND_2, OUT = 1, 2, 3, 4      # datagram tags (control/signals.py)
+BEAT, ROUND_1, ROUND_2, OUT, ACK = 1, 2, 3, 4, 5   # datagram tags (control/signals.py)
 POLL = 0.001                                  # seconds between looks while waiting
 RESEND = 0.02                                 # seconds between a round's sends (datagrams)
+# Datagrams: seconds a round goes on sending, once this rank heard everyone, to
+# peers that have not confirmed its message (at most `wait`): 25 more sendings.
+CONFIRM = 0.5
 # Heartbeats a peer has not confirmed reading, at most, over MPI.  Each
 # unread one holds a shared-memory cell of the sender's (MPICH: 64 by
 # default); with them all held, MPI postponed every send of the sender, to
@@ -95,6 +98,11 @@ class Membership:
         # receiver's it has read)
         self.unread: List[List[int]] = [[] for _ in range(self.size)]
         self.inbox: Dict[int, Dict[int, Any]] = {ROUND_1: {}, ROUND_2: {}}
+        # (datagrams: the peers that confirmed this rank's message of each round, and
+        # the agreement just finished, whose messages are still confirmed: none after a
+        # switch, which every survivor enters only once out of the rounds)
+        self.acked: Dict[int, Set[int]] = {ROUND_1: set(), ROUND_2: set()}
+        self.finished: Optional[int] = None
         self.gone: FrozenSet[int] = frozenset()     # reported failed: nothing is sent to them
 
     def close(self) -> None:
@@ -108,7 +116,7 @@ class Membership:
 
     def _drain(self) -> None:
         """Take every datagram that has arrived."""
-        told = set()
+        told, confirmed = set(), set()
         for signal in self.signals.receive():
             excluded = self.excluded.get(signal.address)
             if excluded is not None:            # (an excluded rank woke up: tell it again)
@@ -116,6 +124,14 @@ class Membership:
                     told.add(signal.address)
                     self.signals.send_to(signal.address, OUT, excluded[0], 0, excluded[1])
                 continue
+            if signal.tag in self.inbox and not self.signals.reliable and (
+                    signal.epoch in (self.epoch, self.finished)):
+                # (a round's datagram, even of a round or agreement this rank has left:
+                # confirmed every time it comes, so that its sender stops sending it;
+                # a lost confirmation is answered at its next sending)
+                if (signal.address, signal.tag, signal.epoch) not in confirmed:
+                    confirmed.add((signal.address, signal.tag, signal.epoch))
+                    self.signals.send_to(signal.address, ACK, signal.epoch, signal.tag)
             if signal.tag == OUT:
                 if signal.epoch == self.epoch and self.rank in signal.first:
                     self.evicted = (f"the other ranks excluded this rank (it was behind or "
@@ -128,6 +144,9 @@ class Membership:
                 unread = self.unread[signal.sender]
                 while unread and unread[0] <= read:
                     unread.pop(0)
+            elif signal.tag == ACK:
+                if signal.number in self.acked:
+                    self.acked[signal.number].add(signal.sender)
             elif signal.tag in self.inbox:
                 self.inbox[signal.tag][signal.sender] = (signal.first, signal.second,
                                                          signal.number)
@@ -203,8 +222,10 @@ class Membership:
             self._send(r, OUT, 0, out)
             self.excluded[self.signals.addresses[r]] = (self.epoch, out)
         # (the next agreement, if any, is another: its messages carry the next epoch)
+        self.finished = self.epoch
         self.epoch += 1
         self.inbox = {ROUND_1: {}, ROUND_2: {}}
+        self.acked = {ROUND_1: set(), ROUND_2: set()}
         furthest = max([seq] + [seqs[r] for r in kept if r in seqs])
         return out, frozenset(failed & out), furthest - seq
 
@@ -213,13 +234,27 @@ class Membership:
         """Send (mine, failed, seq) to every rank not in `mine`, collect
         theirs until each such rank was heard or `wait` passed.  Returns the
         union of the sets heard (and of those not heard), the ranks reported
-        failed, and the call after which each rank heard came."""
+        failed, and the call after which each rank heard came.
+
+        Datagrams: the round also lasts until every rank not out has
+        confirmed this rank's message (ACK), or CONFIRM seconds more.
+        Ending it as soon as this rank had heard everyone could stop its
+        sendings after the first: a peer that lost that one datagram
+        excluded this rank (round 1), or waited for it alone while the
+        others were in MPI_Comm_create_group (round 2).  A peer files
+        every round message of the agreement it gets (in a round or
+        between calls), so one that went on sending for CONFIRM reached
+        it unless 25 datagrams in a row were lost; a lost confirmation
+        costs at most CONFIRM seconds (its sender may be in
+        MPI_Comm_create_group, where it reads nothing), never the decision."""
         failed = set(failed or ()) | set(failed_ranks(self.comm))
         self.gone = frozenset(failed)
         mine |= failed
         mine.discard(self.rank)
         union = set(mine)
         ends = time.monotonic() + self.wait
+        heard_all: Optional[float] = None     # (when nobody was left to hear from)
+        acked = self.acked[tag]
         resend = 0.0
         while True:
             now = time.monotonic()
@@ -243,11 +278,15 @@ class Membership:
                 self._evict(frozenset(union), "another rank found this rank behind or silent")
             waiting = [r for r in range(self.size)
                        if r != self.rank and r not in union and r not in heard]
-            if not waiting:
-                break
-            if time.monotonic() >= ends:
+            now = time.monotonic()
+            if waiting and now >= ends:
                 union.update(waiting)       # silent for `wait` seconds: out
-                break
+                waiting = []
+            if not waiting:
+                heard_all = now if heard_all is None else heard_all
+                if self.signals.reliable or now >= heard_all + min(CONFIRM, self.wait) or all(
+                        r in acked or r in union for r in range(self.size) if r != self.rank):
+                    break
             time.sleep(POLL)
         return union, failed, {r: body[2] for r, body in heard.items()}
 

@@ -53,8 +53,9 @@ class Signal(NamedTuple):
 class Signals:
     """One rank's control socket.  Construction and bind() are collective."""
 
-    # (datagrams may be lost: a round's message is sent again until it ends;
-    # a rank that stopped reading costs its senders nothing, the kernel drops)
+    # (datagrams may be lost: a round's message is sent again until its peers
+    # confirm it (ACK, Membership._round); a rank that stopped reading costs its
+    # senders nothing, the kernel drops)
     reliable = False
 
     def __init__(self, comm: MPI.Intracomm) -> None:

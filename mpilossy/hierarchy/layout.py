@@ -86,6 +86,15 @@ class Pieces:
                 lo, hi = chunk_bounds(count, ranks, r)
                 self.moves.append(((j * self.nodes + n) * self.width, lo, hi))
 
+    def gather(self, part: np.ndarray, out: np.ndarray, local: int) -> None:
+        """Slice `local` in the two-level order (`part`: its pieces, node by
+        node) into the user's order `out`; zeros everywhere else."""
+        out[...] = 0
+        for at, lo, hi in self.moves:
+            n, j = divmod(at // self.width, self.nodes)[::-1]
+            if j == local:
+                out[lo:hi] = part[n * self.width:n * self.width + hi - lo]
+
     def scatter(self, send: np.ndarray, wide: np.ndarray) -> None:
         """The user's vector into the two-level order (zeros to the width)."""
         for at, lo, hi in self.moves:

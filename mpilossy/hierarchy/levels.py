@@ -4,30 +4,52 @@ buffers, the two-level order of chunks (docs/hierarchy.md)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Protocol, Tuple
 
 import numpy as np
 from mpi4py import MPI
 
 from .._core import ALLREDUCE, REDUCE_SCATTER
+from ..call.config import Config
+from ..call.request import Request
+from ..call.stats import CollectiveStats
 from ..errors import MPILossyError
 from .layout import NodeLayout, Pieces
 
-__all__ = ["Hierarchy"]
+__all__ = ["Hierarchy", "Level"]
+
+
+class Level(Protocol):
+    """What a stage needs of a level (mpilossy/state.py's State)."""
+
+    config: Config
+
+    @property
+    def max_block(self) -> int: ...
+
+    @property
+    def scaling(self) -> str: ...
+
+    def call(self, request: Request) -> CollectiveStats: ...
+
+    def refuse_next(self, request: Request, exc: BaseException) -> None: ...
+
+    def free(self) -> None: ...
 
 
 class Hierarchy:
-    """The sub-communicators of one Communicator's two-level collectives.
+    """The levels of one Communicator's two-level collectives.
 
     intra: this node's ranks (channel "rma": shared-memory windows, no
     injected loss).  inter: the ranks of the same local index on every node
     (the parent's channel and settings); None on local ranks past the
     fewest ranks of any node."""
 
-    def __init__(self, layout: NodeLayout, intra: Any, inter: Optional[Any],
+    def __init__(self, layout: NodeLayout, intra: Level, inter: Optional[Level],
                  total: int, block_bytes: int, max_block: int) -> None:
         self.layout = layout
         self.intra, self.inter = intra, inter
+        self.cap = intra.config.auto_cap           # the learned deadline's cap, the parent's
         self.total = total                         # ranks of the parent communicator
         self.block_bytes = block_bytes             # the parent's setting
         self.max_block = max_block                 # of stage 2's channel
@@ -38,14 +60,15 @@ class Hierarchy:
 
     @classmethod
     def build(cls, comm: MPI.Intracomm, layout: NodeLayout, node: MPI.Comm,
-              make: Callable[..., Any], block_bytes: int) -> "Hierarchy":
-        """Collective over `comm`.  `make(comm, within_node)` builds a
-        Communicator with the parent's settings on `comm` (within_node: the
-        settings of the stage in shared memory)."""
+              make: Callable[[Any, bool], Level], block_bytes: int) -> "Hierarchy":
+        """Collective over `comm`.  `make(comm, within_node)` builds a level
+        with the parent's settings on `comm` (within_node: the settings of
+        the stage in shared memory)."""
         leaders = min(layout.sizes)
         color = layout.local_rank if layout.local_rank < leaders else MPI.UNDEFINED
         cross = comm.Split(color, key=layout.node)
-        intra = inter = None
+        intra: Optional[Level] = None
+        inter: Optional[Level] = None
         error: Optional[BaseException] = None
         try:
             intra = make(node, True)
@@ -57,14 +80,15 @@ class Hierarchy:
             if cross != MPI.COMM_NULL:
                 cross.Free()
         # local rank 0 owns a slice on every node; its channel is every owner's
-        max_block = node.bcast(inter._alive().max_block if inter is not None else 0, root=0)
+        max_block = node.bcast(inter.max_block if inter is not None else 0, root=0)
         if comm.allreduce(error is not None, op=MPI.LOR):
             for sub in (inter, intra):
                 if sub is not None:
                     sub.free()
             if error is not None:
                 raise error
-            raise MPILossyError("the hierarchy's sub-communicators failed on another rank")
+            raise MPILossyError("the hierarchy's levels failed on another rank")
+        assert intra is not None
         return cls(layout, intra, inter, comm.Get_size(), block_bytes, max_block)
 
     def free(self) -> None:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Callable, List, NoReturn, Optional
+from typing import Any, Callable, List, NoReturn, Optional, Tuple
 
 from .._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER
+from ..call.request import Request
 from ..errors import MismatchError, MPILossyError
-from .levels import Hierarchy
+from .levels import Hierarchy, Level
 
 __all__ = ["INTRA_SHARE", "NETWORK_FLOOR", "Failure", "Stages", "Deadline", "refuse"]
 
@@ -72,7 +73,7 @@ PASSED_ON = re.compile(r"rank \d+: ")
 
 class Stages:
     """Runs one call's stages on this rank; after the first failure, each
-    later stage is refused instead (Communicator._refuse_next), so that the
+    later stage is refused instead (Level.refuse_next), so that the
     ranks of that stage fail too and every sub-communicator counts the
     same calls on every rank."""
 
@@ -80,76 +81,96 @@ class Stages:
                  deadline: "Deadline") -> None:
         self.h, self.failure, self.deadline = hierarchy, failure, deadline
 
-    def intra(self, run: Callable[["Deadline"], Any], collective: int) -> Any:
+    def intra(self, request: Callable[["Deadline"], Request]) -> Any:
+        """Stage within the node: `request(deadline)` is its call."""
         layout = self.h.layout
-        return self._stage(self.h.intra, collective, run, f"within node {layout.node}",
+        return self._stage(self.h.intra, request, f"within node {layout.node}",
                            layout.ranks_of(layout.node))
 
-    def inter(self, run: Callable[["Deadline"], Any], collective: int = ALLREDUCE) -> Any:
+    def inter(self, request: Callable[["Deadline"], Request]) -> Any:
+        """Stage across nodes (owners of a slice only; None elsewhere)."""
         if self.h.inter is None:
             return None
         layout, j = self.h.layout, self.h.layout.local_rank
-        return self._stage(self.h.inter, collective, run, f"across nodes of local rank {j}",
+        return self._stage(self.h.inter, request, f"across nodes of local rank {j}",
                            [layout.ranks_of(n)[j] for n in range(layout.nodes)])
 
-    def _stage(self, lc: Any, collective: int, run: Callable[["Deadline"], Any],
+    def _stage(self, level: Level, request: Callable[["Deadline"], Request],
                where: str, ranks: List[int]) -> Any:
         if self.failure is not None:
-            lc._refuse_next(collective, self.failure.proxy(), self.deadline.total)
+            level.refuse_next(request(self.deadline), self.failure.proxy())
             return None
         try:
-            return run(self.deadline)
+            return level.call(request(self.deadline))
         except BaseException as exc:
             self.failure = Failure.of_stage(exc, where, ranks, self.h.layout.rank)
             return None
 
 
-class Deadline:
-    """Splits one call's deadline over its stages (see INTRA_SHARE);
-    None and "auto" go to every stage as they are."""
+Bound = Tuple[Any, Optional[float]]      # (a stage's timeout=, its limit in seconds)
 
-    def __init__(self, total: Any) -> None:
+
+class Deadline:
+    """Splits one call's deadline over its stages (see INTRA_SHARE): each
+    stage's (timeout, limit).  A deadline of T seconds gives each stage
+    its share of T.  "auto" gives each stage its own learned deadline,
+    limited to the share it would get of the learned deadline's cap, so
+    that the whole call, like a flat one, ends within about the cap.
+    None goes to every stage as it is."""
+
+    def __init__(self, total: Any, cap: float) -> None:
         self.total = total
         self.seconds: Optional[float] = total if isinstance(total, float) else None
+        self.bound = self.seconds if self.seconds is not None else (
+            cap if total == "auto" else None)
         self.began = time.perf_counter()
 
     def _left(self) -> float:
-        assert self.seconds is not None
-        return self.seconds - (time.perf_counter() - self.began)
+        assert self.bound is not None
+        return self.bound - (time.perf_counter() - self.began)
 
-    def stage(self, share: float) -> Any:
-        return self.total if self.seconds is None else share * self.seconds
+    def _of(self, seconds: float) -> Bound:
+        return (seconds, None) if self.seconds is not None else (self.total, seconds)
 
-    def network(self) -> Any:
-        if self.seconds is None:
-            return self.total
-        return max(self._left() - INTRA_SHARE * self.seconds, NETWORK_FLOOR * self.seconds)
+    def stage(self, share: float) -> Bound:
+        if self.bound is None:
+            return self.total, None
+        return self._of(share * self.bound)
 
-    def record(self) -> Any:
+    def network(self) -> Bound:
+        if self.bound is None:
+            return self.total, None
+        return self._of(max(self._left() - INTRA_SHARE * self.bound, NETWORK_FLOOR * self.bound))
+
+    def record(self) -> Bound:
         """Stage 3's: half of what is left (the data's stage gets the rest)."""
-        if self.seconds is None:
-            return self.total
-        return max(0.5 * self._left(), 0.25 * INTRA_SHARE * self.seconds)
+        if self.bound is None:
+            return self.total, None
+        return self._of(max(0.5 * self._left(), 0.25 * INTRA_SHARE * self.bound))
 
-    def rest(self) -> Any:
-        if self.seconds is None:
-            return self.total
-        return max(self._left(), 0.5 * INTRA_SHARE * self.seconds)
+    def rest(self) -> Bound:
+        if self.bound is None:
+            return self.total, None
+        return self._of(max(self._left(), 0.5 * INTRA_SHARE * self.bound))
 
 
-def refuse(h: Hierarchy, exc: BaseException, timeout: Any, collective: int = ALLREDUCE) -> NoReturn:
+def refuse(h: Hierarchy, exc: BaseException, request: Request) -> NoReturn:
     """This rank's input was refused (`exc`): take part in every stage of
-    the call (a `collective`) only to fail it, so that every rank raises
-    (the same exception type, naming this rank) instead of waiting for
-    it.  Raises."""
+    the call (`request`, as the user made it) only to fail it, so that
+    every rank raises (the same exception type, naming this rank) instead
+    of waiting for it.  Raises."""
     h.calls += 1
     failure = Failure.own(exc, h.layout.rank)
-    stages = Stages(h, failure, Deadline(timeout))
-    stages.intra(lambda d: None, REDUCE_SCATTER)
-    if collective == REDUCE_SCATTER:
-        stages.inter(lambda d: None, REDUCE_SCATTER)
+    stages = Stages(h, failure, Deadline(request.timeout, h.cap))
+
+    def stage(collective: int) -> Callable[[Deadline], Request]:
+        return lambda d: Request(collective, None, timeout=d.total)
+
+    stages.intra(stage(REDUCE_SCATTER))
+    if request.collective == REDUCE_SCATTER:
+        stages.inter(stage(REDUCE_SCATTER))
         failure.throw(h.calls, "reduce_scatter")
-    stages.inter(lambda d: None)
-    stages.intra(lambda d: None, ALLGATHER)
-    stages.intra(lambda d: None, ALLGATHER)
+    stages.inter(stage(ALLREDUCE))
+    stages.intra(stage(ALLGATHER))
+    stages.intra(stage(ALLGATHER))
     failure.throw(h.calls)

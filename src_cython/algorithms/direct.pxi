@@ -196,6 +196,23 @@ cdef class Direct(Chunked):
             self.add_stream(self.others[k], self.chunk_of(self.others[k]), 1, self.others[k], False)
         return 0
 
+    cdef double own_weight(self) noexcept nogil:
+        """A weighted call: the sum of the weights of the ranks whose data
+        reached every block of the chunk this rank reduced (the smallest
+        block sum; exact in double); -1 unweighted or without blocks."""
+        cdef CallInfo* c = self.call
+        cdef int b
+        cdef double w, least = -1.0
+        if c.payload.weight <= 0:
+            return -1.0
+        for b in range(c.nblocks):
+            if self.block_len(self.reduced_chunk, b) == 0:
+                break
+            w = ldexp(self.weights.wsum[b], self.weights.wexp[b])
+            if least < 0 or w < least:
+                least = w
+        return least
+
     # -- geometry --------------------------------------------------------------
     cdef inline int reducer_of(self, int chunk) noexcept nogil:
         return (chunk + self.rotation) % self.size

@@ -354,16 +354,21 @@ cdef class DgramChannel(DgramEndpoint):
         if hdr.kind == MPL_PKT_NACK:
             self.answer_nack(&hdr, data + HEADER_BYTES)
             return
+        cdef mpl_hello_t hello
+        cdef mpl_error_t err
         if hdr.seq != cur:
             if hdr.seq < cur:
                 self.n_stale += 1
+                if hdr.kind == MPL_PKT_HELLO and self.armed:
+                    # (a late peer entering a call this rank left: made otherwise?)
+                    memcpy(&hello, data + HEADER_BYTES, sizeof(mpl_hello_t))
+                    self.made_otherwise(hdr.src, hdr.seq, hello.sig, hello.algo, hello.count,
+                                        hello.dtype, hello.op)
             else:
                 self.n_future += 1
             return
         # check_packet made sure that a HELLO or ERROR payload has its
         # record's size; copy it out (the buffer may be unaligned).
-        cdef mpl_hello_t hello
-        cdef mpl_error_t err
         if hdr.kind == MPL_PKT_HELLO:
             memcpy(&hello, data + HEADER_BYTES, sizeof(mpl_hello_t))
             self.check_hello(&hdr, &hello)

@@ -296,6 +296,26 @@ static int mpl_sock_recv(mpl_sock_t *s, void *buf, size_t len, void *user)
     return 0;
 }
 
+/* Paced, from `from` on (where the tokens ran out): the datagrams to peers
+ * on this node, which cost nothing, move ahead of the ones that wait for
+ * tokens, keeping their order (datagrams promise none across peers).
+ * Returns the end of the run of free ones. */
+static size_t mpl_sock_free_first(mpl_sock_t *s, size_t from)
+{
+    size_t k, at = from;
+    for (k = from; k < s->sq_count; k++) {
+        if (mpl_pace_cost(&s->pace, s->sq[k].peer, s->sq[k].len) != 0)
+            continue;
+        if (k != at) {
+            mpl_sock_send_t q = s->sq[k];
+            memmove(&s->sq[at + 1], &s->sq[at], (k - at) * sizeof(*s->sq));
+            s->sq[at] = q;
+        }
+        at++;
+    }
+    return at;
+}
+
 /* Hand the queued sends to the kernel: as many as it takes now.  Returns
  * how many datagrams left, or -1 (errno set) when none could.  (No
  * recursion: where segmentation offload is refused it tries again once,
@@ -314,6 +334,8 @@ static int mpl_sock_flush(mpl_sock_t *s)
         mpl_pace_refill(&s->pace);
         for (ready = 0; ready < s->sq_count && mpl_pace_spend(&s->pace, s->sq[ready].peer, s->sq[ready].len); ready++)
             ;
+        if (ready < s->sq_count)        /* (no datagram to this node waits for tokens) */
+            ready = mpl_sock_free_first(s, ready);
         if (!ready) {
             errno = EAGAIN;
             return -1;

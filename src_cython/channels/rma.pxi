@@ -294,7 +294,21 @@ cdef class RmaChannel(RmaWindow):
             if seq == cur + 1 and self.disagreed_before(peer, st, seq):
                 return POLL_FAIL
             return POLL_READY
+        if 0 < seq < cur and self.late_and_otherwise(peer, st, seq):
+            return POLL_FAIL
         return POLL_WAIT
+
+    cdef bint late_and_otherwise(self, int peer, const mpl_status_t* st,
+                                 uint64_t seq) noexcept nogil:
+        """The producer is behind, in call `seq` that this rank left: did it
+        make it otherwise?  (It cannot tell: every peer had left that call
+        by the time it came, so only they can.)"""
+        cdef uint64_t sig = st.sig, count = st.count
+        cdef uint32_t dtype = st.dtype, op = st.op, algo = st.algo
+        mpl_fence_acquire()
+        if mpl_load_relaxed(&st.seq) != seq:
+            return False                # rewritten meanwhile: look again later
+        return self.made_otherwise(peer, seq, sig, algo, count, dtype, op)
 
     cdef bint disagreed_before(self, int peer, const mpl_status_t* st, uint64_t seq) noexcept nogil:
         """The producer is one call ahead, and this rank arrives late in the

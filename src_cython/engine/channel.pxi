@@ -292,6 +292,13 @@ cdef enum:                    # Channel.told_failure(wait=)
     NOTE_LOOK, NOTE_WAIT_ONCE, NOTE_WAIT_EXACT
 
 
+# Signatures of this rank's last calls, kept to compare with a peer that
+# arrives in one of them after this rank has moved on (a late rank): its
+# status or HELLO says which call it is in and how it made it.
+cdef enum:
+    PAST_CALLS = 64
+
+
 cdef class Channel:
     """What an algorithm needs from a channel (all methods but setup nogil).
 
@@ -305,6 +312,34 @@ cdef class Channel:
     cdef Outcomes outcomes        # errors told over MPI (outcome.pxi); None offline
     cdef uint64_t gone_waited     # the last call that waited for a gone producer's note
                                   # (the test suite's judges)
+    cdef uint64_t past_seq[PAST_CALLS]  # this rank's last calls and their signatures
+    cdef uint64_t past_sig[PAST_CALLS]  # (0: failed before its layout; never compared)
+
+    cdef void remember(self, uint64_t seq, uint64_t sig) noexcept nogil:
+        """This rank makes call `seq` with signature `sig`."""
+        self.past_seq[seq % PAST_CALLS] = seq
+        self.past_sig[seq % PAST_CALLS] = sig
+
+    cdef bint made_otherwise(self, int peer, uint64_t seq, uint64_t sig, uint32_t layout,
+                             uint64_t count, uint32_t dtype, uint32_t op) noexcept nogil:
+        """A peer is in call `seq`, which this rank made and left, with
+        signature `sig` (and these announced fields): if this rank made it
+        otherwise, the error that fails the current call (the rule for a
+        call a rank returned from that failed elsewhere: its next one fails
+        on every rank, naming it).  False where this rank cannot tell."""
+        cdef char theirs[160]
+        cdef int k = seq % PAST_CALLS
+        if (sig == 0 or seq == 0 or self.past_seq[k] != seq or self.past_sig[k] == 0
+                or self.past_sig[k] == sig or self.error.kind != ERR_NONE):
+            return False
+        describe_call(theirs, 160, layout, count, dtype, op)
+        self.error.kind = ERR_MISMATCH
+        self.error.rank = self.rank
+        snprintf(self.error.msg, MPL_MSG_LEN,
+                 b"ranks disagree on call %llu: rank %d arrived late and made it as %s, not "
+                 b"as rank %d had (found at rank %d's next calls)",
+                 <unsigned long long>seq, peer, theirs, self.rank, self.rank)
+        return True
 
     cdef int begin(self, CallInfo* call) except -1:
         """Prepare a call: announce it to peers, make room for its records."""

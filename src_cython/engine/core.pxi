@@ -19,7 +19,8 @@ CallResult = namedtuple("CallResult", [
     "contributors",                           # direct / all-gather: the core's bitmaps
     "rebuilt",                                # blocks rebuilt from parity (redundancy)
     "read_blocks",                            # data blocks this rank's streams covered
-], defaults=(0,))
+    "weight_sum",                             # weighted direct: Direct.own_weight(); else -1
+], defaults=(0, -1.0))
 
 
 
@@ -39,11 +40,12 @@ cdef class CallSpec:
     cdef readonly tuple kind         # (collective, algorithm, size bucket): the auto deadline's key
     cdef readonly int fec_k, fec_m   # redundancy: m parity records per group of k; 0: none
     cdef readonly int part           # PART_*: a whole call, or a segment of a pipelined one
+    cdef readonly unsigned int tag   # what the ranks must share beyond the wire: in the signature
 
-    def __init__(self, int collective, int algorithm, int dtype, int op, double timeout,
+    def __init__(self, *, int collective, int algorithm, int dtype, int op, double timeout,
                  double budget, double weight, int qbits, Py_ssize_t qgroup, residual,
                  Py_ssize_t nbytes, Py_ssize_t elements, tuple kind, int fec_k=0, int fec_m=0,
-                 int part=PART_WHOLE):
+                 int part=PART_WHOLE, unsigned int tag=0):
         if not PART_WHOLE <= part <= PART_LAST:
             raise ValueError(f"part must be PART_WHOLE, PART_SEGMENT or PART_LAST, got {part}")
         self.collective = collective
@@ -62,6 +64,7 @@ cdef class CallSpec:
         self.fec_k = fec_k
         self.fec_m = fec_m
         self.part = part
+        self.tag = tag
 
     @property
     def redundancy(self):
@@ -73,7 +76,7 @@ cdef class CallSpec:
                 f"dtype={self.dtype}, op={self.op}, timeout={self.timeout}, "
                 f"budget={self.budget}, weight={self.weight}, qbits={self.qbits}, "
                 f"qgroup={self.qgroup}, nbytes={self.nbytes}, elements={self.elements}, "
-                f"kind={self.kind}, redundancy={self.redundancy})")
+                f"kind={self.kind}, redundancy={self.redundancy}, tag={self.tag})")
 
 
 cdef class Core:
@@ -278,7 +281,9 @@ cdef class Core:
                              | <uint64_t>(call.timeout < 0) << 60 | <uint64_t>call.part << 61,
                              <uint64_t>call.block_elems ^ (<uint64_t>pay.qgroup << 40)
                              ^ (<uint64_t>call.fec_k << 24) ^ (<uint64_t>call.fec_m << 32),
-                             <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)) | 1
+                             <uint64_t>call.nblocks ^ (<uint64_t>self.size << 32)
+                             ^ (<uint64_t>spec.tag << 56)) | 1
+        self.chan.remember(call.seq, call.sig)
         if self.chan.late_error(call, &self.err):
             # A call this rank returned from failed elsewhere: this one fails
             # on every rank, saying so (outcome.pxi).
@@ -332,20 +337,29 @@ cdef class Core:
         """The CallResult of `call` (the one place one is made): the failure
         in self.err, a one-rank copy (`alg` None), or the algorithm's account."""
         if failed:
-            return CallResult(self.err.kind, self.err.rank, self.err.msg.decode(errors="replace"),
-                              0.0, finished - t0, False, 0.0, 0, call.seq, (0, 0, 0, 0),
-                              (call.start, -1.0, finished), 0.0, None, 0, 0)
+            return CallResult(
+                err_kind=self.err.kind, err_rank=self.err.rank,
+                err_msg=self.err.msg.decode(errors="replace"), delivered=0.0,
+                elapsed=finished - t0, deadline_hit=False, fallback=0.0, min_contributors=0,
+                seq=call.seq, lost_blocks=(0, 0, 0, 0), timing=(call.start, -1.0, finished),
+                agreed=0.0, contributors=None, rebuilt=0, read_blocks=0)
         if alg is None:
-            return CallResult(ERR_NONE, -1, "", 1.0, finished - t0, False, 0.0, 1, call.seq,
-                              (0, 0, 0, 0), (call.start, call.start, finished), 1.0, None, 0, 0)
-        return CallResult(ERR_NONE, -1, "", alg.delivered(), finished - t0, alg.deadline_hit,
-                          alg.fallback_elems / <double>alg.result_elems if alg.result_elems
-                          else 0.0, alg.min_count, call.seq,
-                          (alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
-                          (call.start, call.anchor, finished), alg.agreed(),
-                          (<Chunked>alg).contributors()
-                          if alg is self.direct or alg is self.gather else None,
-                          alg.rebuilt_blocks, read_blocks)
+            return CallResult(
+                err_kind=ERR_NONE, err_rank=-1, err_msg="", delivered=1.0,
+                elapsed=finished - t0, deadline_hit=False, fallback=0.0, min_contributors=1,
+                seq=call.seq, lost_blocks=(0, 0, 0, 0), timing=(call.start, call.start, finished),
+                agreed=1.0, contributors=None, rebuilt=0, read_blocks=0)
+        return CallResult(
+            err_kind=ERR_NONE, err_rank=-1, err_msg="", delivered=alg.delivered(),
+            elapsed=finished - t0, deadline_hit=alg.deadline_hit,
+            fallback=alg.fallback_elems / <double>alg.result_elems if alg.result_elems else 0.0,
+            min_contributors=alg.min_count, seq=call.seq,
+            lost_blocks=(alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
+            timing=(call.start, call.anchor, finished), agreed=alg.agreed(),
+            contributors=(<Chunked>alg).contributors()
+            if alg is self.direct or alg is self.gather else None,
+            rebuilt=alg.rebuilt_blocks, read_blocks=read_blocks,
+            weight_sum=(<Direct>alg).own_weight() if alg is self.direct else -1.0)
 
     def fail(self, int kind, str message, double timeout):
         """This rank cannot take part in the next call (bad input): count the
@@ -357,6 +371,7 @@ cdef class Core:
         call.seq = self.seq
         call.timeout = timeout
         call.start = mpl_now()
+        self.chan.remember(call.seq, 0)
         self.err.kind = kind
         self.err.rank = self.rank
         encoded = message.encode()[:MPL_MSG_LEN - 1]

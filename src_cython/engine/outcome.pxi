@@ -12,10 +12,6 @@
 
 cdef enum:
     ERROR_TAG = 0x4D45             # MPI tag of the notes
-    # Errors of calls this rank has not settled, kept at once: a peer that
-    # fails calls back to back (a stage of the hierarchy refusing, bad input
-    # in a loop) sends notes of several calls before this rank is in them.
-    LATER_MAX = 8
 
 # How long close() waits for its notes to leave (seconds).
 cdef double NOTE_LINGER = 1.0
@@ -38,7 +34,14 @@ cdef class Outcomes:
     cdef ErrorNote** bufs
     cdef int nnotes, cap
     cdef uint64_t* done_seq           # per peer: the latest call it said it is done with
-    cdef ErrorNote later[LATER_MAX]   # errors of calls this rank has not settled (seq 0: free)
+    # Errors of calls this rank has not settled, one per call, as many as
+    # come: a peer that fails calls back to back (a stage of the hierarchy
+    # refusing, bad input in a loop) while this rank sleeps sends notes of
+    # every one of them before this rank is in the first (a fixed number of
+    # slots lost the rest, and this rank returned results of calls that had
+    # failed elsewhere).
+    cdef ErrorNote* later
+    cdef int nlater, later_cap
     cdef ErrorNote late               # the earliest error of a call this rank returned from
     cdef uint64_t settled             # the latest call whose outcome this rank has
     cdef uint64_t last_failed         # the latest call that failed on this rank
@@ -67,6 +70,7 @@ cdef class Outcomes:
         free(self.reqs)
         free(self.bufs)
         free(self.done_seq)
+        free(self.later)
 
     cdef void tell(self, uint64_t seq, const ErrorInfo* err) noexcept nogil:
         """Send `err` (ERR_NONE: done with call `seq`) to every peer; the notes
@@ -158,25 +162,25 @@ cdef class Outcomes:
             self.late = note[0]
 
     cdef void keep_later(self, const ErrorNote* note) noexcept nogil:
-        """One error per call (the first heard); when every slot is taken,
-        the latest call's gives way to an earlier one."""
-        cdef int i, slot = 0
-        for i in range(LATER_MAX):
+        """One error per call (the first heard)."""
+        cdef int i, cap
+        cdef ErrorNote* grown
+        for i in range(self.nlater):
             if self.later[i].seq == note.seq:
                 return
-        for i in range(LATER_MAX):        # a free slot, else the latest call's
-            if self.later[i].seq == 0:
-                slot = i
-                break
-            if self.later[i].seq > self.later[slot].seq:
-                slot = i
-        if self.later[slot].seq == 0 or note.seq < self.later[slot].seq:
-            self.later[slot] = note[0]
+        if self.nlater == self.later_cap:
+            cap = 2 * self.later_cap + 8
+            grown = <ErrorNote*>realloc(self.later, cap * sizeof(ErrorNote))
+            if grown == NULL:
+                return                  # no memory: the in-band paths will have to do
+            self.later, self.later_cap = grown, cap
+        self.later[self.nlater] = note[0]
+        self.nlater += 1
 
     cdef bint pending(self, uint64_t seq, ErrorInfo* err) noexcept nogil:
         """Did a peer say that call `seq` (not settled here yet) failed?"""
         cdef int i
-        for i in range(LATER_MAX):
+        for i in range(self.nlater):
             if self.later[i].seq == seq:
                 err[0] = self.later[i].err
                 return True
@@ -186,14 +190,17 @@ cdef class Outcomes:
         """This rank has its outcome of call `seq`.  An error of it heard
         while it ran and not acted on (a channel that reads only its
         in-band paths during a call) becomes late when the call succeeded."""
-        cdef int i
+        cdef int i, kept = 0
         self.settled = seq
         if failed:
             self.last_failed = seq
-        for i in range(LATER_MAX):
-            if 0 < self.later[i].seq <= seq:
+        for i in range(self.nlater):
+            if self.later[i].seq <= seq:
                 self.keep_late(&self.later[i])
-                self.later[i].seq = 0
+            else:
+                self.later[kept] = self.later[i]
+                kept += 1
+        self.nlater = kept
 
     cdef bint take_late(self, const CallInfo* call, ErrorInfo* err) noexcept nogil:
         """Before `call` begins: did a call this rank returned from fail on

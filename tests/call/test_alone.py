@@ -9,6 +9,7 @@ from mpi4py import MPI
 
 import mpilossy
 from mpilossy._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER
+from mpilossy.call.request import Request
 from mpilossy.call import device
 from mpilossy.call.alone import answer_alone
 from mpilossy.call.buffers import BufferIntake, chunk_bounds
@@ -21,15 +22,16 @@ LO, HI = chunk_bounds(COUNT, SIZE, RANK)
 @pytest.fixture(scope="module")
 def resolver():
     with mpilossy.Communicator(MPI.COMM_SELF, timeout=0.5, loss=None) as lc:
-        yield lc._calls
+        yield lc._state.resolver
 
 
 def answer(resolver, collective, send, recv, op="sum", scaling="unbiased", residual=None,
            algorithm="direct", segment_bytes=0):
     bufs = BufferIntake(RANK, SIZE, segment_bytes).take(collective, send, recv)
-    spec = resolver.resolve(collective, bufs.send, bufs.recv, op,
-                            "auto" if collective == ALLGATHER else algorithm,
-                            0.5, None, None, residual)
+    request = Request(collective, send, recv, op=op, timeout=0.5, compression=None,
+                      algorithm="auto" if collective == ALLGATHER else algorithm,
+                      residual=residual)
+    spec = resolver.resolve(request, bufs.send, bufs.recv)
     return answer_alone(bufs, spec, RANK, SIZE, scaling, 42)
 
 

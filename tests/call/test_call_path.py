@@ -10,6 +10,7 @@ from mpi4py import MPI
 from mpilossy import _core
 from mpilossy.call.buffers import BufferIntake, HostBuffers, chunk_bounds
 from mpilossy.call.config import UNSET, Config
+from mpilossy.call.request import Request
 from mpilossy.call.spec import TREE_MAX_BYTES, CallResolver, asks_for_auto
 from mpilossy.control.deadline import AutoDeadline
 
@@ -73,28 +74,32 @@ def test_chunks_cover_the_vector_with_the_longer_first():
 
 
 # -- the call's spec ----------------------------------------------------------------------
+def resolve(r, collective, send, recv, spent=0.0, **arguments):
+    return r.resolve(Request(collective, send, recv, **arguments), send, recv, spent)
+
+
 def test_auto_picks_the_tree_then_direct_with_a_deadline_or_the_ring_without(deadlines):
     r = resolver(deadlines, size=4)
     small = np.ones(TREE_MAX_BYTES[4] // 8)
     large = np.ones(TREE_MAX_BYTES[4])
-    algorithm = lambda x, timeout: r.resolve(_core.ALLREDUCE, x, x, timeout=timeout).algorithm
+    algorithm = lambda x, timeout: resolve(r, _core.ALLREDUCE, x, x, timeout=timeout).algorithm
     assert algorithm(small, None) == _core.TREE
     assert algorithm(large, 0.5) == _core.DIRECT
     assert algorithm(large, None) == _core.RING
     # reduce-scatter has no tree
     chunk = np.ones(small.size // 4)
-    assert r.resolve(_core.REDUCE_SCATTER, small, chunk, algorithm="auto").algorithm != _core.TREE
+    assert resolve(r, _core.REDUCE_SCATTER, small, chunk, algorithm="auto").algorithm != _core.TREE
 
 
 def test_weights_and_compression_ride_on_direct(deadlines):
     r = resolver(deadlines)
     x = np.ones(64, np.float32)
-    spec = r.resolve(_core.ALLREDUCE, x, x, op="avg", weight=2.0)
+    spec = resolve(r, _core.ALLREDUCE, x, x, op="avg", weight=2.0)
     assert (spec.algorithm, spec.weight) == (_core.DIRECT, 2.0)
-    spec = r.resolve(_core.ALLREDUCE, x, x, compression="int4")
+    spec = resolve(r, _core.ALLREDUCE, x, x, compression="int4")
     assert (spec.algorithm, spec.qbits, spec.qgroup) == (_core.DIRECT, 4, 64)
-    assert resolver(deadlines, compression="int8").resolve(_core.ALLREDUCE, x, x).qbits == 8
-    assert resolver(deadlines, compression="int8").resolve(
+    assert resolve(resolver(deadlines, compression="int8"), _core.ALLREDUCE, x, x).qbits == 8
+    assert resolve(resolver(deadlines, compression="int8"), 
         _core.ALLREDUCE, x, x, compression=None).qbits == 0       # off for this call
 
 
@@ -112,35 +117,35 @@ def test_weights_and_compression_ride_on_direct(deadlines):
 def test_bad_call_arguments_say_what_is_wrong(deadlines, arguments, exc, words):
     x = np.ones(64, np.float32)
     with pytest.raises(exc, match=words):
-        resolver(deadlines).resolve(_core.ALLREDUCE, x, np.empty_like(x), **arguments)
+        resolve(resolver(deadlines), _core.ALLREDUCE, x, np.empty_like(x), **arguments)
 
 
 def test_avg_and_compression_need_floats(deadlines):
     ints = np.ones(64, np.int32)
     with pytest.raises(TypeError, match="floating-point"):
-        resolver(deadlines).resolve(_core.ALLREDUCE, ints, ints, op="avg")
+        resolve(resolver(deadlines), _core.ALLREDUCE, ints, ints, op="avg")
     doubles = np.ones(64)
     with pytest.raises(TypeError, match="float32"):
-        resolver(deadlines).resolve(_core.ALLREDUCE, doubles, doubles, compression="int8")
+        resolve(resolver(deadlines), _core.ALLREDUCE, doubles, doubles, compression="int8")
 
 
 def test_the_learned_deadline_pays_for_its_agreement(deadlines):
     r = resolver(deadlines, timeout="auto")
     x = np.ones(1024)
     assert asks_for_auto(UNSET, r.config) and not asks_for_auto(0.5, r.config)
-    spec = r.resolve(_core.ALLREDUCE, x, x)
+    spec = resolve(r, _core.ALLREDUCE, x, x)
     assert spec.timeout == deadlines.cap and spec.budget == deadlines.cap
-    spec = r.resolve(_core.ALLREDUCE, x, x, spent=0.1)
+    spec = resolve(r, _core.ALLREDUCE, x, x, spent=0.1)
     assert spec.budget == pytest.approx(deadlines.cap - 0.1)
-    spec = r.resolve(_core.ALLREDUCE, x, x, spent=10.0)         # never below a quarter
+    spec = resolve(r, _core.ALLREDUCE, x, x, spent=10.0)         # never below a quarter
     assert spec.budget == pytest.approx(0.25 * deadlines.cap)
 
 
 def test_the_spec_says_what_the_statistics_report(deadlines):
     x = np.ones(100, np.float64)
-    spec = resolver(deadlines, size=4).resolve(_core.ALLREDUCE, x, x, timeout=0.5)
+    spec = resolve(resolver(deadlines, size=4), _core.ALLREDUCE, x, x, timeout=0.5)
     assert (spec.nbytes, spec.elements, spec.timeout) == (800, 100, 0.5)
     lo, hi = chunk_bounds(100, 4, 0)
     full = np.zeros(100)
-    spec = resolver(deadlines, size=4).resolve(_core.ALLGATHER, full[lo:hi], full)
+    spec = resolve(resolver(deadlines, size=4), _core.ALLGATHER, full[lo:hi], full)
     assert (spec.algorithm, spec.elements, spec.timeout) == (_core.DIRECT, 100, -1.0)

@@ -38,7 +38,7 @@ def test_an_unexpected_error_on_one_rank_keeps_every_rank_in_step(comm, timeout,
         def device_lost(*args, **kwargs):
             raise RuntimeError("device lost")
         if culprit:
-            monkeypatch.setattr(lc._buffers, "take", device_lost)
+            monkeypatch.setattr(lc._state.buffers, "take", device_lost)
         try:
             lc.allreduce(x, np.empty_like(x))
             outcome = "returned"
@@ -109,7 +109,7 @@ def test_auto_agreement_does_not_wait_for_a_straggler(comm, monkeypatch):
     sleeper = comm.size - 1
     x = np.ones(4096)
     with mpilossy.Communicator(comm, timeout="auto") as lc:
-        while lc._auto.calls < 3 * deadline.PERIOD - 1:    # learned, the next call posts
+        while lc._state.auto.calls < 3 * deadline.PERIOD - 1:    # learned, the next call posts
             learned = lc.allreduce(x, np.empty_like(x)).timeout
         comm.Barrier()
         if comm.rank == sleeper:
@@ -224,7 +224,7 @@ def test_auto_agreements_stay_matched_after_a_long_stall(comm, monkeypatch):
             stats = lc.allreduce(x, np.empty_like(x))
             used[stats.seq] = stats.timeout
         comm.Barrier()
-        schedule = comm.allgather((lc._auto.calls, lc._auto.started))
+        schedule = comm.allgather((lc._state.auto.calls, lc._state.auto.started))
     # Every rank started one agreement per PERIOD calls, none skipped.
     assert all(s == (21 * deadline.PERIOD, 21) for s in schedule), schedule
     tail = sorted(used)

@@ -55,10 +55,10 @@ def test_gpu_allreduce_in_place_every_algorithm(comm, lc, cupy, algorithm):
 def test_gpu_staging_is_allocated_once_and_reused(comm, lc, cupy):
     x = cupy.asarray(small_ints(1 << 16, comm.rank, np.float32))
     lc.allreduce(x.copy())
-    staged = lc._buffers.staging.nbytes
+    staged = lc._state.buffers.staging.nbytes
     for _ in range(5):
         lc.allreduce(x.copy())
-    assert staged > 0 and lc._buffers.staging.nbytes == staged
+    assert staged > 0 and lc._state.buffers.staging.nbytes == staged
 
 
 @pytest.mark.mpi

@@ -145,7 +145,7 @@ def test_garbage_and_forged_datagrams_are_dropped_and_counted(comm):
             env = clean_subprocess_env(FORGER_SECONDS="3")
             forger = subprocess.Popen(
                 [sys.executable, str(PROGRAMS / "udp_forger.py"),
-                 lc._core.datagram_key().hex(), str(info["token"]), str(info["seq"] + 5),
+                 lc._state.core.datagram_key().hex(), str(info["token"]), str(info["seq"] + 5),
                  *addresses], env=env, stdout=subprocess.PIPE, text=True,
                 start_new_session=True)
         comm.Barrier()

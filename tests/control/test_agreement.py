@@ -87,7 +87,7 @@ def test_free_returns_with_an_agreement_no_peer_joins(comm, monkeypatch):
         lc.allreduce(x, np.empty_like(x))
     if comm.rank == 0:
         lc.allreduce(x, np.empty_like(x))       # the peers never make this call
-    started = lc._auto.started
+    started = lc._state.auto.started
     before = len(deadline._lingering)
     began = time.monotonic()
     lc.free()

@@ -109,7 +109,7 @@ def test_cut_lengthens_the_deadline_on_every_rank_and_it_comes_back(comm, monkey
     with mpilossy.Communicator(comm, timeout="auto") as lc:
         for _ in range(14 * deadline.PERIOD):
             used.append(lc.allreduce(x, np.empty_like(x), algorithm="direct").timeout)
-            scales.append(lc._auto.scale)
+            scales.append(lc._state.auto.scale)
     everyone = comm.allgather((used, scales))
     # Every rank applies the same agreements in the same order; one whose
     # peer was descheduled past the settling budget (a loaded machine)
@@ -137,7 +137,7 @@ def test_injected_loss_is_not_cut_and_the_deadline_is_learned(comm, monkeypatch)
                                loss="bernoulli:p=0.2") as lc:
         stats = [lc.allreduce(x, np.empty_like(x), algorithm="direct")
                  for _ in range(4 * deadline.PERIOD)]
-        scale = lc._auto.scale
+        scale = lc._state.auto.scale
     assert min(s.delivered for s in stats) < 1.0             # the loss happened
     assert stats[-1].timeout < 2.0, stats[-1].timeout        # learned, not the cap
     assert scale == 1.0

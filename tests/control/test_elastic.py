@@ -99,6 +99,27 @@ def test_a_rank_stopped_for_more_calls_than_mpi_has_cells():
 
 
 @needs_failures
+@pytest.mark.parametrize("drop", ["ROUND_1:0>1", "ROUND_1:2>0", "ROUND_2:1>2", "ROUND_2:0>1",
+                                  "ACK/ROUND_2:2>1"])
+def test_one_lost_control_datagram_changes_nothing(drop):
+    """Two fake nodes: the membership's messages are datagrams.  Rank 3
+    exits, and one datagram of the agreement is lost (NAME:S>R: the first
+    of that kind from S to R; ACK/ROUND_2: a confirmation of a round-2
+    message).  A round once ended when its rank had heard everyone, and
+    with it the sendings: a lost ROUND_1 got its sender excluded by the
+    others (or evicted it), a lost ROUND_2 left the three ranks in
+    different MPI_Comm_create_group (a hang).  Now a round lasts until its
+    message is confirmed: the same exclusion, and all three go on."""
+    lines, output = elastic_run("elastic.py", 4, "ud", "exit:3@6", "12", timeout=30,
+                                MPIR_CVAR_NUM_CLIQUES="2", ELASTIC_DROP=drop)
+    assert f"dropped {drop} " in output, output         # (the hook did lose one)
+    for r in check_survivors(lines, 4, [3], [[3]], output):
+        exclusion = r["exclusions"][0]
+        # (no `elastic_wait` ran out: a lost confirmation costs at most 0.5 s)
+        assert exclusion["call"] == 6 and exclusion["after"] < 1.5, r
+
+
+@needs_failures
 @pytest.mark.parametrize("ranks, channel", [(3, "ud"), (4, "rma")])
 def test_two_ranks_lost_at_different_calls(ranks, channel):
     first, second = 0, ranks - 1
@@ -201,3 +222,16 @@ def test_across_nodes(scenario, netmod):
     lines, output = run(4, "ud", scenario, 20, **env)
     victim = int(scenario.split(":")[1].split("@")[0])
     check_survivors(lines, 4, [victim], [[victim]], output)
+
+
+@needs_failures
+def test_survivors_build_no_hierarchy_after_two_exits_on_fake_nodes():
+    """Item 3 of the junction review: two fake nodes of 2, "hierarchical"
+    asked for, rank 3 exits, then rank 1: the survivors' communicator kept
+    what the elastic one promised (no hierarchy: a switch once built one),
+    every block is the mean over the ranks its record names, and both
+    exclusions are agreed after the same calls on every survivor."""
+    lines, output = run(4, "ud", "exit:3@6,1@12", 20, ELASTIC_ALGORITHM="hierarchical",
+                        MPIR_CVAR_NUM_CLIQUES="2")
+    for r in check_survivors(lines, 4, [3, 1], [[3], [1]], output):
+        assert r["algorithms"] and "hierarchical" not in r["algorithms"], r

@@ -265,7 +265,7 @@ def test_failed_call_with_infinite_timeout_returns(comm, clean_env, monkeypatch)
     monkeypatch.setenv("MPILOSSY_RMA_SHM", "0")
     took = 0.0
     with mpilossy.Communicator(comm, timeout=0.5, loss=None) as lc:
-        assert lc._core.shared_peers == 0
+        assert lc._state.core.shared_peers == 0
         if comm.rank == 0:
             began = time.monotonic()
             with pytest.raises(ValueError):

@@ -162,7 +162,7 @@ def test_heavy_and_bursty_loss(comm, channel, algorithm, model):
             rows.append((comm.rank, took, bad, delivered))
         everyone = summarize(comm, rows)
         assert min(d for _, _, _, d in everyone) < 1.0
-        lc._core.configure_loss({})            # loss off: the same communicator goes on exact
+        lc._state.core.configure_loss({})            # loss off: the same communicator goes on exact
         then_exact(comm, lc, algorithm)
 
 

@@ -16,20 +16,15 @@ from mpi4py import MPI
 import mpilossy
 from mpilossy import _core
 from mpilossy.hierarchy import NodeLayout
-from helpers import is_singleton, run_mpi_script
+from helpers import is_singleton, program_report, run_mpi_script
 
 # (ranks, fake nodes): 2x2, uneven 2+1 and 3+2, 2 nodes of 3, 3 nodes of 2
 LAYOUTS = [(4, 2), (3, 2), (5, 2), (6, 2), (6, 3)]
 
 
 def run_layout(ranks, cliques, *args):
-    proc = run_mpi_script("hierarchical.py", ranks, "--calls", "400", *args, timeout=240,
+    return program_report("hierarchical.py", ranks, "--calls", "400", *args, timeout=240,
                           MPIR_CVAR_NUM_CLIQUES=str(cliques))
-    lines = proc.stdout.strip().splitlines()
-    assert lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1])
-    assert proc.returncode == 0 and not result["failures"], result
-    return result
 
 
 @pytest.mark.timeout(300)

@@ -17,8 +17,8 @@ SCENARIO, one of:
                    and go on with W, every call paired as before
 
 Every call is a direct all-reduce ($ELASTIC_ALGORITHM: another; $ELASTIC_EVICT_AFTER: other
-than evict_after=5) (op avg, deadline 0.2 s, no injected
-loss unless LOSS, e.g. bernoulli:0.1) of (original rank + 1 + call / 1000); each block of each result is
+than evict_after=5; $ELASTIC_DROP: one control datagram lost, below) (op avg, deadline
+0.2 s, no injected loss unless LOSS, e.g. bernoulli:0.1) of (original rank + 1 + call / 1000); each block of each result is
 checked against the mean over the ranks the call records as its
 contributors.  Every rank still running at the end prints one JSON line:
 its rank, the calls made, the wrong blocks (0 expected), the exclusions it
@@ -69,6 +69,30 @@ elif me == during:
         os._exit(0)
 
     elastic.Membership.agree = agree_then_exit
+
+# (test only) $ELASTIC_DROP=NAME:S>R[#N]: rank S loses its N-th (default: first) datagram
+# of tag elastic.NAME (ROUND_1, ROUND_2; ACK/ROUND_2: a confirmation of a ROUND_2) to
+# rank R in the first agreement, as if the network dropped it (datagrams only: nodes)
+drop = os.environ.get("ELASTIC_DROP")
+if drop:
+    from mpilossy.control import signals
+    name, _, pair = drop.partition(":")
+    (name, _, of), (pair, _, nth) = name.partition("/"), pair.partition("#")
+    drop_tag, (drop_from, drop_to) = getattr(elastic, name, -1), map(int, pair.split(">"))
+    left = [int(nth or 1)]
+    original_send_to = signals.Signals.send_to
+
+    def send_to_but_one(self, address, tag, epoch, number=0, *args):
+        if (me == drop_from and tag == drop_tag and epoch == 0 and address ==
+                self.addresses[drop_to] and (not of or number == getattr(elastic, of))):
+            left[0] -= 1
+            if left[0] == 0:
+                print(f"# rank {me} dropped {drop} (datagram {number})", file=sys.stderr,
+                      flush=True)
+                return
+        return original_send_to(self, address, tag, epoch, number, *args)
+
+    signals.Signals.send_to = send_to_but_one
 
 algorithm = os.environ.get("ELASTIC_ALGORITHM", "direct")     # (hierarchical: fake nodes)
 evict_after = int(os.environ.get("ELASTIC_EVICT_AFTER", "5"))

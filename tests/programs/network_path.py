@@ -64,7 +64,7 @@ with mpilossy.Communicator(comm, timeout=None if mode == "lossless" else 0.1,
                   lossy_calls > 10 and deadline_calls < 0.3 * lossy_calls)
     if mode == "lossy":
         # The same communicator, loss off, no deadline: exact again.
-        lc._core.configure_loss({})
+        lc._state.core.configure_loss({})
         x = (2.0 ** comm.rank) * (1.0 + np.arange(100_003) % 11)
         ref = np.empty_like(x)
         comm.Allreduce(x, ref)

@@ -1,0 +1,203 @@
+"""What one Communicator holds, as one object: its duplicate communicator,
+config, compiled core, buffer intake, the control loops that steer its calls
+(learned deadline, auto redundancy, lag watch), trace, node layout and
+hierarchy.  Built collectively by `State.open`, freed by `free()`, or, when
+an elastic communicator goes on over its survivors, left whole by
+`abandon()` (its agreements in flight handed over to finish later) and
+replaced by a new one.  The hierarchy's levels are States too
+(hierarchy/levels.py), used through the methods below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from mpi4py import MPI
+
+from ._core import Core
+from .call.buffers import BufferIntake
+from .call.channel import open_core, pace
+from .call.config import Config
+from .call.failure import failure_bound, refuse
+from .call.plan import Routing
+from .call.request import Request
+from .call.spec import CallResolver
+from .call.stats import CollectiveStats
+from .call.trace import Trace
+from .control.deadline import AutoDeadline
+from .control.lag import LagWatch
+from .control.redundancy import AutoRedundancy
+from .errors import MPILossyError
+from .hierarchy import Hierarchy, NodeLayout
+
+__all__ = ["State"]
+
+WHOLE_SLICE = 1 << 30       # block bytes within a node: the channel's largest block
+
+
+class State:
+    """One communicator's state (module documentation).  `calls` counts the
+    public calls made on it, whatever their route."""
+
+    def __init__(self, comm: MPI.Intracomm, config: Config, core: Core, channel: str,
+                 serial: int, layout: Optional[NodeLayout]) -> None:
+        self.comm, self.config, self.core, self.channel = comm, config, core, channel
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.serial = serial
+        self.calls = 0
+        # (one rank: a call is a copy, nothing travels that copies could overlap)
+        self.buffers = BufferIntake(self.rank, self.size,
+                                    config.pipeline_bytes if self.size > 1 else 0)
+        self.auto = AutoDeadline(comm.Dup(), floor=config.auto_floor, cap=config.auto_cap,
+                                 target=config.delivered_target)
+        self.codes = (AutoRedundancy(comm.Dup(), config.redundancy_target)
+                      if config.redundancy == "auto" else None)
+        self.resolver = CallResolver(config, self.size, self.auto, self.codes)
+        self.lag = LagWatch(self.rank, self.size, config.max_behind)
+        self.trace = Trace.open(config.trace, serial, self.rank)
+        self.layout = layout
+        self.hierarchy: Optional[Hierarchy] = None
+        self.closed = False
+
+    @classmethod
+    def open(cls, comm: MPI.Intracomm, config: Config, serial: int, *, layout: bool,
+             two_levels: bool) -> "State":
+        """Collective over `comm` (duplicated here; the caller keeps its
+        own): the whole state.  layout: detect the node layout; two_levels:
+        where it has two levels, build the hierarchy's levels too."""
+        own = comm.Dup()
+        try:
+            core, channel = open_core(own, config)
+        except BaseException:
+            own.Free()
+            raise
+        nodes: Optional[NodeLayout] = None
+        node: Optional[MPI.Comm] = None
+        state: Optional[State] = None
+        try:
+            if layout:
+                nodes, node = NodeLayout.detect(own)
+            state = cls(own, config, core, channel, serial, nodes)
+            if two_levels and node is not None and nodes is not None and nodes.hierarchical:
+                state.hierarchy = Hierarchy.build(own, nodes, node, state._level,
+                                                  config.block_bytes)
+        except BaseException:
+            if state is not None:
+                state.free()
+            else:
+                core.close()
+                own.Free()
+            raise
+        finally:
+            if node is not None:
+                node.Free()
+        return state
+
+    def _level(self, comm: MPI.Intracomm, within_node: bool) -> "State":
+        """A level of this state's hierarchy: the node's ranks (shared
+        memory: exact, no injected loss) or the owners of one slice across
+        nodes (this state's channel and settings)."""
+        assert self.layout is not None
+        config = dataclasses.replace(self.config, algorithm="auto", elastic=False)
+        if within_node:
+            # rotate=False: each rank reduces its own slice, so it knows the
+            # weights that reached it; one block per rank and slice: a rank's
+            # data reaches a slice whole or not at all, so a node's partial is
+            # the mean over the ranks it names in every block of the slice
+            # (hierarchy/allreduce.py)
+            config = dataclasses.replace(config, channel="rma", loss=(), compression=None,
+                                         redundancy=None, rotate=False,
+                                         block_bytes=WHOLE_SLICE)
+        level = State.open(comm, config, self.serial, layout=False, two_levels=False)
+        if not within_node and level.channel == "ud":
+            # the owners of a node's slices share its port
+            pace(level.comm, level.core, config.ud_rate, senders=min(self.layout.sizes))
+        return level
+
+    # -- what the call path asks of it -------------------------------------------
+    @property
+    def routing(self) -> Routing:
+        """What the plan of a call needs to know of this communicator."""
+        h = self.hierarchy
+        return Routing(self.config.algorithm, h is not None,
+                       h is None or h.layout.uniform, self.config.scaling)
+
+    @property
+    def max_block(self) -> int:
+        """Largest record payload the channel moves as one unit (bytes)."""
+        return self.core.max_block
+
+    @property
+    def scaling(self) -> str:
+        return self.config.scaling
+
+    def count_call(self, request: Request) -> float:
+        """Count one call on every control loop: every rank, every call,
+        before anything about it is checked.  Returns the seconds spent
+        on agreements (they come out of the call's deadline)."""
+        self.calls += 1
+        spent = self.auto.tick(self.resolver.asks_for_auto(request.timeout))
+        if self.codes is not None:
+            spent += self.codes.tick()
+        return spent
+
+    def refuse(self, collective: int, exc: BaseException) -> Optional[Exception]:
+        """Fail the call being counted on every rank because of `exc`
+        (call/failure.py's refuse): the exception to raise, or None to
+        re-raise `exc` itself."""
+        return refuse(self.core, collective, exc, self.rank,
+                      failure_bound(self.config.core_timeout, self.auto.cap))
+
+    def refuse_next(self, request: Request, exc: BaseException) -> None:
+        """Take part in the next call only to fail it on every rank with
+        `exc`: the hierarchy's stages after one that failed, so that their
+        peers learn of it and every level counts the same calls."""
+        try:
+            self.count_call(request)
+        except Exception:       # (an agreement that failed too: `exc` is what to report)
+            pass
+        self.refuse(request.collective, exc)
+
+    def call(self, request: Request) -> CollectiveStats:
+        """One call on this state (mpilossy/dispatch.py): what the
+        hierarchy's stages run on its levels."""
+        from .dispatch import run       # (dispatch runs the hierarchy, which runs this)
+        return run(self, request)
+
+    # -- lifetime -----------------------------------------------------------------
+    def alive(self) -> Core:
+        if self.closed:
+            raise MPILossyError("this mpilossy.Communicator was freed")
+        return self.core
+
+    def free(self) -> None:
+        """Collective: release everything (agreements in flight are waited
+        for a bounded time, then handed over: control/agreement.py)."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.trace is not None:
+            self.trace.close()
+        self.core.close()
+        if self.hierarchy is not None:
+            self.hierarchy.free()
+        for loop in (self.auto, self.codes):
+            if loop is not None:
+                loop.close()
+                loop.comm.Free()
+        self.comm.Free()
+
+    def abandon(self) -> None:
+        """Leave this state without a collective (elastic: some of its ranks
+        are gone, and freeing is collective over them): agreements in flight
+        are handed over to complete later, never dropped while MPI may
+        still write into their buffers; the rest is left as it is."""
+        if self.closed:
+            return
+        self.closed = True
+        if self.trace is not None:
+            self.trace.close()
+        for loop in (self.auto, self.codes):
+            if loop is not None:
+                loop.close(limit=0.0)
