@@ -8,7 +8,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import weakref
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -29,6 +29,11 @@ __all__ = ["Communicator", "CollectiveStats", "AllreduceStats", "allreduce",
            "reduce_scatter", "allgather", "default_communicator"]
 
 _serials = itertools.count()
+
+
+def _setting(name: str, doc: str, convert: Callable[[Any], Any] = lambda v: v) -> Any:
+    """A read-only property of the Communicator: one field of its Config."""
+    return property(lambda self: convert(getattr(self.config, name)), doc=doc)
 
 
 class Communicator:
@@ -75,23 +80,18 @@ class Communicator:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise TypeError("comm must be an mpi4py intracommunicator")
+        arguments = {name: value for name, value in locals().items()
+                     if name in Config.arguments()}         # (the settings: every keyword)
         self._state: Optional[State] = None
         self._elastic: Optional[Elastic] = None
         self._serial = next(_serials)
-        arguments = dict(channel=channel, timeout=timeout, loss=loss, algorithm=algorithm,
-                         block_bytes=block_bytes, capacity=capacity, tree_radix=tree_radix,
-                         scaling=scaling, rotate=rotate, compression=compression,
-                         compression_group=compression_group, redundancy=redundancy,
-                         redundancy_target=redundancy_target, delivered_target=delivered_target,
-                         pipeline_bytes=pipeline_bytes, elastic=elastic, evict_after=evict_after,
-                         elastic_wait=elastic_wait)
         config, env = agree(comm, arguments)
         environment.configure_logging(env, comm.Get_rank())
         environment.warn_from_environment(env, MPI.COMM_WORLD.Get_rank(), tuple(
             name for name in ("loss", "timeout") if arguments[name] is UNSET))
         # (an elastic communicator builds no hierarchy: docs/elastic.md)
         self._state = state = State.open(comm, config, self._serial, layout=True,
-                                         two_levels=not config.elastic)
+                                         two_levels=None if config.elastic else run)
         if config.elastic:
             try:
                 self._elastic = Elastic(state)
@@ -166,23 +166,10 @@ class Communicator:
     def channel(self) -> str:
         return self._live().channel
 
-    @property
-    def timeout(self) -> Any:
-        """Seconds, "auto", or None."""
-        return self.config.timeout
-
-    @property
-    def scaling(self) -> str:
-        """"unbiased" (sum / contributions) or "zero-fill" (sum / size)."""
-        return self.config.scaling
-
-    @property
-    def rotate(self) -> bool:
-        return self.config.rotate
-
-    @property
-    def loss(self) -> List[Any]:
-        return list(self.config.loss)
+    timeout = _setting("timeout", 'Seconds, "auto", or None.')
+    scaling = _setting("scaling", '"unbiased" (sum / contributions) or "zero-fill" (sum / size).')
+    rotate = _setting("rotate", "Whether each chunk's reducer moves from call to call.")
+    loss = _setting("loss", "The injected loss models.", list)
 
     @property
     def calls(self) -> int:

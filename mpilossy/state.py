@@ -5,7 +5,8 @@ hierarchy.  Built collectively by `State.open`, freed by `free()`, or, when
 an elastic communicator goes on over its survivors, left whole by
 `abandon()` (its agreements in flight handed over to finish later) and
 replaced by a new one.  The hierarchy's levels are States too
-(hierarchy/levels.py), used through the methods below.
+(hierarchy/levels.py's Level: the methods below), whose calls the
+hierarchy makes through dispatch.run, handed to it here.
 """
 
 from __future__ import annotations
@@ -23,13 +24,13 @@ from .call.failure import failure_bound, refuse
 from .call.plan import Routing
 from .call.request import Request
 from .call.spec import CallResolver
-from .call.stats import CollectiveStats
 from .call.trace import Trace
 from .control.deadline import AutoDeadline
 from .control.lag import LagWatch
 from .control.redundancy import AutoRedundancy
 from .errors import MPILossyError
 from .hierarchy import Hierarchy, NodeLayout
+from .hierarchy.levels import Run
 
 __all__ = ["State"]
 
@@ -62,10 +63,11 @@ class State:
 
     @classmethod
     def open(cls, comm: MPI.Intracomm, config: Config, serial: int, *, layout: bool,
-             two_levels: bool) -> "State":
+             two_levels: Optional[Run] = None) -> "State":
         """Collective over `comm` (duplicated here; the caller keeps its
         own): the whole state.  layout: detect the node layout; two_levels:
-        where it has two levels, build the hierarchy's levels too."""
+        where it has two levels, build the hierarchy's levels, whose calls
+        this runs (dispatch.run)."""
         own = comm.Dup()
         try:
             core, channel = open_core(own, config)
@@ -81,7 +83,7 @@ class State:
             state = cls(own, config, core, channel, serial, nodes)
             if two_levels and node is not None and nodes is not None and nodes.hierarchical:
                 state.hierarchy = Hierarchy.build(own, nodes, node, state._level,
-                                                  config.block_bytes)
+                                                  config.block_bytes, two_levels)
         except BaseException:
             if state is not None:
                 state.free()
@@ -109,7 +111,7 @@ class State:
             config = dataclasses.replace(config, channel="rma", loss=(), compression=None,
                                          redundancy=None, rotate=False,
                                          block_bytes=WHOLE_SLICE)
-        level = State.open(comm, config, self.serial, layout=False, two_levels=False)
+        level = State.open(comm, config, self.serial, layout=False)
         if not within_node and level.channel == "ud":
             # the owners of a node's slices share its port
             pace(level.comm, level.core, config.ud_rate, senders=min(self.layout.sizes))
@@ -158,12 +160,6 @@ class State:
         except Exception:       # (an agreement that failed too: `exc` is what to report)
             pass
         self.refuse(request.collective, exc)
-
-    def call(self, request: Request) -> CollectiveStats:
-        """One call on this state (mpilossy/dispatch.py): what the
-        hierarchy's stages run on its levels."""
-        from .dispatch import run       # (dispatch runs the hierarchy, which runs this)
-        return run(self, request)
 
     # -- lifetime -----------------------------------------------------------------
     def alive(self) -> Core:

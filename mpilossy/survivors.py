@@ -96,7 +96,7 @@ class Elastic:
         agreements in flight are handed over to complete later."""
         rest = survivors(state.comm, out)
         try:
-            fresh = State.open(rest, state.config, state.serial, layout=True, two_levels=False)
+            fresh = State.open(rest, state.config, state.serial, layout=True)
         finally:
             rest.Free()
         state.abandon()

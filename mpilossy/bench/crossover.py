@@ -1,6 +1,6 @@
 """``mpiexec -n N python -m mpilossy.bench crossover``: where the tree stops
 beating the ring, for this rank count, lossless.  The result feeds
-algorithm="auto" (mpilossy/call/spec.py, TREE_MAX_BYTES) and can be set
+algorithm="auto" (mpilossy/call/plan.py, TREE_MAX_BYTES) and can be set
 per run with MPILOSSY_TREE_MAX_BYTES."""
 
 from __future__ import annotations

@@ -1,6 +1,8 @@
-"""The one place that chooses how a call runs: flat (one core call),
-pipelined (a GPU all-reduce in segments, call/pipeline.py), hierarchical
-(the two-level stages, hierarchy/) or answered alone (elastic, call/alone.py).
+"""The one place that chooses how a call runs: its route, flat (one core
+call), pipelined (a GPU all-reduce in segments, call/pipeline.py),
+hierarchical (the two-level stages, hierarchy/) or answered alone (elastic,
+call/alone.py), and within the flat routes the algorithm "auto" picks
+(flat_algorithm, which call/spec.py asks).
 
 The choice reads only what every rank shares when the ranks make the same
 call: the communicator's agreed settings and node layout, the collective,
@@ -19,9 +21,22 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from .._core import ALLGATHER, REDUCE_SCATTER
+from .._core import ALLGATHER, DIRECT, REDUCE_SCATTER, RING, TREE
 
-__all__ = ["Route", "Routing", "plan"]
+__all__ = ["Route", "Routing", "plan", "flat_algorithm", "tree_max_bytes", "TREE_MAX_BYTES"]
+
+ALGORITHMS = {"ring": RING, "tree": TREE, "direct": DIRECT}
+# Largest message for which algorithm="auto" picks the tree, by rank count,
+# measured with `mpiexec -n N python -m mpilossy.bench crossover` on the
+# development machine (docs/performance.md).  Larger jobs could not be
+# measured there: they use TREE_MAX_BYTES_LARGE until calibrated
+# (MPILOSSY_TREE_MAX_BYTES overrides the table).
+TREE_MAX_BYTES = {1: 0, 2: 1024, 3: 2 * 1024, 4: 16 * 1024}
+TREE_MAX_BYTES_LARGE = 32 * 1024
+# algorithm="auto" above the tree's sizes, for calls without a deadline: the
+# ring (True) or direct (False), whichever was faster without loss
+# (docs/performance.md).  Calls with a deadline take direct.
+RING_WITHOUT_DEADLINE = True
 
 
 class Route(enum.Enum):
@@ -72,3 +87,25 @@ def _two_level(collective: int, chosen: Any, dtype: Optional[np.dtype],
         return False
     floating = dtype is None or dtype.kind == "f"
     return floating and routing.scaling == "unbiased"
+
+
+def tree_max_bytes(setting: Optional[int], size: int) -> int:
+    """The largest message "auto" sends down the tree at `size` ranks."""
+    return setting if setting is not None else TREE_MAX_BYTES.get(size, TREE_MAX_BYTES_LARGE)
+
+
+def flat_algorithm(algorithm: str, nbytes: int, deadline: bool, tree_ok: bool,
+                   tree_max: int) -> int:
+    """The core's algorithm of a flat call (a weight or compression takes
+    direct before this is asked).  "auto" (docs/performance.md): the tree
+    up to its measured crossover `tree_max`; above it, direct whenever the
+    call has a deadline (the ring loses whole partial sums: at 3 ranks and
+    more it keeps fewer contributions than direct), else the faster of ring
+    and direct without loss (RING_WITHOUT_DEADLINE)."""
+    if algorithm != "auto":
+        return ALGORITHMS[algorithm]
+    if tree_ok and nbytes <= tree_max:
+        return TREE
+    if deadline or not RING_WITHOUT_DEADLINE:
+        return DIRECT
+    return RING

@@ -11,30 +11,18 @@ from typing import Any, Optional
 
 import numpy as np
 
-from .._core import ALLGATHER, AVG, DIRECT, PART_WHOLE, REDUCE_SCATTER, RING, SUM, TREE, \
-    CallSpec
+from .._core import ALLGATHER, AVG, DIRECT, PART_WHOLE, REDUCE_SCATTER, SUM, CallSpec
 from ..control.deadline import AutoDeadline, size_bucket
 from ..control.redundancy import AutoRedundancy
 from .config import AUTO, COMPRESSIONS, UNSET, Config, check_algorithm, check_compression, \
     check_redundancy, check_timeout, core_timeout
 from .dtypes import DTYPE_CODES
+from .plan import TREE_MAX_BYTES, flat_algorithm, tree_max_bytes
 from .request import Request
 
-__all__ = ["CallSpec", "CallResolver", "asks_for_auto", "check_residual"]
+__all__ = ["CallSpec", "CallResolver", "asks_for_auto", "check_residual", "TREE_MAX_BYTES"]
 
 OPS = {"sum": SUM, "avg": AVG}
-ALGORITHMS = {"ring": RING, "tree": TREE, "direct": DIRECT}
-# Largest message for which algorithm="auto" picks the tree, by rank count,
-# measured with `mpiexec -n N python -m mpilossy.bench crossover` on the
-# development machine (docs/performance.md).  Larger jobs could not be
-# measured there: they use TREE_MAX_BYTES_LARGE until calibrated
-# (MPILOSSY_TREE_MAX_BYTES overrides the table).
-TREE_MAX_BYTES = {1: 0, 2: 1024, 3: 2 * 1024, 4: 16 * 1024}
-TREE_MAX_BYTES_LARGE = 32 * 1024
-# algorithm="auto" above the tree's sizes, for calls without a deadline: the
-# ring (True) or direct (False), whichever was faster without loss
-# (docs/performance.md).  Calls with a deadline take direct.
-RING_WITHOUT_DEADLINE = True
 # What is gone of a call's deadline when a call (or a pipeline's segment)
 # starts comes out of it, down to this share of the deadline (shared by
 # the segments of a pipelined call): a pipelined call ends within
@@ -61,8 +49,7 @@ class CallResolver:
         self.config = config
         self.deadlines = deadlines
         self.codes = codes                        # redundancy="auto": the agreed code
-        self.tree_max_bytes: int = (config.tree_max_bytes if config.tree_max_bytes is not None
-                                    else TREE_MAX_BYTES.get(size, TREE_MAX_BYTES_LARGE))
+        self.tree_max_bytes: int = tree_max_bytes(config.tree_max_bytes, size)
         self.timeout = config.core_timeout        # (read on every call)
 
     def asks_for_auto(self, timeout: Any) -> bool:
@@ -110,8 +97,8 @@ class CallResolver:
             if w or bits:
                 algo = DIRECT
             else:
-                algo = self._algorithm(chosen, send.nbytes, tmo != -1.0,
-                                       tree_ok=collective != REDUCE_SCATTER)
+                algo = flat_algorithm(chosen, send.nbytes, tmo != -1.0,
+                                      collective != REDUCE_SCATTER, self.tree_max_bytes)
         nbytes = send.nbytes
         kind = (collective, algo, size_bucket(nbytes))
         if auto:
@@ -141,20 +128,6 @@ class CallResolver:
                         qgroup=config.compression_group, residual=err, nbytes=nbytes,
                         elements=recv.size if collective == ALLGATHER else send.size,
                         kind=kind, fec_k=k, fec_m=m, part=part, tag=tag | request.tag)
-
-    def _algorithm(self, algorithm: str, nbytes: int, deadline: bool, tree_ok: bool) -> int:
-        """algorithm="auto" (docs/performance.md): the tree up to its measured
-        crossover; above it, direct whenever the call has a deadline (the
-        ring loses whole partial sums: at 3 ranks and more it keeps fewer
-        contributions than direct), else the faster of ring and direct
-        without loss (RING_WITHOUT_DEADLINE)."""
-        if algorithm != "auto":
-            return ALGORITHMS[algorithm]
-        if tree_ok and nbytes <= self.tree_max_bytes:
-            return TREE
-        if deadline or not RING_WITHOUT_DEADLINE:
-            return DIRECT
-        return RING
 
     def weight(self, weight: Any, op: str, algorithm: str) -> float:
         """The weight to pass to the core (a weight was given); raises

@@ -16,7 +16,7 @@ from ..call.stats import CollectiveStats
 from ..errors import MPILossyError
 from .layout import NodeLayout, Pieces
 
-__all__ = ["Hierarchy", "Level"]
+__all__ = ["Hierarchy", "Level", "Run"]
 
 
 class Level(Protocol):
@@ -30,11 +30,12 @@ class Level(Protocol):
     @property
     def scaling(self) -> str: ...
 
-    def call(self, request: Request) -> CollectiveStats: ...
-
     def refuse_next(self, request: Request, exc: BaseException) -> None: ...
 
     def free(self) -> None: ...
+
+
+Run = Callable[[Any, Request], CollectiveStats]
 
 
 class Hierarchy:
@@ -46,8 +47,9 @@ class Hierarchy:
     fewest ranks of any node."""
 
     def __init__(self, layout: NodeLayout, intra: Level, inter: Optional[Level],
-                 total: int, block_bytes: int, max_block: int) -> None:
+                 total: int, block_bytes: int, max_block: int, run: Run) -> None:
         self.layout = layout
+        self.run = run                             # one call on a level (dispatch.run)
         self.intra, self.inter = intra, inter
         self.cap = intra.config.auto_cap           # the learned deadline's cap, the parent's
         self.total = total                         # ranks of the parent communicator
@@ -60,10 +62,11 @@ class Hierarchy:
 
     @classmethod
     def build(cls, comm: MPI.Intracomm, layout: NodeLayout, node: MPI.Comm,
-              make: Callable[[Any, bool], Level], block_bytes: int) -> "Hierarchy":
+              make: Callable[[Any, bool], Level], block_bytes: int, run: Run) -> "Hierarchy":
         """Collective over `comm`.  `make(comm, within_node)` builds a level
         with the parent's settings on `comm` (within_node: the settings of
-        the stage in shared memory)."""
+        the stage in shared memory); `run(level, request)` makes one call
+        on a level."""
         leaders = min(layout.sizes)
         color = layout.local_rank if layout.local_rank < leaders else MPI.UNDEFINED
         cross = comm.Split(color, key=layout.node)
@@ -89,7 +92,7 @@ class Hierarchy:
                 raise error
             raise MPILossyError("the hierarchy's levels failed on another rank")
         assert intra is not None
-        return cls(layout, intra, inter, comm.Get_size(), block_bytes, max_block)
+        return cls(layout, intra, inter, comm.Get_size(), block_bytes, max_block, run)
 
     def free(self) -> None:
         if self.inter is not None:

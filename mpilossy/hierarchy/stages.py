@@ -101,7 +101,7 @@ class Stages:
             level.refuse_next(request(self.deadline), self.failure.proxy())
             return None
         try:
-            return level.call(request(self.deadline))
+            return self.h.run(level, request(self.deadline))
         except BaseException as exc:
             self.failure = Failure.of_stage(exc, where, ranks, self.h.layout.rank)
             return None
