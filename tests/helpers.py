@@ -178,15 +178,21 @@ def run_mpi_script(script: str, nprocs: int, *args: str, timeout: float = 120,
     return run_bounded(cmd, timeout, clean_subprocess_env(**env))
 
 
+def last_report(stdout: str, stderr: str = "") -> dict:
+    """The last JSON object a program printed on a line of its own (a
+    library may print warnings on stdout too: UCX at MPI_Finalize)."""
+    lines = [line for line in stdout.splitlines() if line.startswith("{")]
+    assert lines, stdout[-2000:] + stderr[-3000:]
+    return json.loads(lines[-1])
+
+
 def program_report(script: str, nprocs: int, *args: str, timeout: float = 150,
                    **env: str) -> dict:
     """Run tests/programs/<script> (run_mpi_script), which prints one JSON
     line from rank 0 with a "failures" list; assert it ran and nothing
     failed; return that line."""
     proc = run_mpi_script(script, nprocs, *args, timeout=timeout, **env)
-    lines = proc.stdout.strip().splitlines()
-    assert lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1])
+    result = last_report(proc.stdout, proc.stderr)
     assert proc.returncode == 0 and not result["failures"], result
     return result
 

@@ -326,12 +326,18 @@ cdef class Channel:
         signature `sig` (and these announced fields): if this rank made it
         otherwise, the error that fails the current call (the rule for a
         call a rank returned from that failed elsewhere: its next one fails
-        on every rank, naming it).  False where this rank cannot tell."""
+        on every rank, naming it).  False where this rank cannot tell, and
+        where the call, or one since, failed here already: every rank has
+        raised for it then (a late HELLO of a call that failed as a
+        mismatch would fail a good call after it).  Once per call."""
         cdef char theirs[160]
         cdef int k = seq % PAST_CALLS
         if (sig == 0 or seq == 0 or self.past_seq[k] != seq or self.past_sig[k] == 0
                 or self.past_sig[k] == sig or self.error.kind != ERR_NONE):
             return False
+        if self.outcomes is not None and self.outcomes.last_failed >= seq:
+            return False
+        self.past_sig[k] = 0
         describe_call(theirs, 160, layout, count, dtype, op)
         self.error.kind = ERR_MISMATCH
         self.error.rank = self.rank

@@ -67,6 +67,7 @@ def test_the_checkout_works_from_its_root():
 
 
 @single
+@pytest.mark.timeout(1000)     # (a build beside the one-rank suite: its own bounds)
 @pytest.mark.builds
 def test_pip_install_into_an_environment_without_mpi(tmp_path):
     """In a fresh venv that has mpi4py but no MPI wheel, `pip install .`

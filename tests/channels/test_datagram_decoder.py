@@ -251,6 +251,7 @@ def test_mac_key_and_tag_sizes():
 
 
 # -- the same tests under AddressSanitizer ---------------------------------------------
+@pytest.mark.timeout(1000)     # (a build beside the one-rank suite: its own bounds)
 @pytest.mark.builds
 def test_decoder_under_address_sanitizer(tmp_path):
     """Build the core with -fsanitize=address (meson's b_sanitize) and run this

@@ -13,7 +13,7 @@ import pytest
 
 import mpilossy
 from mpilossy import _core
-from helpers import (HERE, PROGRAMS, all_ranks_raise, all_ranks_raise_by_next_call,
+from helpers import (HERE, PROGRAMS, last_report, all_ranks_raise, all_ranks_raise_by_next_call,
                      build_package, clean_subprocess_env, importing_from, is_singleton, mpi_sum, run_bounded, run_mpi_script,
                      small_ints, module_path)
 
@@ -184,7 +184,7 @@ def run_drops(namespace, *args):
     prefix = ("ip", "netns", "exec", namespace) if namespace else ()
     proc = run_mpi_script("ud_drops.py", 4, *args, timeout=90, prefix=prefix)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return last_report(proc.stdout, proc.stderr)
 
 
 @pytest.fixture
@@ -260,6 +260,7 @@ def test_exact_calls_under_real_drops_then_an_mpi_collective(dropping_namespace,
 
 
 # -- without libfabric ---------------------------------------------------------------
+@pytest.mark.timeout(1000)     # (a build beside the one-rank suite: its own bounds)
 @pytest.mark.builds
 def test_build_without_libfabric_explains(tmp_path):
     """A build without libfabric headers works; channel='ud' on libfabric then

@@ -16,7 +16,7 @@ from allpairspy import AllPairs
 
 from mpilossy import _core
 from mpilossy.control.failures import reports_failures
-from helpers import is_singleton, run_mpi_script
+from helpers import is_singleton, last_report, run_mpi_script
 
 # name -> values (the first of each is the plain case)
 FACTORS = {
@@ -127,8 +127,6 @@ def test_cells_keep_the_invariants(name, layout, exits, batch):
     proc = run_mpi_script("matrix.py", ranks, json.dumps(batch), timeout=260,
                           options=("-disable-auto-cleanup",) if exits else (),
                           MPIR_CVAR_NUM_CLIQUES=str(cliques), MPILOSSY_AUTO_CAP=CAP)
-    lines = proc.stdout.strip().splitlines()
-    assert lines, proc.stderr[-3000:]
-    result = json.loads(lines[-1])
+    result = last_report(proc.stdout, proc.stderr)
     assert result["cells"] == len(batch) and not result["failures"], result
     assert proc.returncode == 0, proc.stderr[-3000:]
