@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from helpers import clean_subprocess_env
+from helpers import unavailable, clean_subprocess_env
 
 JOBS = Path(__file__).resolve().parent.parent / "jobs"
 # One node, 4 tasks of 1 CPU, 3 minutes: command-line options override the
@@ -311,19 +311,18 @@ def cluster_fixture():
 
 
 def _start_or_skip():
-    import pytest
 
     reason = ensure_slurm()
     if reason:
-        pytest.skip(reason)
+        unavailable(reason)
     try:
         cluster = SingleNodeSlurm()
     except SlurmError as exc:
-        pytest.skip(str(exc))
+        unavailable(str(exc))
     try:
         cluster.start()
     except (SlurmError, OSError, subprocess.SubprocessError) as exc:
         cluster.stop()
         cluster.remove()
-        pytest.skip(f"a single-node Slurm could not be started here: {exc}")
+        unavailable(f"a single-node Slurm could not be started here: {exc}")
     return cluster

@@ -6,7 +6,9 @@
 Size 1 runs every test (including those that start their own mpiexec);
 larger sizes run the MPI tests (marked mpi) only.  At size 1 the tests
 marked `builds` (they build their own copies and environments: mostly one
-compiler or pip on one core) run in a second pytest beside the others.
+compiler or pip on one core) run in a second pytest beside the others, at
+the lowest CPU priority (nice 19), so that the timing-sensitive tests keep
+the cores whenever they need them.
 Each size is bounded by --timeout seconds (and every single test by
 pytest-timeout), so a deadlock fails fast; a size past its bound is
 interrupted first, so that pytest still reports what failed.
@@ -38,6 +40,16 @@ def count(xml_file: Path) -> dict:
             totals[key] += int(suite.get(key, 0))
     totals["passed"] = totals["tests"] - totals["failures"] - totals["errors"] - totals["skipped"]
     return totals
+
+
+def skip_reasons(xml_file: Path) -> dict:
+    """Why the tests of a JUnit file skipped: reason -> how many."""
+    reasons: dict = {}
+    for case in ET.parse(xml_file).getroot().iter("testcase"):
+        for skipped in case.iter("skipped"):
+            why = (skipped.get("message") or "").strip()[:100]
+            reasons[why] = reasons.get(why, 0) + 1
+    return reasons
 
 
 def finish(proc: subprocess.Popen, deadline: float) -> object:
@@ -93,8 +105,10 @@ def main() -> int:
         for tag, cmd, log in runs:
             if isinstance(log, Path):       # stdout and stderr to the file
                 with open(log, "w") as sink:
+                    # the builds: CPU left over by the timing-sensitive tests only
                     procs.append(subprocess.Popen(cmd, cwd=out, stdout=sink,
-                                                  stderr=subprocess.STDOUT))
+                                                  stderr=subprocess.STDOUT,
+                                                  preexec_fn=lambda: os.nice(19)))
             else:
                 procs.append(subprocess.Popen(cmd, cwd=out, stdout=log))
         codes = [finish(proc, began + args.timeout) for proc in procs]
@@ -117,6 +131,10 @@ def main() -> int:
         else:
             line = "no results"
         print(f"== {size} rank(s): {line} in {took:.0f} s (exit {code})", flush=True)
+        for xml in (out / f"{tag}-0.xml" for tag, _, _ in runs):
+            if xml.exists():
+                for why, n in sorted(skip_reasons(xml).items(), key=lambda kv: -kv[1]):
+                    print(f"   skipped {n:4d}: {why}", flush=True)
         if code != 0:
             failed_sizes.append(size)
             if size > 1:

@@ -40,6 +40,30 @@ def run(comm, algorithm, p, fresh_noise=False, calls=CALLS, timeout=TIMEOUT, **o
     return results, inputs, delivered / calls
 
 
+def delivered_floor(algorithm, n, p, margin=0.15):
+    """A lower bound on the mean `delivered` of one rank under independent
+    loss p: the share of contributions the topology keeps in the reduced
+    blocks that arrive (docs/performance.md, "Contributions kept": direct
+    1 + (N-1)q of N, the ring (1 - q^N)/p of N, the radix-4 tree the mean of
+    q^depth), where at most a share p of the blocks fall back on this rank's
+    own data (1 of N), less `margin` for blocks a loaded machine makes
+    late.  A rank that kept only its own data delivers 1/N: below it."""
+    q = 1.0 - p
+    if algorithm == "direct":
+        kept = (1 + (n - 1) * q) / n
+    elif algorithm == "ring":
+        kept = (1 - q ** n) / (p * n)
+    else:
+        depth = [0] * n
+        for r in range(1, n):            # radix 4: the parent of r clears its lowest
+            digit, step = r, 1           # nonzero base-4 digit
+            while digit % 4 == 0:
+                digit, step = digit // 4, step * 4
+            depth[r] = depth[r - (digit % 4) * step] + 1
+        kept = sum(q ** d for d in depth) / n
+    return q * kept + p / n - margin
+
+
 def max_t(samples, truth):
     """Largest |t| over elements of mean(samples) against truth."""
     mean = samples.mean(axis=0)

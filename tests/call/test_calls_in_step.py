@@ -12,7 +12,7 @@ import pytest
 
 import mpilossy
 from mpilossy.control import deadline
-from helpers import all_ranks_raise, mpi_sum, small_ints
+from helpers import all_ranks_raise, learned_as_documented, mpi_sum, small_ints
 
 
 def exact_next_call(comm, lc, n=1001):
@@ -94,10 +94,12 @@ def test_auto_schedule_survives_a_failed_call(comm, monkeypatch):
                 except (ValueError, mpilossy.MismatchError):
                     used.append("failed")
                 continue
-            used.append(lc.allreduce(x, np.empty_like(x), algorithm="ring").timeout)
+            stats = lc.allreduce(x, np.empty_like(x), algorithm="ring")
+            used.append(stats.timeout)
+        learned, rule, _ = learned_as_documented(lc, stats)
     everyone = comm.allgather(used)
     assert all(u == everyone[0] for u in everyone), everyone
-    assert used[-1] < 2.0
+    assert learned == pytest.approx(rule) and learned < 2.0, (learned, rule)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -110,7 +112,8 @@ def test_auto_agreement_does_not_wait_for_a_straggler(comm, monkeypatch):
     x = np.ones(4096)
     with mpilossy.Communicator(comm, timeout="auto") as lc:
         while lc._state.auto.calls < 3 * deadline.PERIOD - 1:    # learned, the next call posts
-            learned = lc.allreduce(x, np.empty_like(x)).timeout
+            stats = lc.allreduce(x, np.empty_like(x))
+        learned, rule, _ = learned_as_documented(lc, stats)
         comm.Barrier()
         if comm.rank == sleeper:
             time.sleep(0.6)
@@ -121,7 +124,7 @@ def test_auto_agreement_does_not_wait_for_a_straggler(comm, monkeypatch):
             took.append(time.monotonic() - began)
         comm.Barrier()
     outcome = comm.allgather((max(took), learned))
-    assert learned < 0.25, outcome
+    assert learned == pytest.approx(rule) and learned < 0.25, (rule, outcome)
     assert all(t <= learned + 0.05 for r, (t, _) in enumerate(outcome) if r != sleeper), outcome
 
 

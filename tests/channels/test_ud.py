@@ -13,7 +13,7 @@ import pytest
 
 import mpilossy
 from mpilossy import _core
-from helpers import (HERE, PROGRAMS, last_report, all_ranks_raise, all_ranks_raise_by_next_call,
+from helpers import (unavailable, HERE, PROGRAMS, last_report, all_ranks_raise, all_ranks_raise_by_next_call,
                      build_package, clean_subprocess_env, importing_from, is_singleton, mpi_sum, run_bounded, run_mpi_script,
                      small_ints, module_path)
 
@@ -114,10 +114,12 @@ def test_mismatch_and_local_errors_reach_every_rank(comm, timeout):
         x = np.ones(1001 if culprit else 1000, np.float32)
         ones = np.ones(1000, np.float32)
         then = None if timeout is None else lambda: lc.allreduce(ones)
-        all_ranks_raise_by_next_call(comm, lambda: lc.allreduce(x), then, mpilossy.MismatchError)
+        all_ranks_raise_by_next_call(comm, lambda: lc.allreduce(x), then, mpilossy.MismatchError,
+                                     timeout)
         out = np.empty(1000, np.float32)
         out.flags.writeable = not culprit
-        all_ranks_raise_by_next_call(comm, lambda: lc.allreduce(ones, out), then, BufferError)
+        all_ranks_raise_by_next_call(comm, lambda: lc.allreduce(ones, out), then, BufferError,
+                                     timeout)
         y = small_ints(3000, comm.rank, np.int64)
         z = np.empty_like(y)
         lc.allreduce(y, z)
@@ -191,7 +193,7 @@ def run_drops(namespace, *args):
 def dropping_namespace():
     reason = netns_ready()
     if reason:
-        pytest.skip(reason)
+        unavailable(reason)
     # A test process killed by its timeout cannot run this fixture's cleanup:
     # remove the namespaces that such processes left behind.
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout

@@ -22,7 +22,7 @@ import pytest
 
 import mpilossy.cluster as emulated
 from mpilossy import _core
-from helpers import HERE, clean_subprocess_env, is_singleton, run_bounded
+from helpers import unavailable, HERE, clean_subprocess_env, is_singleton, run_bounded
 
 SCRIPT = HERE.parent / "scripts" / "cluster.py"
 ALIAS = HERE.parent / "scripts" / "lossy_link.py"
@@ -47,7 +47,7 @@ def ours() -> set:
 def run_script(script: Path, *args: str, timeout: float = 300):
     proc = run_bounded([sys.executable, str(script), *args], timeout, clean_subprocess_env())
     if proc.returncode == emulated.UNAVAILABLE:
-        pytest.skip(proc.stderr.strip())
+        unavailable(proc.stderr.strip())
     return proc
 
 
@@ -74,8 +74,9 @@ def test_bench_across_a_dropping_switch(tmp_path):
     assert row["switch_drops"] > 0, row
     assert 0 < row["delivered"] < 1, row
     assert row["mpi_p50_us"] > 0 and row["p50_us"] > 0, row
-    # 50 ms deadline: no call past it by more than scheduling on 2 cores.
-    assert row["max_us"] < 50e3 + 200e3, row
+    # 50 ms deadline: every call within it + 30 ms, but one scheduling
+    # outlier under 200 ms on 2 shared cores (docs/deadlines.md)
+    assert row["late_30ms"] <= 1 and row["max_us"] < 50e3 + 200e3, row
     assert ours() <= before, ours() - before
 
 
@@ -87,7 +88,7 @@ def test_lossy_link_is_the_loopback_mode(tmp_path):
     row = bench_row(ALIAS, tmp_path, "--np", "2", "--drops", "0.05", "--sizes", "64K:0.05",
                     "--iters", "4")
     assert row["switch_drops"] > 0 and row["kernel"]["Udp.OutDatagrams"] > 0, row
-    assert row["max_us"] < 50e3 + 200e3, row
+    assert row["late_30ms"] <= 1 and row["max_us"] < 50e3 + 200e3, row
     assert ours() <= before, ours() - before
 
 
@@ -97,7 +98,7 @@ def test_switch_port_overflows_under_incast():
     drop nothing."""
     why = emulated.unavailable()
     if why:
-        pytest.skip(why)
+        unavailable(why)
     blast = ("import socket; s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
              "for _ in range(2000):\n"
              "    try: s.sendto(bytes(1400), ('node3', 9))\n"
@@ -105,7 +106,7 @@ def test_switch_port_overflows_under_incast():
     try:
         c = emulated.Cluster(nodes=3, rate="100mbit", queue="16kb", node_rate=None).open()
     except emulated.ClusterUnavailable as exc:
-        pytest.skip(str(exc))
+        unavailable(str(exc))
     with c:
         senders = [c.popen(c.on_node(n, [sys.executable, "-c", blast]), env=clean_subprocess_env())
                    for n in (1, 2)]
@@ -121,10 +122,10 @@ def test_launcher_passes_shellcheck():
     """The launcher wrapper that cluster.py writes for hydra (POSIX sh)."""
     shellcheck = shutil.which("shellcheck")
     if shellcheck is None:
-        pytest.skip("shellcheck is not installed (scripts/system-packages.sh installs it)")
+        unavailable("shellcheck is not installed (scripts/system-packages.sh installs it)")
     why = emulated.unavailable()
     if why:
-        pytest.skip(why)
+        unavailable(why)
     with emulated.Cluster(nodes=2) as c:
         done = subprocess.run([shellcheck, str(c.wrapper)], capture_output=True, text=True,
                               timeout=60)
@@ -152,7 +153,7 @@ def start_job(*extra: str) -> subprocess.Popen:
     proc.kill()
     out, err = proc.communicate()
     if proc.returncode == emulated.UNAVAILABLE:
-        pytest.skip(err.strip())
+        unavailable(err.strip())
     raise AssertionError(f"the job did not start on node 2: {out[-2000:]}{err[-2000:]}")
 
 
@@ -181,7 +182,7 @@ def alive(pids, wait: float = 5.0) -> list:
 
 def test_sigterm_removes_everything():
     if os.geteuid() != 0:
-        pytest.skip("needs root (network namespaces)")
+        unavailable("needs root (network namespaces)")
     before = ours()
     proc = start_job()
     try:
@@ -205,7 +206,7 @@ def test_sigkilled_run_is_cleaned_up_by_the_next():
     finds them by name, sees that their owner is gone, kills the job and
     removes them (and leaves a live run alone)."""
     if os.geteuid() != 0:
-        pytest.skip("needs root (network namespaces)")
+        unavailable("needs root (network namespaces)")
     before = ours()
     live = start_job()
     dead = start_job()
@@ -268,7 +269,7 @@ class LibraryChild:
             raise AssertionError(f"the child ran past {timeout} s: {self.output()}") from None
         out, err = self.out.read_text(), self.err.read_text()
         if self.proc.returncode == 1 and "ClusterUnavailable" in err:
-            pytest.skip(err.strip().splitlines()[-1])
+            unavailable(err.strip().splitlines()[-1])
         return self.proc.returncode, out, err
 
     def output(self) -> str:
@@ -298,7 +299,7 @@ def remove(cid: str) -> None:
 def skip_unless_possible() -> None:
     why = emulated.unavailable()
     if why:
-        pytest.skip(why)
+        unavailable(why)
 
 
 def test_sigterm_to_a_library_user_removes_its_cluster(tmp_path):
@@ -436,7 +437,7 @@ def test_open_and_close_off_the_main_thread():
         thread.join(60)
         assert not thread.is_alive()
         if errors and isinstance(errors[0], emulated.ClusterUnavailable):
-            pytest.skip(str(errors[0]))
+            unavailable(str(errors[0]))
         assert not errors, errors
         assert left_of(cids[0]) == []
         with emulated.Cluster(nodes=1, rate=None) as c:
@@ -454,7 +455,7 @@ def test_background_traffic_crosses_the_ports_and_stops():
     no process behind."""
     why = emulated.unavailable()
     if why:
-        pytest.skip(why)
+        unavailable(why)
     assert emulated.parse_background("200/300:2") == (0.2, 0.3, 2)
     for bad in ("200", "0/10", "a/b", "200/300:0"):
         with pytest.raises(ValueError):
@@ -462,7 +463,7 @@ def test_background_traffic_crosses_the_ports_and_stops():
     try:
         c = emulated.Cluster(nodes=3, rate="100mbit").open()
     except emulated.ClusterUnavailable as exc:
-        pytest.skip(str(exc))
+        unavailable(str(exc))
     with c:
         before = c.counters()["ports"]
         c.start_background(0.2, 0.1, flows=1, seconds=60)

@@ -22,7 +22,11 @@ def run(ranks: int, channel: str, scenario: str, calls: int = 25, **env: str) ->
     return elastic_run("elastic.py", ranks, channel, scenario, str(calls), **env)
 
 
-def check_survivors(lines, ranks, lost, exclusions, output):
+def check_survivors(lines, ranks, lost, exclusions, output, first=6):
+    """Every survivor goes on with the same exclusions, every block exact for
+    its contributors, and everything delivered before the first loss (call
+    `first`) and after the last exclusion, but calls answered alone and one
+    scheduling outlier (a 0.2 s deadline on shared cores)."""
     survivors = [r for r in range(ranks) if r not in lost]
     going_on = [r for r in lines if "calls" in r]
     assert sorted(r["rank"] for r in going_on) == survivors, output
@@ -31,6 +35,10 @@ def check_survivors(lines, ranks, lost, exclusions, output):
         assert r["members"] == survivors and r["size"] == len(survivors), r
         assert [e["excluded"] for e in r["exclusions"]] == exclusions, r
         assert [c[0] for c in r["callbacks"]] == exclusions, r
+        after = max(e["call"] for e in r["exclusions"])
+        short = [c for c, d in enumerate(r["delivered"])
+                 if d < 1.0 and (c < first or c > after) and c not in r["alone"]]
+        assert len(short) <= 1, (short, r)
     return going_on
 
 
@@ -124,7 +132,7 @@ def test_one_lost_control_datagram_changes_nothing(drop):
 def test_two_ranks_lost_at_different_calls(ranks, channel):
     first, second = 0, ranks - 1
     lines, output = run(ranks, channel, f"exit:{first}@5,{second}@12")
-    check_survivors(lines, ranks, [first, second], [[first], [second]], output)
+    check_survivors(lines, ranks, [first, second], [[first], [second]], output, first=5)
 
 
 @needs_failures
@@ -173,19 +181,24 @@ def test_survivors_that_noticed_at_different_calls_line_up(channel):
     """Rank 2 looks for the loss one call after the others (its call 8,
     theirs 7): ranks 0 and 3 answer their call 8 alone, and every later call
     pairs as before (a call paired with another's next one would mix call
-    numbers into its blocks: wrong blocks)."""
-    lines, output = run(4, channel, "late:1@6,2")
-    going_on = check_survivors(lines, 4, [1], [[1]], output)
-    late = next(r for r in going_on if r["rank"] == 2)
-    # (as planned, loop calls 7 and 6; on loaded cores MPI may report the exit
-    # a call late to some: whatever the calls, the others answer alone the
-    # ones between theirs and rank 2's)
-    last = late["exclusions"][0]["call"]
-    assert late["alone"] == [] and last in (7, 8), late
-    for r in going_on:
-        if r is not late:
-            early = r["exclusions"][0]["call"]
-            assert r["alone"] == list(range(early + 1, last + 1)), r
+    numbers into its blocks: wrong blocks).  On loaded cores MPI may report
+    the exit a call late to some, closing the gap: the run is made again,
+    at most three times, until the path ran (it must, once)."""
+    for attempt in range(3):
+        lines, output = run(4, channel, "late:1@6,2")
+        going_on = check_survivors(lines, 4, [1], [[1]], output)
+        late = next(r for r in going_on if r["rank"] == 2)
+        # (as planned, loop calls 7 and 6; whatever the calls, the others
+        # answer alone the ones between theirs and rank 2's)
+        last = late["exclusions"][0]["call"]
+        assert late["alone"] == [] and last in (7, 8), late
+        for r in going_on:
+            if r is not late:
+                early = r["exclusions"][0]["call"]
+                assert r["alone"] == list(range(early + 1, last + 1)), r
+        if any(r["alone"] for r in going_on):
+            return
+    pytest.fail(f"no survivor answered a call alone in three runs: {output}")
 
 
 def test_no_hierarchy_on_fake_nodes():

@@ -26,7 +26,7 @@ def warm_up(lc, x, algorithm):
 @pytest.mark.parametrize("op", ["avg", "sum"])
 def test_a_rank_sleeping_ten_timeouts_is_left_out(comm, algorithm, op):
     sleeper = comm.size - 1
-    mine = 1000.0 if comm.rank == sleeper else 1.0
+    mine = 2.0 ** 20 if comm.rank == sleeper else 2.0 ** comm.rank
     x = np.full(4096, mine, np.float64)
     out = np.empty_like(x)
     with mpilossy.Communicator(comm, timeout=TIMEOUT) as lc:
@@ -48,9 +48,18 @@ def test_a_rank_sleeping_ten_timeouts_is_left_out(comm, algorithm, op):
     if comm.rank != sleeper:
         # (The sleeper itself may still find everyone's data published.)
         assert stats.delivered <= (comm.size - 1) / comm.size + 1e-12, stats
-        # The sleeper's 1000s are missing and what arrived is scaled right:
-        # the average of ones is one, the unbiased sum of ones is size.
-        np.testing.assert_array_equal(out, 1.0 if op == "avg" else float(comm.size))
+        # The sleeper's data is missing and what arrived is scaled right:
+        # every element the (unbiased) mean of 2^r over some of the others;
+        # and more than this rank's own data where there are others
+        others = [r for r in range(comm.size) if r != sleeper]
+        means = {sum(2.0 ** r for r in subset) / len(subset)
+                 for k in range(1, 1 << len(others))
+                 for subset in [[r for i, r in enumerate(others) if k >> i & 1]]}
+        value = out / (comm.size if op == "sum" else 1)
+        assert all(any(np.isclose(v, m, rtol=1e-12) for m in means)
+                   for v in np.unique(value)), np.unique(value)
+        if len(others) > 1:
+            assert stats.delivered > 1.0 / comm.size, stats
 
 
 @pytest.mark.mpi(min_size=2)

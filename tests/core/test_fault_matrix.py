@@ -24,7 +24,7 @@ import pytest
 import mpilossy
 from mpilossy import _core
 from mpilossy.loss import Bernoulli, GilbertElliott
-from helpers import is_singleton, last_report, run_mpi_script
+from helpers import DOCUMENTED_FACTOR, is_singleton, last_report, run_mpi_script
 
 TIMEOUT = 0.05
 MARGIN = 0.03           # as tests/core/test_deadline.py; docs/deadlines.md has the measured one
@@ -38,35 +38,43 @@ def contribution(rank, n=N, call=0):
     return (2.0 ** rank) * w, w
 
 
-def allowed_values(size):
-    """Every value sum_{r in S} 2**r * size / |S| (unbiased sum) for non-empty S."""
-    values = {}
+def decoded(out, w, size):
+    """(elements that are no scaled sum of whole contributions, the mean
+    share of the ranks in the sets of the others): that share is what
+    `delivered` must report (a rank that kept only its own data has 1/N)."""
+    sets = {}
     for k in range(1, size + 1):
         for ranks in itertools.combinations(range(size), k):
-            values[sum(2 ** r for r in ranks) * size / k] = ranks
-    return np.array(sorted(values))
+            sets[sum(2 ** r for r in ranks) * size / k] = k
+    allowed = np.array(sorted(sets))
+    ratio = out / w
+    at = np.clip(np.searchsorted(allowed, ratio), 0, len(allowed) - 1)
+    below = np.clip(at - 1, 0, len(allowed) - 1)
+    hit = np.where(np.isclose(ratio, allowed[at], rtol=1e-12, atol=0), at,
+                   np.where(np.isclose(ratio, allowed[below], rtol=1e-12, atol=0), below, -1))
+    ok = hit >= 0
+    counts = np.array([sets[v] for v in allowed])[hit[ok]]
+    return int(np.count_nonzero(~ok)), float(counts.mean()) / size if counts.size else 0.0
 
 
 def corrupted(out, w, size):
     """Elements that are no scaled sum of whole contributions."""
-    allowed = allowed_values(size)
-    ratio = out / w
-    nearest = allowed[np.clip(np.searchsorted(allowed, ratio), 0, len(allowed) - 1)]
-    below = allowed[np.clip(np.searchsorted(allowed, ratio) - 1, 0, len(allowed) - 1)]
-    ok = np.isclose(ratio, nearest, rtol=1e-12, atol=0) | np.isclose(ratio, below, rtol=1e-12,
-                                                                       atol=0)
-    return int(np.count_nonzero(~ok))
+    return decoded(out, w, size)[0]
 
 
 def check_call(lc, comm, algorithm, call, late_ok=False):
-    """One call; returns (elapsed, corrupted elements, delivered, exact)."""
+    """One call; returns (elapsed, corrupted elements (-1: delivered is not
+    what the elements hold), delivered, exact)."""
     x, w = contribution(comm.rank, call=call)
     out = np.full_like(x, np.nan)
     began = time.monotonic()
     stats = lc.allreduce(x, out, algorithm=algorithm)
     took = time.monotonic() - began
     exact = bool(np.array_equal(out, (2 ** comm.size - 1) * w))
-    return took, corrupted(out, w, comm.size), stats.delivered, exact
+    bad, held = decoded(out, w, comm.size)
+    if not bad and abs(held - stats.delivered) > 1e-9:
+        bad = -1            # (what the elements hold is not what the call says it delivered)
+    return took, bad, stats.delivered, exact
 
 
 def then_exact(comm, lc, algorithm, calls=3):
@@ -246,9 +254,14 @@ def test_auto_deadline_holds_with_a_straggler(ranks):
     proc = run_mpi_script("auto_straggler.py", ranks, "--calls", "300", timeout=240)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     result = last_report(proc.stdout, proc.stderr)
-    # Before the fix every other rank waited out every sleep (20-33 ms past the
-    # deadline, straggled * (ranks - 1) rows); after it, 2-6 ms at worst on a
-    # quiet machine.  Counting rows rather than taking the worst one keeps a
-    # scheduling hiccup on a loaded machine (23 ms once in CI) from deciding.
-    waited = result["over_15ms"]
-    assert result["straggled"] >= 5 and waited <= result["straggled"] * (ranks - 1) // 4, result
+    # The deadline is the documented rule of what the ranks agreed, far below
+    # the cap; every sleep outlasts it (the straggler sleeps 3x the deadline
+    # in force), so the others' calls the sleeper misses are cut; and they
+    # end within the deadline + 30 ms, but for one outlier under 200 ms on a
+    # loaded machine (docs/deadlines.md, "Measured margin").  Before the fix
+    # every other rank waited out every sleep (20-33 ms past the deadline).
+    rule = min(max(DOCUMENTED_FACTOR * result["scale"] * result["agreed_ms"],
+                   result["floor_ms"]), result["cap_ms"])
+    assert result["last_ms"] == pytest.approx(rule) and rule < 0.1 * result["cap_ms"], result
+    assert result["straggled"] >= 5 and result["delivered_straggled"] < 1.0, result
+    assert result["over_30ms"] <= 1 and result["max_over_deadline_ms"] < 200, result

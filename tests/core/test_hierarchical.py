@@ -33,8 +33,8 @@ def test_fake_nodes(ranks, cliques):
         pytest.skip("starts its own mpiexec: runs at size 1")
     result = run_layout(ranks, cliques)
     assert result["layout"].startswith(f"{cliques} nodes"), result
-    # The sleeping rank costs the others one deadline (0.1 s), not its 0.5 s.
-    assert result["others_call_with_sleeper_ms"] < 400, result
+    # The sleeping rank costs the others one deadline (0.1 s) + 50 ms, not its 0.5 s.
+    assert result["others_call_with_sleeper_ms"] < 150, result
     assert result["exact_after_sleep"], result
 
 
@@ -46,6 +46,7 @@ def test_fake_nodes_over_datagrams():
         pytest.skip("channel='ud' needs OpenSSL's libcrypto at build time")
     result = run_layout(4, 2, "--channel", "ud")
     assert result["channel"] == "ud" and result["exact_after_sleep"], result
+    assert result["others_call_with_sleeper_ms"] < 150, result
 
 
 @pytest.mark.timeout(300)

@@ -20,6 +20,8 @@ CATCHERS = {
     "deadline-ten-times": (3, ["core/test_deadline.py"], "sleeping_ten_timeouts and sum-direct"),
     "learned-at-the-cap": (3, ["control/test_auto_timeout.py"],
                            "learned_deadline_is_agreed_and_shrinks"),
+    "learned-factor-doubled": (3, ["control/test_auto_timeout.py", "call/test_calls_in_step.py"],
+                               "learned_deadline_is_agreed_and_shrinks or straggler"),
     "error-not-told": (3, ["api/test_errors.py"],
                        "(non_contiguous_sendbuf or bad_op) and deadline and not no-deadline"),
     "agreements-late": (3, ["call/test_calls_in_step.py"], "schedule_survives_a_failed_call"),

@@ -274,7 +274,7 @@ def test_calls_that_disagree_fail_on_every_rank(comm, channel, timeout):
         msg = all_ranks_raise_by_next_call(
             comm, lambda: lc.allreduce(x, algorithm="ring", redundancy=code),
             None if timeout is None else lambda: lc.allreduce(x, algorithm="ring"),
-            mpilossy.MismatchError)
+            mpilossy.MismatchError, timeout)
         out = np.empty_like(x)
         lc.allreduce(x, out, algorithm="ring")
         np.testing.assert_array_equal(out, mpi_sum(comm, x))

@@ -96,6 +96,11 @@ def _learned_at_the_cap():
     deadline.AutoDeadline.timeout = lambda self, key: self.cap
 
 
+def _factor_doubled():
+    from mpilossy.control import deadline
+    deadline.FACTOR *= 2
+
+
 def _silent_errors():
     """A rank whose input is refused raises alone: its peers are not told."""
     from mpilossy import state
@@ -150,6 +155,7 @@ PLANTS = {
     "recorded-lost-but-added": lambda: _wrap_cores(_HidingCore, lambda r: r != VICTIM),
     "deadline-ten-times": _longer_deadlines,
     "learned-at-the-cap": _learned_at_the_cap,
+    "learned-factor-doubled": _factor_doubled,
     "error-not-told": _silent_errors,
     "agreements-late": _late_agreements,
     "nodes-counted-whole": _nodes_as_whole,

@@ -32,24 +32,36 @@ out = np.empty_like(x)
 rows = []
 straggled = 0
 timeout = args.timeout if args.timeout == "auto" else float(args.timeout)
+used = None
 with mpilossy.Communicator(comm, timeout=timeout, channel=args.channel) as lc:
     for call in range(args.calls):
-        if rng.random() < args.prob:
+        late = rng.random() < args.prob
+        if late:
             straggled += 1
             if comm.rank == sleeper:
-                time.sleep(args.delay)
+                # (past the deadline in force, so that each sleep is a straggler)
+                time.sleep(max(args.delay, 3 * used) if used else args.delay)
         began = time.perf_counter()
         stats = lc.allreduce(x, out, algorithm=args.algorithm)
         took = time.perf_counter() - began
+        used = stats.timeout
         if comm.rank != sleeper:
-            rows.append((took, stats.timeout, stats.delivered))
+            rows.append((took, stats.timeout, stats.delivered, late))
+    auto = lc._state.auto
+    kind = next(iter(auto.agreed), None)
+    agreed = (auto.agreed[kind], auto.scale, auto.floor, auto.cap) if kind else None
 every = comm.gather(rows, root=0)
 if comm.rank == 0:
-    took, timeout, delivered = (np.array(v) for v in zip(*[r for rank in every for r in rank]))
+    took, timeout, delivered, late = (np.array(v) for v in zip(*[r for rank in every for r in rank]))
     over = took - timeout
     print(json.dumps({
         "ranks": comm.size, "calls": args.calls, "bytes": args.bytes, "straggled": straggled,
         "learned_ms": 1e3 * float(np.median(timeout[len(timeout) // 2:])),
         "p50_ms": 1e3 * float(np.percentile(took, 50)), "p99_ms": 1e3 * float(np.percentile(took, 99)),
         "max_ms": 1e3 * float(took.max()), "max_over_deadline_ms": 1e3 * float(over.max()),
-        "over_15ms": int(np.sum(over > 0.015)), "over_30ms": int(np.sum(over > 0.03)), "delivered": float(delivered.mean())}))
+        "over_15ms": int(np.sum(over > 0.015)), "over_30ms": int(np.sum(over > 0.03)),
+        "delivered": float(delivered.mean()),
+        "delivered_straggled": float(delivered[late].mean()) if late.any() else None,
+        "last_ms": 1e3 * float(timeout[-1]),
+        "agreed_ms": 1e3 * agreed[0] if agreed else None, "scale": agreed and agreed[1],
+        "floor_ms": agreed and 1e3 * agreed[2], "cap_ms": agreed and 1e3 * agreed[3]}))

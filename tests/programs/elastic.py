@@ -104,6 +104,7 @@ n = 3000                # (several blocks at any size)
 wrong = 0
 exclusions = []
 alone = []              # calls this rank answered alone
+delivered = []          # each call's
 algorithms = set()      # what the calls ran (an elastic communicator builds no hierarchy)
 lost_at = None          # when the first rank left, as this rank saw the call begin
 for call in range(calls):
@@ -142,6 +143,7 @@ for call in range(calls):
             want = np.mean([r + 1 + call / 1000.0 for r in ranks])
             if not np.allclose(x[first:first + length], want, rtol=0, atol=1e-9):
                 wrong += 1
+    delivered.append(round(stats.delivered, 4))
     if stats.alone:
         alone.append(call)
     algorithms.add(stats.algorithm)
@@ -154,7 +156,7 @@ for call in range(calls):
         lost_at = None
 print(json.dumps({"rank": me, "calls": calls, "wrong": wrong, "exclusions": exclusions,
                   "callbacks": seen, "members": list(lc.members), "size": lc.size,
-                  "alone": alone, "algorithms": sorted(algorithms)}),
+                  "alone": alone, "algorithms": sorted(algorithms), "delivered": delivered}),
       flush=True)
 if kind == "stop":
     for victim in leaves:

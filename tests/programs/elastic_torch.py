@@ -154,6 +154,7 @@ print(json.dumps({"rank": me, "exclusions": exclusions, "members": list(lc.membe
                   "same": all(np.array_equal(v, every[0]) for v in every),
                   "chunk": chunk, "total": int(mine.size),
                   "delivered_after": min(delivered_after, default=1.0),
+                  "lossy_after": sum(d < 1.0 for d in delivered_after),
                   "momentum_kept": float(np.mean(moment != 0)) if momentum else None,
                   "alone": alone,
                   "from_reference": float(np.abs(mine - flat(ref)).max())}), flush=True)

@@ -165,18 +165,26 @@ def recorded(channel):
     """Under 20% injected loss (across nodes only) with a deadline long
     enough that no rank misses the stages within its node: every block of
     the result is the (weighted) mean of 2^r over the ranks its record
-    names, and delivered is what the record holds.  Returns delivered."""
+    names, and delivered is what the record holds; every call ends within
+    its deadline + 30 ms (one outlier under 200 ms on loaded cores,
+    docs/deadlines.md); and every other node is in most blocks (a node
+    dropped on every call would still give blocks true to their record).
+    Returns delivered."""
     values = 2.0 ** np.arange(comm.size)
     weights = 1.0 + np.arange(comm.size)
-    delivered, wrong = [], []
-    with mpilossy.Communicator(comm, channel=channel, timeout=0.5, block_bytes=512,
+    delivered, wrong, late, present = [], [], [], []
+    T = 0.5
+    with mpilossy.Communicator(comm, channel=channel, timeout=T, block_bytes=512,
                                loss=mpilossy.loss.Bernoulli(0.2, seed=5)) as lc:
+        layout = lc.layout
         for call in range(40):
             weigh = call % 2 == 1
             x = np.full(3001, values[comm.rank])
             out = np.empty_like(x)
+            began = time.perf_counter()
             stats = (lc.allreduce(x, out, op="avg", weight=weights[comm.rank]) if weigh
                      else lc.allreduce(x, out, op="avg"))
+            late.append(time.perf_counter() - began - T)
             record = stats.contributors
             members = record.members()
             w = weights if weigh else np.ones(comm.size)
@@ -190,10 +198,14 @@ def recorded(channel):
             if abs(held - stats.delivered) > 1e-12 or int(lengths.sum()) != x.size:
                 wrong.append(("delivered", call, held, stats.delivered))
             delivered.append(stats.delivered)
+            present.append([float(np.dot(lengths, members[:, layout.ranks_of(n)].all(axis=1)))
+                            / x.size for n in range(layout.nodes)])
             if lc.layout.uniform and not weigh:      # the two-level reduce-scatter
                 lo, hi = chunk_bounds(x.size, comm.size, comm.rank)
                 mine = np.empty(hi - lo)
+                began = time.perf_counter()
                 stats = lc.reduce_scatter(x, mine, op="avg")
+                late.append(time.perf_counter() - began - T)
                 members = stats.contributors.members()
                 firsts, lengths = stats.contributors.blocks()
                 expect = (members * values).sum(axis=1) / members.sum(axis=1)
@@ -201,6 +213,15 @@ def recorded(channel):
                            for f, k, e in zip(firsts, lengths, expect)):
                     wrong.append(("reduce_scatter", call))
     check(not wrong, f"blocks that are not the mean of the ranks their record names: {wrong}")
+    over = sorted(late)
+    check(over[-2] <= 0.03 and over[-1] < 0.2,
+          f"hierarchical calls past their {T} s deadline: the longest by {over[-3:]} s")
+    # 20% loss across nodes: another node's slice reaches a block with at
+    # least 0.8^2 (contribution to the reducer, reduced block back)
+    share = np.mean(present, axis=0)
+    others = [n for n in range(layout.nodes) if n != layout.node]
+    check(all(share[n] > 0.4 for n in others),
+          f"other nodes in {[round(share[n], 2) for n in others]} of the elements")
     return float(np.mean(delivered))
 
 
@@ -271,12 +292,9 @@ else:
     delivered /= args.calls // 4
     check(mixed == 0, f"{mixed} values are not the average of the ranks of a set of nodes")
 recorded_delivered = recorded(args.channel) if layout.hierarchical else None
-# Loss was injected and most of the data still arrived; how much is a
-# matter of scheduling on a shared machine, so the bound is loose.  A rank
-# that owns no slice sees only its node's exact stages (docs/hierarchy.md).
-owns_a_slice = layout.local_rank < min(layout.sizes)
-check(0.3 < delivered and (delivered < 1.0 or not owns_a_slice),
-      f"delivered {delivered} under 20% loss")
+# Loss was injected (every rank's result holds another node's lossy slices)
+# and most of the data still arrived; recorded() bounds each node's share
+check(0.3 < delivered < 1.0, f"delivered {delivered} under 20% loss")
 
 # one rank of the last node, not its first, sleeps before call 3
 sleeper = layout.ranks_of(layout.nodes - 1)[-1]

@@ -30,16 +30,24 @@ def test_torch_wrappers_go_on_after_an_exclusion(wrapper, ranks, channel, lose):
     step 10) alone and line up."""
     victim = int(lose.split(":")[1].split("@")[0])
     momentum = "0.9" if wrapper == "sharded" else "0"    # (ddp: no optimizer state re-synced)
-    lines, output = elastic_run("elastic_torch.py", ranks, wrapper, channel, lose, "30", momentum)
+    late = lose.partition(",")[2]
+    for attempt in range(3):    # (`late`: until the path ran, at most three runs)
+        lines, output = elastic_run("elastic_torch.py", ranks, wrapper, channel, lose, "30",
+                                    momentum)
+        if not late or any(r.get("alone") == [10] for r in lines) or attempt == 2:
+            break
+    if late:
+        assert any(r.get("alone") == [10] for r in lines), f"no rank answered alone: {output}"
     survivors = [r for r in range(ranks) if r != victim]
     assert sorted(r["rank"] for r in lines) == survivors, output
     for r in lines:
         assert r["members"] == survivors and len(r["exclusions"]) == 1, r
-        # (a datagram the loopback dropped after the exclusion makes a step lossy)
+        # (a datagram the loopback dropped after the exclusion makes a step
+        # lossy: one such step at most, or the survivors lose data for real)
+        assert r["lossy_after"] <= 1, r
         bound = 1e-4 if r["delivered_after"] == 1.0 else 1e-2
         assert r["same"] and r["from_reference"] < bound, r
         assert r["last"] < r["first"], r
-        late = lose.partition(",")[2]
         # (the others answer step 10's all-gather alone; on loaded cores MPI
         # may report the exit late to everyone, and then nobody does)
         assert r["alone"] in (([10], []) if late and r["rank"] != int(late) else ([],)), r
