@@ -16,6 +16,7 @@ DTYPE_F32: int
 DTYPE_F64: int
 DTYPE_I32: int
 DTYPE_I64: int
+DTYPE_BF16: int
 SUM: int
 AVG: int
 RING: int

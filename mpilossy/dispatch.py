@@ -17,7 +17,9 @@ from typing import Any, List, Optional
 from ._core import REDUCE_SCATTER
 from .call import pipeline
 from .call.alone import answer_alone
+from .call.buffers import widen_for_compression
 from .call.config import UNSET, check_timeout
+from .call.dtypes import is_float
 from .call.failure import call_error
 from .call.plan import Route, plan
 from .call.request import Request
@@ -42,6 +44,10 @@ def run(state: State, request: Request) -> CollectiveStats:
         spent = state.count_call(request)
         began = time.perf_counter()
         bufs = state.buffers.take(collective, request.sendbuf, request.recvbuf)
+        compression = (state.config.compression if request.compression is UNSET
+                       else request.compression)
+        if compression is not None:
+            bufs = widen_for_compression(bufs)
         route = plan(collective, request.algorithm, bufs.send.dtype, state.routing,
                      segmented=bufs.segments is not None)
         if route is Route.PIPELINED:
@@ -139,7 +145,7 @@ def _hierarchical(state: State, request: Request, bufs: Any) -> CollectiveStats:
             raise ValueError(f"op must be one of ['avg', 'sum'], got {op!r}")
         timeout = (state.config.timeout if request.timeout is UNSET
                    else check_timeout("timeout", request.timeout))
-        if op == "avg" and bufs.send.dtype.kind != "f":
+        if op == "avg" and not is_float(bufs.send.dtype):
             raise TypeError(f"op='avg' needs a floating-point dtype, got {bufs.send.dtype}")
         h.check(bufs.send, collective)
         weight = request.weight

@@ -12,8 +12,8 @@ in folders by what they are:
     exposed.pxi    the kernels and codes as Python functions (bench, tests)
     coding.pxi     redundancy: parity records of groups of blocks, rebuilding
     payload.pxi    how a contribution travels on direct: plain, quantised, weighted
-    mpilossy_quant.h, mpilossy_fec.h, mpilossy_simd.h
-                   low-bit payloads, erasure codes, vector kernels (C)
+    mpilossy_quant.h, mpilossy_fec.h, mpilossy_simd.h, mpilossy_bf16.h
+                   low-bit payloads, erasure codes, vector kernels, bfloat16 (C)
   engine/        one call from begin to end, whatever the channel and algorithm
     channel.pxi    the interface between algorithms and channels; the call record
     outcome.pxi    one outcome per call on every rank (failures told over MPI)
@@ -65,6 +65,7 @@ DTYPE_F32 = DT_F32
 DTYPE_F64 = DT_F64
 DTYPE_I32 = DT_I32
 DTYPE_I64 = DT_I64
+DTYPE_BF16 = DT_BF16
 SUM = OP_SUM
 AVG = OP_AVG
 RING = ALGO_RING

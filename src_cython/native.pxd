@@ -141,6 +141,12 @@ cdef extern from "codecs/mpilossy_simd.h" nogil:
     int mpl_stream_f64(int op, double *dst, const double *a, const double *b, double s, size_t n)
 
 
+cdef extern from "codecs/mpilossy_bf16.h" nogil:
+    void mpl_bf16_data(int op, uint16_t *dst, const uint16_t *a, const uint16_t *b, float s,
+                       size_t n)
+    void mpl_bf16_mixed(int op, void *dst, const void *a, const void *b, float s, size_t n)
+
+
 cdef extern from "codecs/mpilossy_quant.h" nogil:
     size_t mpl_q_bytes(size_t n, size_t group, int bits)
     void mpl_quantize(unsigned char *dst, const float *src, float s, size_t n, size_t group,

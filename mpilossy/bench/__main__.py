@@ -26,6 +26,7 @@ COMMANDS: Dict[str, str] = {
     "group": "group averaging (GroupAverager, Moshpit) against a full lossy all-reduce",
     "node": "the hierarchy's stages within a node against MPI's reduce-scatter + allgather",
     "elastic": "what elastic=True's heartbeat costs: elastic against plain calls, and MPI",
+    "dtypes": "one element count in several dtypes (bfloat16 against float32), interleaved",
 }
 
 

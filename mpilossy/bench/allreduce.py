@@ -22,6 +22,7 @@ from mpi4py import MPI
 
 import mpilossy
 from mpilossy.call.config import COMPRESSIONS, check_redundancy
+from mpilossy.call.dtypes import BFLOAT16
 
 from .harness import (BATCH, Contender, Timeout, bandwidth, every_call, max_over_ranks,
                       mean_over_ranks, parse_size, parse_sizes, parse_timeout, percentile, say,
@@ -35,7 +36,9 @@ __all__ = ["BenchConfig", "Row", "Data", "Check", "Timeout", "bus_factor", "smal
            "parse_timeout", "parse_redundancy", "add_arguments", "run"]
 
 TYPE_NAMES = {"float16": "half", "float32": "float", "float64": "double",
-              "int32": "int32", "int64": "int64"}
+              "int32": "int32", "int64": "int64", "bfloat16": "bfloat16"}
+# MPI has no 16-bit float types: its side of the comparison reduces float64.
+HALF = (np.dtype(np.float16), BFLOAT16)
 
 
 @dataclass
@@ -110,7 +113,7 @@ class Data:
 def init(comm: MPI.Comm, cfg: BenchConfig, size: int) -> Data:
     """Small integers and their exact reduction (computed in float64 where
     the reduction is not exact in the dtype itself)."""
-    dtype = np.dtype(cfg.dtype)
+    dtype = BFLOAT16 if cfg.dtype == "bfloat16" else np.dtype(cfg.dtype)
     count = max(size // dtype.itemsize, 0)
     send = small_ints(count, comm.rank, dtype)
     exact = np.empty_like(send)
@@ -118,10 +121,10 @@ def init(comm: MPI.Comm, cfg: BenchConfig, size: int) -> Data:
         wide = np.empty(count, np.float64)
         comm.Allreduce(send.astype(np.float64) * (comm.rank + 1), wide)
         exact = (wide / (comm.size * (comm.size + 1) / 2)).astype(dtype)
-    elif dtype == np.float16:
+    elif dtype in HALF:
         wide = np.empty(count, np.float64)
         comm.Allreduce(send.astype(np.float64), wide)
-        exact = wide.astype(np.float16)
+        exact = wide.astype(dtype)
     else:
         comm.Allreduce(send, exact)
     if cfg.op == "avg" and not cfg.weighted:
@@ -129,7 +132,7 @@ def init(comm: MPI.Comm, cfg: BenchConfig, size: int) -> Data:
     scale = float(np.max(np.abs(exact.astype(np.float64)))) if count else 1.0
     # quantised payloads: off by up to a step of their group, twice
     tol = (4.0 / (127 if cfg.compression == "int8" else 7) if cfg.compression
-           else 1e-3 if dtype == np.float16 else 1e-6)
+           else 1e-2 if dtype == BFLOAT16 else 1e-3 if dtype == np.float16 else 1e-6)
     return Data(send, exact, scale, tol)
 
 
@@ -137,7 +140,7 @@ def contenders(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, algo
                send: np.ndarray, recv: np.ndarray) -> List[Contender]:
     """One call of each side (nccl-tests' runColl): MPI_Allreduce, mpilossy,
     and with --redundancy the same mpilossy call without it ("plain")."""
-    mpi_send = send.astype(np.float64) if send.dtype == np.float16 else send
+    mpi_send = send.astype(np.float64) if send.dtype in HALF else send
     mpi_recv = np.empty_like(mpi_send)
     weight = float(comm.rank + 1) if cfg.weighted else None
     topk = mpilossy.compression.TopK(cfg.topk, error_feedback=False) if cfg.topk else None
@@ -325,7 +328,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-f", "--stepfactor", type=int, default=4)
     p.add_argument("--sizes", help="comma-separated sizes (overrides -b/-e/-f), e.g. 64K,1M,16M")
     p.add_argument("-d", "--dtype", default="float32",
-                   choices=["float16", "float32", "float64", "int32", "int64"])
+                   choices=["float16", "bfloat16", "float32", "float64", "int32", "int64"])
     p.add_argument("-o", "--op", default="sum", choices=["sum", "avg"])
     p.add_argument("--compression", choices=["int8", "int4"], default=None,
                    help="low-bit payloads (float32, direct)")

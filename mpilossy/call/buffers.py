@@ -11,13 +11,14 @@ collective needs, and calls ``finish(ok)`` when it is done.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Tuple, Union
+import sys
+from typing import Any, NamedTuple, Optional, Tuple, Union
 
 import numpy as np
 
 from .._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER, buffer_address
 from . import device as _device
-from .dtypes import dtype_code
+from .dtypes import BFLOAT16, dtype_code
 
 __all__ = ["BufferIntake", "HostBuffers", "chunk_bounds"]
 
@@ -61,7 +62,36 @@ class HostBuffers:
         """Nothing to copy: the result is already where the user wants it."""
 
 
-Buffers = Union[HostBuffers, _device.StagedBuffers, _device.PipelinedBuffers]
+class WidenedBuffers:
+    """16-bit floats (float16, bfloat16) of a compressed call, widened to
+    float32 around it: the quantiser reads float32 values, and what travels
+    is its codes either way.  The user's recvbuf is written (rounded to its
+    dtype) only when the call succeeded."""
+
+    __slots__ = ("inner", "send", "recv")
+    segments = None
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.send = inner.send.astype(np.float32)
+        same = address(inner.recv) == address(inner.send) and inner.recv.size == inner.send.size
+        self.recv = self.send if same else np.empty(inner.recv.shape, np.float32)
+
+    def finish(self, ok: bool) -> None:
+        if ok:
+            self.inner.recv[...] = self.recv
+        self.inner.finish(ok)
+
+
+def widen_for_compression(bufs: Any) -> Any:
+    """`bufs` as float32 where they hold 16-bit floats on the host."""
+    if (isinstance(bufs, HostBuffers) and bufs.send.itemsize == 2
+            and bufs.send.dtype in (np.dtype(np.float16), BFLOAT16)):
+        return WidenedBuffers(bufs)
+    return bufs
+
+
+Buffers = Union[HostBuffers, WidenedBuffers, _device.StagedBuffers, _device.PipelinedBuffers]
 
 
 class BufferIntake:
@@ -144,7 +174,8 @@ def as_array(obj: Any, name: str) -> np.ndarray:
         return obj
     if hasattr(obj, "__dlpack__"):
         try:
-            return np.from_dlpack(obj)
+            bf16 = _torch_bfloat16(obj)
+            return np.from_dlpack(obj) if bf16 is None else bf16
         except (BufferError, RuntimeError, TypeError, ValueError) as exc:
             raise BufferError(f"{name} cannot be viewed through DLPack on the host: {exc}") from None
     try:
@@ -153,6 +184,16 @@ def as_array(obj: Any, name: str) -> np.ndarray:
         raise TypeError(f"{name} must be a NumPy array or expose the buffer protocol or "
                         f"__dlpack__, not {type(obj).__name__}") from None
     return np.asarray(obj)
+
+
+def _torch_bfloat16(obj: Any) -> Optional[np.ndarray]:
+    """A CPU bfloat16 tensor of PyTorch as ml_dtypes' bfloat16 (NumPy's DLPack
+    import has no bfloat16: its bits go through as int16), else None."""
+    torch = sys.modules.get("torch")
+    if (torch is None or not isinstance(obj, torch.Tensor) or obj.dtype != torch.bfloat16
+            or obj.device.type != "cpu"):
+        return None
+    return np.from_dlpack(obj.detach().view(torch.int16)).view(BFLOAT16)
 
 
 def check_contiguous(arr: np.ndarray, name: str) -> None:

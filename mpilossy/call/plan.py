@@ -22,6 +22,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from .._core import ALLGATHER, DIRECT, REDUCE_SCATTER, RING, TREE
+from .dtypes import is_float
 
 __all__ = ["Route", "Routing", "plan", "flat_algorithm", "tree_max_bytes", "TREE_MAX_BYTES"]
 
@@ -85,7 +86,7 @@ def _two_level(collective: int, chosen: Any, dtype: Optional[np.dtype],
         return True
     if collective == REDUCE_SCATTER:
         return False
-    floating = dtype is None or dtype.kind == "f"
+    floating = dtype is None or is_float(dtype)
     return floating and routing.scaling == "unbiased"
 
 

@@ -16,7 +16,7 @@ from ..control.deadline import AutoDeadline, size_bucket
 from ..control.redundancy import AutoRedundancy
 from .config import AUTO, COMPRESSIONS, UNSET, Config, check_algorithm, check_compression, \
     check_redundancy, check_timeout, core_timeout
-from .dtypes import DTYPE_CODES
+from .dtypes import DTYPE_CODES, is_float
 from .plan import TREE_MAX_BYTES, flat_algorithm, tree_max_bytes
 from .request import Request
 
@@ -152,7 +152,8 @@ class CallResolver:
         """Bits per value of this call's payloads (a compression was given)."""
         check_compression("compression", compression)
         if send.dtype != np.float32:
-            raise TypeError(f"compression={compression!r} needs float32 data, got {send.dtype}")
+            raise TypeError(f"compression={compression!r} needs float32 data (float16 and "
+                            f"bfloat16 are widened to it), got {send.dtype}")
         if algorithm not in ("direct", "auto"):
             raise ValueError(f"compression needs algorithm='direct' (or 'auto', which then "
                              f"picks it), got {algorithm!r}")
@@ -163,7 +164,7 @@ def _op(op: Any, send: np.ndarray) -> int:
     opcode = OPS.get(op) if isinstance(op, str) else None
     if opcode is None:
         raise ValueError(f"op must be one of {sorted(OPS)}, got {op!r}")
-    if opcode == AVG and send.dtype.kind != "f":
+    if opcode == AVG and not is_float(send.dtype):
         raise TypeError(f"op='avg' needs a floating-point dtype, got {send.dtype}")
     return opcode
 

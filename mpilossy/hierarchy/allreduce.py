@@ -35,6 +35,7 @@ import numpy as np
 
 from .._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER
 from ..call.buffers import chunk_bounds
+from ..call.dtypes import is_float
 from ..call.request import Request
 from ..call.spec import TAG_RESIDUAL, TAG_WEIGHTED
 from ..call.stats import CollectiveStats
@@ -48,7 +49,7 @@ __all__ = ["allreduce", "weighs_nodes", "node_weight"]
 def weighs_nodes(h: Hierarchy, request: Request, send: np.ndarray) -> bool:
     """Do the slices of this call travel as weighted averages?  The same on
     every rank of a call whose ranks agree (dtype, deadline, weight)."""
-    if send.dtype.kind != "f" or h.intra.scaling != "unbiased":
+    if not is_float(send.dtype) or h.intra.scaling != "unbiased":
         return False
     return (request.weight is not None or not h.layout.uniform
             or request.timeout is not None)

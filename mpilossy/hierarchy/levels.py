@@ -11,6 +11,7 @@ from mpi4py import MPI
 
 from .._core import ALLREDUCE, REDUCE_SCATTER
 from ..call.config import Config
+from ..call.dtypes import is_float
 from ..call.request import Request
 from ..call.stats import CollectiveStats
 from ..errors import MPILossyError
@@ -109,7 +110,7 @@ class Hierarchy:
         if self.intra.scaling != "unbiased":
             return False
         try:
-            return np.dtype(dtype).kind == "f"
+            return is_float(dtype)
         except TypeError:
             return False
 

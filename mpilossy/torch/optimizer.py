@@ -234,8 +234,8 @@ class _GradientAllreduce(Engine):
         """Exact reduction of the packed gradients (MPI_Allreduce)."""
         comm = self.lc.comm
         for arr in self.flat.arrays.values():
-            # Not every MPI has a half-precision type: float16 goes through float32.
-            wide = arr.astype(np.float32) if arr.dtype == np.float16 else arr
+            # MPI has no 16-bit float types: float16 and bfloat16 go through float32.
+            wide = arr.astype(np.float32) if arr.itemsize == 2 else arr
             comm.Allreduce(MPI.IN_PLACE, wide, op=MPI.SUM)
             if self.op == "avg":
                 wide /= comm.size

@@ -10,12 +10,13 @@ import numpy as np
 import torch
 
 from ..call.device import CUPY_HINT
+from ..call.dtypes import BFLOAT16
 
 # The parts of mpilossy.torch that take CUDA tensors (docs/gpu.md): all of them.
 CUDA_TAKERS = ("DistributedOptimizer, ShardedOptimizer, the DDP hook, the broadcasts, drift "
                "control and the averaging functions")
 # What the lossy collectives reduce (the core's float dtypes).
-REDUCIBLE = (torch.float16, torch.float32, torch.float64)
+REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 NamedTensors = List[Tuple[str, torch.Tensor]]
 
 
@@ -146,7 +147,10 @@ class Flat:
 
 
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """Zero-copy NumPy view of a CPU tensor, through DLPack."""
+    """Zero-copy NumPy view of a CPU tensor, through DLPack (bfloat16, which
+    NumPy lacks: its bits, viewed as ml_dtypes' bfloat16)."""
+    if tensor.dtype == torch.bfloat16:
+        return np.from_dlpack(tensor.detach().view(torch.int16)).view(BFLOAT16)
     return np.from_dlpack(tensor.detach())
 
 

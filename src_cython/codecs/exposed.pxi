@@ -7,10 +7,9 @@
 cdef int kernel_buffers(object dst, object a, object b, Py_buffer* vd, Py_buffer* va,
                         Py_buffer* vb, int* dtype) except -1:
     import numpy as np
-    codes = {np.dtype(np.float16): DT_F16, np.dtype(np.float32): DT_F32,
-             np.dtype(np.float64): DT_F64, np.dtype(np.int32): DT_I32,
-             np.dtype(np.int64): DT_I64}
-    dtype[0] = codes[np.asarray(dst).dtype]
+    codes = {"float16": DT_F16, "float32": DT_F32, "float64": DT_F64, "int32": DT_I32,
+             "int64": DT_I64, "bfloat16": DT_BF16}      # (bfloat16: ml_dtypes')
+    dtype[0] = codes[np.asarray(dst).dtype.name]
     PyObject_GetBuffer(dst, vd, PyBUF_SIMPLE | PyBUF_WRITABLE)
     PyObject_GetBuffer(a, va, PyBUF_SIMPLE)
     PyObject_GetBuffer(b if b is not None else a, vb, PyBUF_SIMPLE)

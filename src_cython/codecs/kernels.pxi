@@ -14,7 +14,8 @@ cdef enum:
     DT_F64 = 2
     DT_I32 = 3
     DT_I64 = 4
-    NUM_DTYPES = 5
+    DT_BF16 = 5         # (after the others: the codes travel in status blocks)
+    NUM_DTYPES = 6
 
 cdef enum:
     OP_SUM = 0
@@ -30,8 +31,8 @@ cdef enum:
 cdef enum:
     SUM_TILE_BYTES = 16384     # k_sum's tile: a few of them fit in L1/L2
 
-cdef Py_ssize_t ITEMSIZE[5]
-ITEMSIZE[:] = [2, 4, 8, 4, 8]
+cdef Py_ssize_t ITEMSIZE[6]
+ITEMSIZE[:] = [2, 4, 8, 4, 8, 2]
 
 ctypedef fused wide_t:
     float
@@ -143,6 +144,8 @@ cdef void k_add(int dt, void* dst, const void* a, const void* b, Py_ssize_t n) n
         _add(<uint32_t*>dst, <const uint32_t*>a, <const uint32_t*>b, n)
     elif dt == DT_I64:
         _add(<uint64_t*>dst, <const uint64_t*>a, <const uint64_t*>b, n)
+    elif dt == DT_BF16:
+        mpl_bf16_data(0, <uint16_t*>dst, <const uint16_t*>a, <const uint16_t*>b, 1.0, n)
     else:
         _add_f16(<uint16_t*>dst, <const uint16_t*>a, <const uint16_t*>b, n)
 
@@ -157,6 +160,8 @@ cdef void k_acc(int dt, void* dst, const void* src, Py_ssize_t n) noexcept nogil
         _acc(<uint32_t*>dst, <const uint32_t*>src, n)
     elif dt == DT_I64:
         _acc(<uint64_t*>dst, <const uint64_t*>src, n)
+    elif dt == DT_BF16:
+        mpl_bf16_data(0, <uint16_t*>dst, <const uint16_t*>dst, <const uint16_t*>src, 1.0, n)
     else:
         _add_f16(<uint16_t*>dst, <const uint16_t*>dst, <const uint16_t*>src, n)
 
@@ -176,6 +181,8 @@ cdef void k_scale(int dt, double s, void* dst, const void* src, Py_ssize_t n) no
         _rescale_i32(<int32_t*>dst, <const int32_t*>src, s, n)
     elif dt == DT_I64:
         _rescale_i64(<int64_t*>dst, <const int64_t*>src, s, n)
+    elif dt == DT_BF16:
+        mpl_bf16_data(1, <uint16_t*>dst, <const uint16_t*>src, <const uint16_t*>src, <float>s, n)
     else:
         _scale_f16(<uint16_t*>dst, <const uint16_t*>src, <float>s, n)
 
@@ -191,21 +198,24 @@ cdef void k_add_scale(int dt, double s, void* dst, const void* a, const void* b,
             _add_scale_float(<double*>dst, <const double*>a, <const double*>b, s, n)
     elif s != 1.0 and dt == DT_F16:
         _add_scale_f16(<uint16_t*>dst, <const uint16_t*>a, <const uint16_t*>b, <float>s, n)
+    elif s != 1.0 and dt == DT_BF16:
+        mpl_bf16_data(2, <uint16_t*>dst, <const uint16_t*>a, <const uint16_t*>b, <float>s, n)
     else:
         k_add(dt, dst, a, b, n)
         k_scale(dt, s, dst, dst, n)
 
 
 # -- accumulators ---------------------------------------------------------------
-# Partial sums are kept in the call's dtype, except float16's, kept in
-# float32: float16 tops out at 65504, and a sum of N values near it would
-# overflow where their average would not.  The mixed kernels below take the
-# data in the call's dtype and the accumulators in acc_dtype; for every
-# dtype but float16 they are the plain kernels.
+# Partial sums are kept in the call's dtype, except the 16-bit floats',
+# kept in float32: float16 tops out at 65504, and a sum of N values near it
+# would overflow where their average would not; bfloat16's 8-bit mantissa
+# would lose the small terms of a sum rounded at every step.  The mixed
+# kernels below take the data in the call's dtype and the accumulators in
+# acc_dtype; for the other dtypes they are the plain kernels.
 
 cdef inline int acc_dtype(int dt) noexcept nogil:
     """The dtype partial sums of a call of dtype `dt` are kept in."""
-    return DT_F32 if dt == DT_F16 else dt
+    return DT_F32 if dt == DT_F16 or dt == DT_BF16 else dt
 
 
 cdef void _f16_mixed(int op, void* dst, const void* a, const void* b, float s,
@@ -232,6 +242,8 @@ cdef void k_widen(int dt, double s, void* dst, const void* src, Py_ssize_t n) no
     """dst (accumulators) = src (data) * s"""
     if dt == DT_F16:
         _f16_mixed(0, dst, src, NULL, <float>s, n)
+    elif dt == DT_BF16:
+        mpl_bf16_mixed(0, dst, src, NULL, <float>s, n)
     else:
         k_scale(dt, s, dst, src, n)
 
@@ -240,6 +252,8 @@ cdef void k_narrow(int dt, double s, void* dst, const void* src, Py_ssize_t n) n
     """dst (data) = src (accumulators) * s"""
     if dt == DT_F16:
         _f16_mixed(1, dst, src, NULL, <float>s, n)
+    elif dt == DT_BF16:
+        mpl_bf16_mixed(1, dst, src, NULL, <float>s, n)
     else:
         k_scale(dt, s, dst, src, n)
 
@@ -249,6 +263,8 @@ cdef void k_add_widened(int dt, void* dst, const void* a, const void* b,
     """dst (accumulators) = a (data) + b (accumulators)"""
     if dt == DT_F16:
         _f16_mixed(2, dst, a, b, 1.0, n)
+    elif dt == DT_BF16:
+        mpl_bf16_mixed(2, dst, a, b, 1.0, n)
     else:
         k_add(dt, dst, a, b, n)
 
@@ -258,6 +274,8 @@ cdef void k_add_narrowed(int dt, double s, void* dst, const void* a, const void*
     """dst (data) = (a (data) + b (accumulators)) * s"""
     if dt == DT_F16:
         _f16_mixed(3, dst, a, b, <float>s, n)
+    elif dt == DT_BF16:
+        mpl_bf16_mixed(3, dst, a, b, <float>s, n)
     else:
         k_add_scale(dt, s, dst, a, b, n)
 
@@ -291,6 +309,8 @@ cdef void k_acc_scaled(int dt, void* dst, const void* src, double f, Py_ssize_t 
     """dst (accumulators) += src (data) * f: float dtypes (weights)."""
     if dt == DT_F16:
         _f16_mixed(4, dst, src, NULL, <float>f, n)
+    elif dt == DT_BF16:
+        mpl_bf16_mixed(4, dst, src, NULL, <float>f, n)
     elif f == 1.0:
         k_acc(dt, dst, src, n)
     elif dt == DT_F32:

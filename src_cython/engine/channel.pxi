@@ -43,8 +43,8 @@ cdef enum:
 # Names for error messages, indexed by DT_*, OP_*, ALGO_* and COLL_*.  An
 # index that came from a peer is untrusted: look it up through the *_name
 # functions, which answer "?" out of range.
-cdef const char* DTYPE_NAMES[5]
-DTYPE_NAMES[:] = [b"float16", b"float32", b"float64", b"int32", b"int64"]
+cdef const char* DTYPE_NAMES[NUM_DTYPES]
+DTYPE_NAMES[:] = [b"float16", b"float32", b"float64", b"int32", b"int64", b"bfloat16"]
 cdef const char* OP_NAMES[3]
 OP_NAMES[:] = [b"sum", b"avg", b"avg(weight=)"]      # the last: announced_op
 cdef const char* ALGO_NAMES[3]
@@ -54,7 +54,7 @@ COLL_NAMES[:] = [b"allreduce", b"reduce_scatter", b"allgather"]
 
 
 cdef inline const char* dtype_name(uint32_t i) noexcept nogil:
-    if i < 5:
+    if i < NUM_DTYPES:
         return DTYPE_NAMES[i]
     return b"?"
 

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 
+import ml_dtypes
 import numpy as np
 from mpi4py import MPI
 
@@ -38,6 +39,7 @@ p.add_argument("--calls", type=int, default=600)
 args = p.parse_args()
 comm = MPI.COMM_WORLD
 failures = []
+BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def check(ok, what):
@@ -123,6 +125,46 @@ def scattered(lc):
             check(False, "a two-level reduce_scatter on unequal nodes did not raise")
         except ValueError:
             pass
+
+
+def bfloat16(lc):
+    """bfloat16 through the stages: small integers (every partial sum exact
+    in bfloat16) summed bit for bit where nodes hold as many ranks; averages
+    within two roundings (a node's partial travels in bfloat16, the result
+    is rounded again); weighted averages within four roundings of the
+    weighted magnitude (tests/core/test_bfloat16.py); reduce_scatter too."""
+    layout = lc.layout
+    for n in (5, 70001):
+        x = ((np.arange(n) * 7 + 3 * comm.rank) % 32).astype(BF16)
+        want = np.sum(comm.allgather(x.astype(np.float64)), axis=0)
+        for op in ("sum", "avg"):
+            expect = want / comm.size if op == "avg" else want
+            out = np.full(n, -1, BF16)
+            stats = lc.allreduce(x, out, op=op)
+            got = out.astype(np.float64)
+            if op == "sum" and layout.uniform:
+                check(np.array_equal(got, expect), f"bfloat16 {n} sum: max error "
+                                                   f"{np.abs(got - expect).max()}")
+            else:
+                check(np.all(np.abs(got - expect) <= 2 * 2.0 ** -9 * np.abs(expect)),
+                      f"bfloat16 {n} {op}: max relative error "
+                      f"{np.max(np.abs(got - expect) / np.maximum(np.abs(expect), 1e-30))}")
+            if layout.hierarchical:
+                check(stats.algorithm == "hierarchical", f"bfloat16 ran {stats.algorithm}")
+        w = 1.0 + comm.rank
+        ws = comm.allgather(w)
+        xs = comm.allgather(x.astype(np.float64))
+        want_w = sum(wi * xi for wi, xi in zip(ws, xs)) / sum(ws)
+        out = np.empty_like(x)
+        lc.allreduce(x, out, op="avg", weight=w)
+        check(np.all(np.abs(out.astype(np.float64) - want_w) <= 4 * 2.0 ** -9 * want_w + 1e-12),
+              f"bfloat16 weighted {n}: max error {np.abs(out.astype(np.float64) - want_w).max()}")
+        if layout.uniform:
+            lo, hi = chunk_bounds(n, comm.size, comm.rank)
+            part = np.full(hi - lo, -1, BF16)
+            stats = lc.reduce_scatter(x, part, op="sum")
+            check(np.array_equal(part.astype(np.float64), want[lo:hi]),
+                  f"bfloat16 reduce_scatter {n} ran {stats.algorithm}")
 
 
 def fed_back(lc):
@@ -242,6 +284,7 @@ with mpilossy.Communicator(comm, channel=args.channel, timeout=None) as lc:
             pass
     weighted(lc)
     scattered(lc)
+    bfloat16(lc)
     if layout.hierarchical:
         fed_back(lc)
 

@@ -121,6 +121,31 @@ def test_reliable_steps_reduce_float16_gradients(comm, lc):
                  f"largest difference {np.abs(got - want).max():.3g}")
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("reliable", [False, True], ids=["lossy", "reliable"])
+def test_bfloat16_gradients_are_averaged(comm, lc, reliable):
+    """bfloat16 gradients: the lossy path (float32 sums in the core, one
+    rounding) and the reliable one (MPI through float32) average them, to
+    bfloat16's precision (2^-8 relative, on the largest gradient)."""
+    model = make_model(dtype=torch.bfloat16)
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0),
+                                  model.named_parameters(), lc,
+                                  tolerance=mt.PhaseAwareTolerance(critical_steps=1)
+                                  if reliable else None)
+    opt.zero_grad()
+    backward(model, comm.rank, 0)
+    opt.step()
+    got = np.concatenate([p.grad.float().numpy().ravel() for p in model.parameters()])
+    ref = make_model(dtype=torch.bfloat16)
+    backward(ref, comm.rank, 0)
+    local = np.concatenate([p.grad.float().numpy().ravel() for p in ref.parameters()])
+    want = sum(comm.allgather(local.astype(np.float64))) / comm.size
+    error = np.abs(got - want)
+    gather_check(comm, opt.stats.reliable == reliable
+                 and (error <= 2.0 ** -8 * np.abs(want) + 2.0 ** -9 * np.abs(want).max()).all(),
+                 f"reliable {opt.stats.reliable}, largest error {error.max():.3g}")
+
+
 def test_redundancy_target_applies_while_the_tolerance_is_tight():
     policy = mt.PhaseAwareTolerance(critical_steps=2, ramp_steps=2, early=0.2,
                                     redundancy_target=0.001)

@@ -1,0 +1,89 @@
+/* bfloat16 kernels.
+ *
+ * A bfloat16 is the upper half of a float32: widening is a 16-bit shift
+ * (exact), narrowing rounds to nearest even (as PyTorch, ml_dtypes and the
+ * CPUs' own conversion instructions do) and keeps a NaN a NaN.  Sums are
+ * kept in float32, as NCCL and Gloo keep them for bfloat16: with 8 bits of
+ * mantissa, a sum rounded at every step would lose most of its small terms.
+ *
+ * The loops are plain C over 32-bit integers with the op chosen outside the
+ * loop, so that the compiler vectorises each of them (-O3) on every target;
+ * there is no instruction set to detect at run time, unlike float16's F16C.
+ * Each function does all `n` elements. */
+#ifndef MPILOSSY_BF16_H
+#define MPILOSSY_BF16_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <string.h>
+
+static inline float mpl_b2f(uint16_t b)
+{
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline uint16_t mpl_f2b(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
+    uint32_t quiet = (u >> 16) | 0x40u;             /* a NaN must not round to inf */
+    return (uint16_t)((u & 0x7FFFFFFFu) > 0x7F800000u ? quiet : rounded);
+}
+
+/* Data in, data out: op 0 dst = a + b, 1 dst = a * s, 2 dst = (a + b) * s
+ * (each rounded once, from float32). */
+static inline void mpl_bf16_data(int op, uint16_t *dst, const uint16_t *a, const uint16_t *b,
+                                 float s, size_t n)
+{
+    size_t i;
+    if (op == 0)
+        for (i = 0; i < n; i++)
+            dst[i] = mpl_f2b(mpl_b2f(a[i]) + mpl_b2f(b[i]));
+    else if (op == 1)
+        for (i = 0; i < n; i++)
+            dst[i] = mpl_f2b(mpl_b2f(a[i]) * s);
+    else
+        for (i = 0; i < n; i++)
+            dst[i] = mpl_f2b((mpl_b2f(a[i]) + mpl_b2f(b[i])) * s);
+}
+
+/* bfloat16 data with float32 accumulators, the ops of mpl_f16_mixed
+ * (mpilossy_simd.h): 0 acc = b(a) * s (widen), 1 b = acc(a) * s (narrow),
+ * 2 acc = b(a) + acc(b), 3 b = (b(a) + acc(b)) * s, 4 acc += b(a) * s. */
+static inline void mpl_bf16_mixed(int op, void *dst, const void *a, const void *b, float s,
+                                  size_t n)
+{
+    const uint16_t *ha = (const uint16_t *)a;
+    const float *fa = (const float *)a, *fb = (const float *)b;
+    float *fd = (float *)dst;
+    uint16_t *hd = (uint16_t *)dst;
+    size_t i;
+    switch (op) {
+    case 0:
+        for (i = 0; i < n; i++)
+            fd[i] = mpl_b2f(ha[i]) * s;
+        break;
+    case 1:
+        for (i = 0; i < n; i++)
+            hd[i] = mpl_f2b(fa[i] * s);
+        break;
+    case 2:
+        for (i = 0; i < n; i++)
+            fd[i] = mpl_b2f(ha[i]) + fb[i];
+        break;
+    case 3:
+        for (i = 0; i < n; i++)
+            hd[i] = mpl_f2b((mpl_b2f(ha[i]) + fb[i]) * s);
+        break;
+    default:
+        for (i = 0; i < n; i++)
+            fd[i] = fd[i] + mpl_b2f(ha[i]) * s;
+        break;
+    }
+}
+
+#endif /* MPILOSSY_BF16_H */
