@@ -285,3 +285,20 @@ def test_elastic(tmp_path):
     for r in rows:
         assert r["elastic_us"] > 0 and r["plain_us"] > 0 and r["mpi_us"] > 0, r
         assert r["wrong"] == 0 and r["excluded"] == 0 and r["checked"] > 0, r
+
+
+def test_dtypes(tmp_path):
+    """bfloat16 against float32 on one element count: a row per channel,
+    algorithm and dtype, bfloat16 half the bytes, every result right."""
+    out = tmp_path / "dtypes.json"
+    text = command(tmp_path, "dtypes", "--elements", "64K", "-n", "4", "-w", "1",
+                   "-a", "direct,ring", "-c", "rma,ud", "--json", str(out), nprocs=3)
+    assert text.startswith("# 3 ranks, 65536 elements per call"), text
+    rows = json.loads(out.read_text())
+    assert [(r["channel"], r["algorithm"], r["dtype"]) for r in rows] == [
+        (c, a, d) for c in ("rma", "ud") for a in ("direct", "ring")
+        for d in ("float32", "bfloat16")]
+    for r in rows:
+        assert r["bytes"] == 65536 * (4 if r["dtype"] == "float32" else 2), r
+        assert r["wrong"] == 0 and r["delivered"] == 1.0 and r["p50_ms"] > 0, r
+
