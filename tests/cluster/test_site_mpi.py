@@ -43,7 +43,7 @@ REPO = HERE.parent
 VENV_BIN = Path(sys.executable).parent
 MAIN_LIBMPI = VENV_BIN.parent / "lib" / "libmpi.so.12"  # the mpich wheel of the test run
 CONFIGURE = ["mpi4py>=4.0", "cython>=3.0", "meson>=1.1", "ninja"]  # enough for `meson setup`
-TOOLS = CONFIGURE + ["numpy>=1.23", "meson-python>=0.15"]
+TOOLS = CONFIGURE + ["numpy>=1.23", "ml_dtypes>=0.3", "meson-python>=0.15"]
 SYSTEM_PATH = os.environ.get("PATH", "/usr/bin:/bin")
 # Open MPI as root, on 2 cores, on loopback.
 OMPI_ENV = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",

@@ -126,12 +126,12 @@ def test_partial_sums_are_float32(comm):
 @pytest.mark.mpi
 @pytest.mark.timeout(60)
 def test_weighted_average(comm):
-    """weight=: sum(w x) / sum(w) within four roundings to bfloat16 of the
-    weighted magnitude sum(w |x|) / sum(w): a weighted contribution travels
-    scaled by its weight's mantissa in the data's dtype (rounded), so may a
-    partial sum forwarded on the way, and the result is rounded once.
-    (Measured at 4 ranks: 3.1 of the 4 half-steps; float16 data of 8
-    significant bits, as here, is not rounded by the mantissa at all.)"""
+    """weight=: sum(w x) / sum(w) within two roundings to bfloat16 of the
+    weighted magnitude sum(w |x|) / sum(w), each at most 2^-8 relative (half
+    a step at the bottom of a binade): a weighted contribution travels
+    scaled by its weight's mantissa in the data's dtype (rounded), and the
+    result is rounded once.  (Measured at 4 ranks: 1.55 x 2^-8; float16
+    data of 8 significant bits, as here, is not rounded by the mantissa.)"""
     x = data(5000, comm.rank)
     w = 1.0 + comm.rank
     ws = [1.0 + r for r in range(comm.size)]
@@ -143,7 +143,7 @@ def test_weighted_average(comm):
         stats = lc.allreduce(x, out, op="avg", weight=w)
     assert stats.delivered == 1.0
     error = np.abs(out.astype(np.float64) - want)
-    assert (error <= 4 * 2.0 ** -9 * scale).all(), (error / (2.0 ** -9 * scale)).max()
+    assert (error <= 2 * 2.0 ** -8 * scale).all(), (error / (2.0 ** -8 * scale)).max()
 
 
 @pytest.mark.mpi

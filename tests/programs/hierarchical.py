@@ -129,10 +129,12 @@ def scattered(lc):
 
 def bfloat16(lc):
     """bfloat16 through the stages: small integers (every partial sum exact
-    in bfloat16) summed bit for bit where nodes hold as many ranks; averages
-    within two roundings (a node's partial travels in bfloat16, the result
-    is rounded again); weighted averages within four roundings of the
-    weighted magnitude (tests/core/test_bfloat16.py); reduce_scatter too."""
+    in bfloat16) summed bit for bit where nodes hold as many ranks; else
+    within three roundings, each at most 2^-8 relative (half a step at the
+    bottom of a binade): a node's partial travels in bfloat16, on unequal
+    nodes stage 2 scales it by its weight's mantissa, and the result is
+    rounded; weighted averages within 2 x 2^-8 of the weighted value
+    (tests/core/test_bfloat16.py); reduce_scatter too."""
     layout = lc.layout
     for n in (5, 70001):
         x = ((np.arange(n) * 7 + 3 * comm.rank) % 32).astype(BF16)
@@ -146,7 +148,7 @@ def bfloat16(lc):
                 check(np.array_equal(got, expect), f"bfloat16 {n} sum: max error "
                                                    f"{np.abs(got - expect).max()}")
             else:
-                check(np.all(np.abs(got - expect) <= 2 * 2.0 ** -9 * np.abs(expect)),
+                check(np.all(np.abs(got - expect) <= 3 * 2.0 ** -8 * np.abs(expect)),
                       f"bfloat16 {n} {op}: max relative error "
                       f"{np.max(np.abs(got - expect) / np.maximum(np.abs(expect), 1e-30))}")
             if layout.hierarchical:
@@ -157,7 +159,7 @@ def bfloat16(lc):
         want_w = sum(wi * xi for wi, xi in zip(ws, xs)) / sum(ws)
         out = np.empty_like(x)
         lc.allreduce(x, out, op="avg", weight=w)
-        check(np.all(np.abs(out.astype(np.float64) - want_w) <= 4 * 2.0 ** -9 * want_w + 1e-12),
+        check(np.all(np.abs(out.astype(np.float64) - want_w) <= 2 * 2.0 ** -8 * want_w + 1e-12),
               f"bfloat16 weighted {n}: max error {np.abs(out.astype(np.float64) - want_w).max()}")
         if layout.uniform:
             lo, hi = chunk_bounds(n, comm.size, comm.rank)
