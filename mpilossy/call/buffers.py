@@ -85,8 +85,7 @@ class WidenedBuffers:
 
 def widen_for_compression(bufs: Any) -> Any:
     """`bufs` as float32 where they hold 16-bit floats on the host."""
-    if (isinstance(bufs, HostBuffers) and bufs.send.itemsize == 2
-            and bufs.send.dtype in (np.dtype(np.float16), BFLOAT16)):
+    if isinstance(bufs, HostBuffers) and bufs.send.dtype in (np.dtype(np.float16), BFLOAT16):
         return WidenedBuffers(bufs)
     return bufs
 
@@ -174,7 +173,7 @@ def as_array(obj: Any, name: str) -> np.ndarray:
         return obj
     if hasattr(obj, "__dlpack__"):
         try:
-            bf16 = _torch_bfloat16(obj)
+            bf16 = torch_bfloat16(obj)
             return np.from_dlpack(obj) if bf16 is None else bf16
         except (BufferError, RuntimeError, TypeError, ValueError) as exc:
             raise BufferError(f"{name} cannot be viewed through DLPack on the host: {exc}") from None
@@ -186,7 +185,7 @@ def as_array(obj: Any, name: str) -> np.ndarray:
     return np.asarray(obj)
 
 
-def _torch_bfloat16(obj: Any) -> Optional[np.ndarray]:
+def torch_bfloat16(obj: Any) -> Optional[np.ndarray]:
     """A CPU bfloat16 tensor of PyTorch as ml_dtypes' bfloat16 (NumPy's DLPack
     import has no bfloat16: its bits go through as int16), else None."""
     torch = sys.modules.get("torch")

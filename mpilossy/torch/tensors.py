@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from ..call.device import CUPY_HINT
-from ..call.dtypes import BFLOAT16
+from ..call.buffers import torch_bfloat16
 
 # The parts of mpilossy.torch that take CUDA tensors (docs/gpu.md): all of them.
 CUDA_TAKERS = ("DistributedOptimizer, ShardedOptimizer, the DDP hook, the broadcasts, drift "
@@ -149,9 +149,8 @@ class Flat:
 def as_numpy(tensor: torch.Tensor) -> np.ndarray:
     """Zero-copy NumPy view of a CPU tensor, through DLPack (bfloat16, which
     NumPy lacks: its bits, viewed as ml_dtypes' bfloat16)."""
-    if tensor.dtype == torch.bfloat16:
-        return np.from_dlpack(tensor.detach().view(torch.int16)).view(BFLOAT16)
-    return np.from_dlpack(tensor.detach())
+    bf16 = torch_bfloat16(tensor)
+    return np.from_dlpack(tensor.detach()) if bf16 is None else bf16
 
 
 def as_bytes(tensor: torch.Tensor) -> np.ndarray:
