@@ -27,6 +27,7 @@ COMMANDS: Dict[str, str] = {
     "node": "the hierarchy's stages within a node against MPI's reduce-scatter + allgather",
     "elastic": "what elastic=True's heartbeat costs: elastic against plain calls, and MPI",
     "dtypes": "one element count in several dtypes (bfloat16 against float32), interleaved",
+    "backend": "torch.distributed all_reduce: the 'mpilossy' backend against Gloo, interleaved",
 }
 
 

@@ -1,5 +1,9 @@
 """mpilossy for PyTorch: train under loss without changing model code.
 
+- the torch.distributed backend "mpilossy" (registered on import):
+  ``init_process_group("mpilossy")``, then DDP or FSDP2 as with Gloo; the
+  gradient collectives run lossy (``BackendOptions``, ``lossy_group``;
+  docs/backend.md);
 - a DDP communication hook (``ddp.register_comm_hook(AllreduceHookState(lc),
   allreduce_hook)``) and ``init_process_group()`` for DDP under mpiexec;
 - without torch.distributed: ``DistributedOptimizer`` (Horovod style),
@@ -36,6 +40,7 @@ except ImportError as _exc:
     raise ImportError("mpilossy.torch needs PyTorch, which is not installed: "
                       "pip install torch (or pip install 'mpilossy[torch]')") from _exc
 
+from .backend import BackendOptions, LossyProcessGroup, lossy_group, register as _register
 from .averaging import average_optimizer_state, average_parameters, group_average_parameters
 from .broadcast import broadcast_optimizer_state, broadcast_parameters, check_parameters
 from .compression import LowBit, TopK
@@ -51,12 +56,15 @@ from .tolerance import PhaseAwareTolerance
 
 __all__ = [
     "AllreduceHookState",
+    "BackendOptions",
+    "LossyProcessGroup",
     "ComputeDeadline",
     "DistributedOptimizer",
     "DriftController",
     "DriftStep",
     "ErrorFeedback",
     "group_average_parameters",
+    "lossy_group",
     "LowBit",
     "PhaseAwareTolerance",
     "ShardedOptimizer",
@@ -73,3 +81,5 @@ __all__ = [
     "init_process_group",
     "measure_drift",
 ]
+
+_register()

@@ -1,6 +1,6 @@
 """torch.distributed under mpiexec: a process group whose rank, size and
 rendezvous come from MPI (for DDP, whose gradient buckets the hook of
-hooks.py then reduces lossy)."""
+hooks.py then reduces lossy, or for the "mpilossy" backend of backend.py)."""
 
 import os
 import socket
@@ -10,18 +10,23 @@ from typing import Any, Dict, Optional
 import torch.distributed as dist
 from mpi4py import MPI
 
+from .backend import use_comm
 from .communicators import reliable_comm
 
 __all__ = ["init_process_group", "destroy_process_group"]
 
 
 def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Intracomm] = None,
-                       timeout: Optional[timedelta] = None) -> None:
+                       timeout: Optional[timedelta] = None, pg_options: Any = None) -> None:
     """Start torch.distributed under mpiexec: rank and world size from MPI,
     MASTER_ADDR/MASTER_PORT from rank 0's environment if it sets them, else
     127.0.0.1 (when all ranks share rank 0's host; rank 0's host name
     otherwise) and a port rank 0's store was given by the kernel.
-    Collective; does nothing if a process group already exists."""
+    Collective; does nothing if a process group already exists.
+
+    backend: "gloo", "mpilossy" (gradient collectives lossy: docs/backend.md;
+    pg_options: a BackendOptions) or a device map such as
+    "cpu:mpilossy,cuda:nccl"."""
     reliable = reliable_comm(comm)
     if dist.is_initialized():
         return
@@ -48,6 +53,9 @@ def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Intracomm] =
             os.environ[name] = _exported[name] = value
     # (only when given: torch's own default otherwise)
     kwargs: Dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+    if pg_options is not None:
+        kwargs["pg_options"] = pg_options
+    use_comm(reliable)
     dist.init_process_group(backend, store=store, rank=reliable.rank,
                             world_size=reliable.size, **kwargs)
 

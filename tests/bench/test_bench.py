@@ -302,3 +302,18 @@ def test_dtypes(tmp_path):
         assert r["bytes"] == 65536 * (4 if r["dtype"] == "float32" else 2), r
         assert r["wrong"] == 0 and r["delivered"] == 1.0 and r["p50_ms"] > 0, r
 
+
+
+def test_backend(tmp_path):
+    """torch.distributed all_reduce over the "mpilossy" backend against
+    Gloo: a row per size, both exact without loss, both timed."""
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+    out = tmp_path / "backend.json"
+    text = command(tmp_path, "backend", "--sizes", "64K,256K", "-n", "3", "-w", "1",
+                   "--json", str(out), nprocs=3)
+    assert text.startswith("# 3 ranks, float32 SUM, lossless=True"), text
+    rows = json.loads(out.read_text())
+    assert [r["bytes"] for r in rows] == [65536, 262144]
+    for r in rows:
+        assert r["exact"] and r["gloo_s"] > 0 and r["mpilossy_s"] > 0, r
+        assert r["ratio"] == pytest.approx(r["mpilossy_s"] / r["gloo_s"]), r

@@ -56,6 +56,38 @@ def test_short_run_learns(tmp_path, extra):
         assert learned and min(learned.values()) < 1.0, learned
 
 
+def test_fsdp_over_the_backend_lossless_equals_gloo_and_learns_under_loss(tmp_path):
+    """--fsdp: FSDP2 over the "mpilossy" backend without loss trains to
+    Gloo's perplexity (the same gradients, within float tolerance); at 10%
+    loss it still learns, delivers less than everything and never drifts
+    (one owner per shard)."""
+    results = {}
+    for name, extra in (("gloo", ["--reduce", "mpi"]), ("lossless", ["--timeout", "none"]),
+                        ("loss-10", ["--loss", "0.1"])):
+        out = tmp_path / f"{name}.json"
+        done = run_bounded([mpiexec(), "-n", "2", sys.executable, "-m", "mpilossy.examples.lm",
+                            *TINY, "--steps", "20", "--fsdp", *extra, "--json", out],
+                           timeout=240, env=clean_subprocess_env(OMP_NUM_THREADS="1"),
+                           cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        results[name] = json.loads(out.read_text())
+    gloo, lossless, lossy = results["gloo"], results["lossless"], results["loss-10"]
+    assert gloo["delivered"] == lossless["delivered"] == 1.0
+    assert lossless["val_perplexity"] == pytest.approx(gloo["val_perplexity"], rel=1e-4)
+    assert lossless["train_loss_last"] == pytest.approx(gloo["train_loss_last"], rel=1e-4)
+    assert 0.75 < lossy["delivered"] < 0.99, lossy["delivered"]
+    assert lossy["train_loss_last"] < lossy["train_loss_first"] - 0.5, lossy
+    assert lossy["final_drift"] == 0.0 and lossy["val_perplexity_ranks"][0] == \
+        lossy["val_perplexity_ranks"][1]
+
+
+def test_fsdp_refuses_what_it_does_not_take():
+    from mpilossy.examples.lm.train import Config, check_fsdp
+    check_fsdp(Config(mode="fsdp"))
+    with pytest.raises(ValueError, match="compression, elastic"):
+        check_fsdp(Config(mode="fsdp", compression="int8", elastic=True))
+
+
 def test_compute_deadline_under_stragglers(tmp_path):
     """Micro-batches, the straggler scenario and the compute deadline: the
     run learns, records its curve, and cuts micro-batches on slow steps."""

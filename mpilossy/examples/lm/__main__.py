@@ -64,9 +64,13 @@ def parser() -> argparse.ArgumentParser:
                          "ranks: docs/hierarchy.md)")
     ap.add_argument("--channel", choices=("auto", "rma", "ud"), default=d.channel,
                     help="of the lossy all-reduce: MPI one-sided windows or datagrams (ud)")
-    ap.add_argument("--mode", choices=("replicated", "sharded"), default=d.mode,
+    ap.add_argument("--mode", choices=("replicated", "sharded", "fsdp"), default=d.mode,
                     help="replicated: every rank applies the lossy all-reduce's average; "
-                    "sharded: owners update their shard, parameters travel by lossy all-gather")
+                    "sharded: owners update their shard, parameters travel by lossy all-gather; "
+                    "fsdp: FSDP2 over the torch.distributed backend 'mpilossy' (reduce mpi: "
+                    "over Gloo), docs/backend.md")
+    ap.add_argument("--fsdp", dest="mode", action="store_const", const="fsdp",
+                    help="the same as --mode fsdp")
     ap.add_argument("--error-feedback", action=argparse.BooleanOptionalAction,
                     default=d.error_feedback,
                     help="re-send next step what a step's gradients lost (plain average)")

@@ -33,7 +33,8 @@ from .progress import track
 GE = "gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1"    # bursts of ~5 blocks, ~9% lost
 
 SEEDS = {"paired": list(range(8)), "explore": [0, 1, 2], "scale": [0, 1, 2],
-         "straggle": list(range(8)), "compress": list(range(8)), "redundancy": list(range(8))}
+         "straggle": list(range(8)), "compress": list(range(8)), "redundancy": list(range(8)),
+         "fsdp": list(range(8))}
 
 
 @dataclass(frozen=True)
@@ -163,6 +164,20 @@ for _name, _spec, _what in [("int8", "int8", "int8"), ("int4", "int4", "int4"),
         Row(f"c-{_name}-10", f"compression: {_what} + its error feedback, 10%",
             (*BEST, "--loss", "0.1", "--compression", _spec), "compress", baseline="c-f32-10"),
     ]
+# FSDP2 (8 seeds): the example's fsdp mode over Gloo (reliable) and over the
+# torch.distributed backend "mpilossy" (reduce-scatters lossy, all-gathers
+# exact), with the library's defaults: learned deadline, redundancy auto
+FSDP = ("--fsdp", "--timeout", "auto")
+ROWS += [
+    Row("fsdp-gloo", "FSDP2 over Gloo (reliable)", (*FSDP, "--reduce", "mpi"), "fsdp",
+        baseline="fsdp-gloo"),
+    Row("fsdp-aa", "FSDP2 over the mpilossy backend, lossless", (*FSDP, "--loss", "0"), "fsdp",
+        baseline="fsdp-gloo"),
+    Row("fsdp-10", "FSDP2 over the mpilossy backend, redundancy auto, 10%",
+        (*FSDP, "--redundancy", "auto", "--loss", "0.1"), "fsdp", baseline="fsdp-gloo"),
+    Row("fsdp-10-nored", "FSDP2 over the mpilossy backend, no redundancy, 10%",
+        (*FSDP, "--redundancy", "none", "--loss", "0.1"), "fsdp", baseline="fsdp-gloo"),
+]
 # diagnostic (3 seeds): the same with SGD + momentum instead of AdamW, whose
 # per-coordinate normalisation turns Top-K's bursts of accumulated residual
 # into one normal-sized step
@@ -391,7 +406,7 @@ def plot(data: Dict[str, List[dict]], path: Path) -> None:
         lows.append(mean - half)
         highs.append(mean + half)
         color = {"paired": "C0", "explore": "C1", "scale": "C2", "compress": "C3",
-                 "redundancy": "C4"}[row.tier]
+                 "redundancy": "C4", "fsdp": "C5"}[row.tier]
         ax.errorbar([mean], [y], xerr=[[half], [half]], fmt="o", color=color, capsize=3)
     ax.axvline(0, color="0.4", lw=1)
     for target, label in ((0.5, "10% target"), (2.0, "30% target")):

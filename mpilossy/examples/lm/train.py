@@ -24,6 +24,7 @@ import mpilossy.torch as mt
 from mpilossy.hierarchy import NodeLayout
 
 from . import corpus as corpus_mod
+from .fsdp import Sharded
 from .model import TinyGPT
 from .progress import MODES as PROGRESS_MODES
 from .progress import progress as progress_display
@@ -113,7 +114,7 @@ def pinned_reducers(cfg: Config) -> bool:
     (docs/training.md); every rank draws from the same data, so the
     expected gradient is unchanged."""
     if cfg.rotate is None:
-        return cfg.mode == "sharded"
+        return cfg.mode in ("sharded", "fsdp")
     return not cfg.rotate
 
 
@@ -136,6 +137,38 @@ def straggler(spec: str) -> tuple:
     if not (0 <= p <= 1 and f >= 1):
         raise ValueError(f"straggle needs 0 <= P <= 1 and F >= 1, got {spec!r}")
     return p, f
+
+
+def lossy_communicator(cfg: Config, comm: MPI.Intracomm, elastic: bool) -> mpilossy.Communicator:
+    """The Communicator of cfg's lossy calls.  Collective."""
+    # Each seed draws its own losses too.
+    models = [dataclasses.replace(m, seed=m.seed + cfg.seed) if hasattr(m, "seed") else m
+              for m in mpilossy.loss.parse(cfg.loss)] if cfg.loss else None
+    # Error feedback re-sends what was lost, so it needs the plain average.
+    plain = cfg.zero_fill or cfg.error_feedback
+    target: Dict[str, Any] = {}       # (None: the library's default)
+    if cfg.delivered_target is not None:
+        target["delivered_target"] = cfg.delivered_target
+    return mpilossy.Communicator(comm, timeout=deadline_for(cfg, comm), loss=models,
+                                 block_bytes=cfg.block_bytes, algorithm=cfg.algorithm,
+                                 channel=cfg.channel,
+                                 scaling="zero-fill" if plain else "unbiased",
+                                 rotate=not pinned_reducers(cfg),
+                                 redundancy=redundancy(cfg), elastic=elastic, **target)
+
+
+def check_fsdp(cfg: Config) -> None:
+    """What the fsdp mode leaves to FSDP2 and the backend, refused by name."""
+    refused = [name for name, on in (
+        ("error_feedback", cfg.error_feedback), ("zero_fill", cfg.zero_fill),
+        ("phase_aware", cfg.phase_aware), ("micro_batches", cfg.micro_batches != 1),
+        ("compute_deadline", cfg.compute_deadline != "off"),
+        ("compression", cfg.compression != "none"), ("elastic", cfg.elastic),
+        ("kill_rank", cfg.kill_rank is not None), ("device", cfg.device != "cpu"),
+        ("algorithm", cfg.algorithm not in ("auto", "direct"))) if on]
+    if refused:
+        raise ValueError(f"the fsdp mode (FSDP2 over a torch.distributed backend, CPU) "
+                         f"does not take: {', '.join(refused)}")
 
 
 def compute_deadline(cfg: Config) -> Optional[mt.ComputeDeadline]:
@@ -262,8 +295,10 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     if not isinstance(progress, bool) and progress not in PROGRESS_MODES:
         raise ValueError(f"progress must be True, False or one of {', '.join(PROGRESS_MODES)}, "
                          f"got {progress!r}")
-    if cfg.mode not in ("replicated", "sharded"):
-        raise ValueError(f"mode must be 'replicated' or 'sharded', got {cfg.mode!r}")
+    if cfg.mode not in ("replicated", "sharded", "fsdp"):
+        raise ValueError(f"mode must be 'replicated', 'sharded' or 'fsdp', got {cfg.mode!r}")
+    if cfg.mode == "fsdp":
+        check_fsdp(cfg)
     if cfg.mode == "sharded" and (cfg.phase_aware or cfg.algorithm not in ("auto", "direct")):
         raise ValueError("the sharded mode reduce-scatters with the direct algorithm and "
                          "has no phase-aware tolerance")
@@ -292,6 +327,9 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     # (built on the CPU, then moved: the same initial values on any device)
     model = TinyGPT(corpus_mod.VOCAB, cfg.context, cfg.width, cfg.layers, cfg.heads).to(device)
     mt.broadcast_parameters(model, comm=comm)
+    lc = lossy_communicator(cfg, comm, elastic) if cfg.reduce == "mpilossy" else None
+    # fsdp: the parameters become shards (DTensors) before the optimizer sees them
+    fsdp = Sharded(model, comm, lc, cfg.align) if cfg.mode == "fsdp" else None
     params = [p for p in model.parameters()]
     if cfg.optimizer == "sgd":
         inner: torch.optim.Optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
@@ -300,29 +338,17 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     else:
         raise ValueError(f"optimizer must be adamw or sgd, got {cfg.optimizer!r}")
 
-    lc = None
     tolerance = None
     optimizer: torch.optim.Optimizer = inner
     wrapped: Optional[mt.WrappedOptimizer] = None      # (mpilossy's wrapper of `inner`)
-    drift_control: Optional[mt.DriftController]
-    if cfg.reduce == "mpi":
+    drift_control: Optional[mt.DriftController] = None  # (fsdp: none needed)
+    if fsdp is not None:
+        pass                            # (FSDP2 reduces inside backward, over its group)
+    elif cfg.reduce == "mpi":
         reduce_mpi = MPIAllreduce(comm, params)
         drift_control = mt.DriftController(model, comm=comm, measure_every=cfg.measure_every)
     else:
-        # Each seed draws its own losses too.
-        models = [dataclasses.replace(m, seed=m.seed + cfg.seed) if hasattr(m, "seed") else m
-                  for m in mpilossy.loss.parse(cfg.loss)] if cfg.loss else None
-        # Error feedback re-sends what was lost, so it needs the plain average.
-        plain = cfg.zero_fill or cfg.error_feedback
-        target: Dict[str, Any] = {}       # (None: the library's default)
-        if cfg.delivered_target is not None:
-            target["delivered_target"] = cfg.delivered_target
-        lc = mpilossy.Communicator(comm, timeout=deadline_for(cfg, comm), loss=models,
-                                   block_bytes=cfg.block_bytes, algorithm=cfg.algorithm,
-                                   channel=cfg.channel,
-                                   scaling="zero-fill" if plain else "unbiased",
-                                   rotate=not pinned_reducers(cfg),
-                                   redundancy=redundancy(cfg), elastic=elastic, **target)
+        assert lc is not None
         if cfg.phase_aware:
             tolerance = mt.PhaseAwareTolerance(critical_steps=int(cfg.steps * cfg.critical_fraction))
         if cfg.mode == "sharded":
@@ -343,7 +369,6 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                                               compression=compression(cfg))
         optimizer = wrapped
         drift_control = wrapped.drift_control
-    assert drift_control is not None        # (measure_every is always given)
 
     mode = "none" if rank != 0 or progress is False else "auto" if progress is True else progress
     bar = progress_display(cfg.steps, "train", "step", mode)
@@ -386,9 +411,16 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                 time.sleep((factor - 1.0) * (time.perf_counter() - computing))
         micro_done.append(len(parts))
         loss = torch.tensor(float(np.mean(parts)))
-        if cfg.reduce == "mpi":
+        if fsdp is not None:
+            inner.step()
+            got, seconds = fsdp.step_stats()
+            if fsdp.lossy:
+                delivered.append(got)
+            comm_seconds += seconds
+        elif cfg.reduce == "mpi":
             comm_seconds += reduce_mpi()
             inner.step()
+            assert drift_control is not None
             drift_control.step()
         else:
             if cfg.align:
@@ -408,7 +440,9 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         losses.append(loss.item())
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             pause = time.perf_counter()
-            ppl_now = reliable().bcast(perplexity(model, val) if reliable().rank == 0 else None)
+            # (fsdp: every rank takes part in the forward pass's all-gathers)
+            ppl_now = reliable().bcast(perplexity(model, val)
+                                       if reliable().rank == 0 or fsdp is not None else None)
             curve.append((step + 1, pause - train_began - paused, ppl_now))
             paused += time.perf_counter() - pause
         # the last 10 steps' mean training loss and delivered fraction
@@ -422,9 +456,10 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
 
     # Drift of the models as trained: the measurement of the last step was
     # taken before that step's broadcast, if it had one.
-    history = drift_control.history
-    final_drift = history[-1][1] if history and history[-1][0] == cfg.steps \
-        else drift_control.measure()
+    # (fsdp: one owner per shard, gathered exactly: no drift)
+    history = drift_control.history if drift_control is not None else []
+    final_drift = 0.0 if drift_control is None else history[-1][1] \
+        if history and history[-1][0] == cfg.steps else drift_control.measure()
     ppl = comm.allgather(perplexity(model, val))
     mean_delivered = comm.allreduce(float(np.mean(delivered)) if delivered else 1.0) / size
     result = {
@@ -445,7 +480,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         "device": str(device),
         "train_tokens": int(data.train.size),
         "val_tokens": int(data.val.size),
-        "broadcasts": drift_control.broadcasts,
+        "broadcasts": drift_control.broadcasts if drift_control is not None else 0,
         "step_seconds": comm.allreduce(train_seconds, op=MPI.MAX) / cfg.steps,
         "micro_batches": comm.allreduce(float(np.mean(micro_done)), op=MPI.SUM) / size,
         "curve": curve,
@@ -464,6 +499,9 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         if lc.config.redundancy == "auto":
             # what the agreed loss rate called for at the end of training
             result["redundancy_auto"] = {"loss_rate": lc.loss_rate, "code": lc.auto_redundancy()}
+    if fsdp is not None:
+        fsdp.close()
+    if lc is not None:
         lc.free()
     return result
 
