@@ -226,6 +226,9 @@ def rss_bytes():
 @pytest.mark.mpi
 @pytest.mark.timeout(300)
 def test_ten_thousand_calls_do_not_grow_memory(comm, channel):
+    if comm.size == 3:
+        # (what grows per call is the same at 2 and 4 ranks; 3 saves CI ~30 s)
+        pytest.skip("memory growth is measured at 2 and 4 ranks")
     x = np.ones(4096)
     out = np.empty_like(x)
     algorithms = ["ring", "tree", "direct"]
