@@ -136,6 +136,19 @@ def test_lossy_all_reduce_averages_the_ranks_that_arrived(comm, lossy):
     gather_check(comm, step.calls == 1 and step.delivered == stats.delivered, step)
 
 
+def test_small_and_integer_tensors_are_exact_under_loss(comm, lossy):
+    """Under 30% injected loss, what its dtype (integers) or its size
+    (fewer than exact_below elements, on the world group) keeps exact goes
+    through Gloo: exact sums."""
+    counts = torch.arange(5000, dtype=torch.int64) + comm.rank
+    dist.all_reduce(counts, group=lossy)
+    want = torch.arange(5000, dtype=torch.int64) * comm.size + sum(range(comm.size))
+    small = torch.full((100,), float(comm.rank))
+    dist.all_reduce(small)
+    gather_check(comm, torch.equal(counts, want)
+                 and bool(torch.all(small == sum(range(comm.size)))))
+
+
 def test_lossy_sum_is_unbiased(comm, lossy):
     """op=SUM scales by ranks / contributors: the mean over the elements of
     the estimated sum of all-ones is the rank count (every element of it

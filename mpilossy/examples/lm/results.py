@@ -59,6 +59,9 @@ FEEDBACK = (*FORMER, "--mode", "sharded", "--error-feedback", "--no-rotate", "--
 TODAY = (*FORMER, "--mode", "replicated", "--no-error-feedback", "--algorithm", "direct",
          "--rotate")
 SHARDED = (*FORMER, "--mode", "sharded")
+# the main job (run.sh): the example's defaults today, spelled out
+MAIN = ("--mode", "sharded", "--timeout", "auto", "--redundancy", "auto", "--no-error-feedback",
+        "--no-rotate", "--missed", "extrapolate")
 STRAGGLE = (*BEST, "--loss", "0", "--micro-batches", "4", "--straggle", "0.1:2",
             "--eval-every", "25")
 ROWS: List[Row] = [
@@ -66,6 +69,8 @@ ROWS: List[Row] = [
     Row("aa", "A/A: lossless mpilossy (sharded + error feedback, no loss)",
         (*FEEDBACK, "--loss", "0")),
     Row("best-10", "best: sharded, pinned reducers, extrapolate, 10%", (*BEST, "--loss", "0.1")),
+    Row("main-10", "the main job (run.sh): the defaults (learned deadline, redundancy auto), 10%",
+        (*MAIN, "--loss", "0.1")),
     Row("best-30", "best: sharded, pinned reducers, extrapolate, 30%", (*BEST, "--loss", "0.3")),
     Row("best-ge", "best: sharded, pinned reducers, extrapolate, GE (~9%)", (*BEST, "--loss", GE)),
     Row("ef-10", "best + error feedback, 10%", (*FEEDBACK, "--loss", "0.1")),
