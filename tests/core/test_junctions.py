@@ -140,12 +140,19 @@ def test_one_stray_auto_is_a_mismatch_and_leaves_the_schedule_alone(comm):
             everyone = comm.allgather(outcomes)
             assert all(o[0] == "MismatchError" or o[1] == "MismatchError" for o in everyone), \
                 everyone
-            comm.Barrier()
-            used = []
-            for call in range(300):
-                used.append(lc.allreduce(x.copy(), timeout="auto").timeout)
-            everyone_used = comm.allgather(used)
-            apart = sum(1 for a, b in zip(*everyone_used[:2]) if a != b)
+            # Up to 3 rounds of 300 calls (the same decision on every rank):
+            # the busy process makes how late a descheduled rank applies an
+            # agreement vary from round to round (once 100 of 300 in CI); a
+            # schedule that pairs agreements wrongly differs on every round.
+            for attempt in range(3):
+                comm.Barrier()
+                used = []
+                for call in range(300):
+                    used.append(lc.allreduce(x.copy(), timeout="auto").timeout)
+                everyone_used = comm.allgather(used)
+                apart = sum(1 for a, b in zip(*everyone_used[:2]) if a != b)
+                if apart <= 75:
+                    break
             started = comm.allgather(lc._state.auto.started)
     finally:
         if hog is not None:
