@@ -239,13 +239,6 @@ class LossyProcessGroup(dist.ProcessGroup):
 
     reduce_scatter_tensor_coalesced = reduce_scatter_single_coalesced
 
-    def reduce_scatter(self, outputs: List[torch.Tensor], inputs: List[List[torch.Tensor]],
-                       opts: Any = None) -> dist.Work:
-        # (the list form: exact; FSDP and DDP use the tensor forms)
-        self._begin("reduce_scatter", False)
-        return self.exact.reduce_scatter(outputs, inputs,
-                                         opts if opts is not None else dist.ReduceScatterOptions())
-
     def _all_gather_one(self, output: torch.Tensor, input: torch.Tensor) -> None:
         if output.numel() != input.numel() * self.size():
             raise ValueError(f"all_gather: the output has {output.numel()} elements, not "
@@ -283,9 +276,10 @@ class LossyProcessGroup(dist.ProcessGroup):
 
 
 # What always runs exactly: forwarded to the Gloo group as torch called it.
+# (reduce_scatter is the list form: FSDP and DDP use the tensor forms)
 EXACT = ("allgather", "allgather_coalesced", "alltoall", "all_to_all_single", "barrier",
          "broadcast", "gather", "monitored_barrier", "recv", "recv_anysource", "reduce",
-         "scatter", "send")
+         "reduce_scatter", "scatter", "send")
 
 
 def _exactly(name: str) -> Any:
