@@ -16,10 +16,13 @@
 #   ethtool           mpilossy.cluster: segmentation and receive offloads per
 #                     node, so that drops hit wire-sized packets
 #   ShellCheck        lints the shell scripts and jobs/ templates (tests/cluster/test_scripts.py)
+#   python3-simgrid   SimGrid's Python bindings for the scale model (mpilossy.sim,
+#                     tests/sim/test_engine.py); built for the system's CPython 3.11,
+#                     loaded by path from a 3.11 venv (mpilossy/sim/_simgrid.py)
 # Never fails: where the packages cannot be installed, those tests skip and
 # say why.
 set -uo pipefail
-PACKAGES=(slurm-wlm munge libpmix-dev libfabric-dev libssl-dev libisal-dev nftables iproute2 ethtool shellcheck)
+PACKAGES=(slurm-wlm munge libpmix-dev libfabric-dev libssl-dev libisal-dev nftables iproute2 ethtool shellcheck python3-simgrid)
 missing=()
 for p in "${PACKAGES[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

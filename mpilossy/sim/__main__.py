@@ -1,0 +1,214 @@
+"""python -m mpilossy.sim: calibrate the scale model against the emulated
+cluster's figures, project it to larger fat trees, and print the tables of
+docs/scale.md.
+
+    python -m mpilossy.sim calibrate [--out DIR] [--jobs 2]
+    python -m mpilossy.sim project [--nodes 8,16,32] [--ppn 8] [--rate 100gbit] [--out DIR]
+    python -m mpilossy.sim all --out docs/results/scale --plot docs/scale.png
+    python -m mpilossy.sim plot --out docs/results/scale --plot docs/scale.png   # from the JSON
+
+Each scenario runs in a process of its own (SimGrid keeps one engine per
+process); --jobs runs that many at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Dict, List, Sequence
+
+from . import mechanisms
+from .engine import Background, Scenario
+from .runner import run_all
+
+MiB = 1 << 20
+
+
+def _rate(text: str) -> float:
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for unit, factor in units.items():
+        if text.lower().endswith(unit):
+            return float(text[:-len(unit)]) * factor
+    return float(text)
+
+
+def _size(text: str) -> int:
+    factor = {"K": 1 << 10, "M": MiB, "G": 1 << 30}.get(text[-1].upper(), 0)
+    return int(float(text[:-1]) * factor) if factor else int(text)
+
+
+def _pct(model: float, measured: float) -> str:
+    return f"{100 * (model - measured) / measured:+.0f}%"
+
+
+def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
+    from .reference import FIT, ROWS
+    # the CPU of the 2-core machine: fitted on one row, checked on the rest
+    fit = ROWS[FIT]
+    rate = 100e6
+    for _ in range(2):
+        probe = replace(fit.scenario, cores=2, core_rate=rate, calls=3)
+        took = run_all([probe], 1)[0]["lossy"]["p50"]
+        rate *= took / fit.ud[0]
+    scenarios = [replace(r.scenario, cores=2, core_rate=rate,
+                         calls=min(r.scenario.calls, args.calls)) for r in ROWS]
+    rows = run_all(scenarios, args.jobs)
+    print(f"core rate fitted on row {FIT + 1}: {rate / 1e6:.1f} MB/s per core, 2 cores\n")
+    print("| # | scenario | MPI p50 / p99 (ms): emulated, model | ud p50 / p99 (ms): emulated, "
+          "model | delivered: emulated, model | off by (MPI p50, p99; ud p50, p99) |")
+    print("|---|---|---|---|---|---|")
+    table = []
+    for i, (ref, row) in enumerate(zip(ROWS, rows), start=1):
+        m, u = row["mpi"], row["lossy"]
+        offs = [_pct(m["p50"], ref.mpi[0]), _pct(m["p99"], ref.mpi[1]),
+                _pct(u["p50"], ref.ud[0]), _pct(u["p99"], ref.ud[1])]
+        mark = " (fit)" if i - 1 == FIT else ""
+        print(f"| {i}{mark} | {row['label']} | {ref.mpi[0] * 1e3:.1f} / {ref.mpi[1] * 1e3:.1f}, "
+              f"{m['p50'] * 1e3:.1f} / {m['p99'] * 1e3:.1f} | {ref.ud[0] * 1e3:.1f} / "
+              f"{ref.ud[1] * 1e3:.1f}, {u['p50'] * 1e3:.1f} / {u['p99'] * 1e3:.1f} | "
+              f"{ref.delivered:.3f}, {row['delivered']:.3f} | {', '.join(offs)} |")
+        table.append({**row, "measured": {"mpi": ref.mpi, "ud": ref.ud,
+                                          "delivered": ref.delivered, "source": ref.source}})
+    def close(model: float, measured: float) -> bool:
+        return abs(model - measured) <= 0.2 * measured
+
+    counts = {"MPI p50": sum(close(r["mpi"]["p50"], m.mpi[0]) for m, r in zip(ROWS, rows)),
+              "MPI p99": sum(close(r["mpi"]["p99"], m.mpi[1]) for m, r in zip(ROWS, rows)),
+              "ud p50": sum(close(r["lossy"]["p50"], m.ud[0]) for m, r in zip(ROWS, rows)),
+              "ud p99": sum(close(r["lossy"]["p99"], m.ud[1]) for m, r in zip(ROWS, rows)),
+              "delivered (within 0.02)": sum(abs(r["delivered"] - m.delivered) <= 0.02
+                                             for m, r in zip(ROWS, rows))}
+    print("\nrows within 20% of the emulated cluster, of " + str(len(ROWS)) + ": "
+          + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    result = {"core_rate": rate, "rows": table, "within": counts}
+    _save(args, "calibration.json", result)
+    return result
+
+
+def _fat_tree(nodes: int) -> tuple:
+    """Two levels: leaf switches of 8 nodes, each with one link up to each of
+    8 spines (full bisection); one switch below 9 nodes."""
+    if nodes <= 8:
+        return ()
+    return (2, 8, nodes // 8, 1, 8, 1, 1)
+
+
+def project(args: argparse.Namespace) -> Dict[str, Any]:
+    rate = _rate(args.rate)
+    scenarios = []
+    for nodes in args.nodes:
+        for nbytes in args.sizes:
+            base = Scenario(nodes=nodes, ppn=args.ppn, rate=rate, nbytes=nbytes,
+                            algorithm="hierarchical", deadline=args.deadline, calls=args.calls,
+                            latency=1e-6, memory=100e9, pieces=4, tree=_fat_tree(nodes),
+                            seal_rate=args.seal_rate,
+                            payload=args.payload)
+            scenarios.append(base)
+            if args.background:
+                scenarios.append(replace(base, background=Background.parse(args.background)))
+    rows = run_all(scenarios, args.jobs)
+    print("| nodes x ranks | bucket | background | MPI_Allreduce p50 / p99 (ms) | mpilossy "
+          "hierarchical p50 / p99 (ms) | time vs MPI (p50) | delivered | messages |")
+    print("|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        s, m, u = row["scenario"], row["mpi"], row["lossy"]
+        bg = s["background"]
+        bg = f"{bg['on_ms']:g}/{bg['off_ms']:g}:{bg['flows']}" if bg else "quiet"
+        print(f"| {s['nodes']} x {s['ppn']} | {s['nbytes'] >> 20} MiB | {bg} | "
+              f"{m['p50'] * 1e3:.2f} / {m['p99'] * 1e3:.2f} | {u['p50'] * 1e3:.2f} / "
+              f"{u['p99'] * 1e3:.2f} | {u['p50'] / m['p50']:.2f}x | {row['delivered']:.3f} | "
+              f"{row['messages']:,} |")
+    limits = mechanisms.table(ppn=args.ppn, link_bps=rate, step=0.1, share=0.05)
+    print()
+    mechanisms.print_table(limits)
+    result = {"rows": rows, "mechanisms": limits}
+    _save(args, "projection.json", result)
+    return result
+
+
+def _save(args: argparse.Namespace, name: str, data: Any) -> None:
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(json.dumps(data, indent=1, default=str) + "\n")
+
+
+def plot(calibration: Dict[str, Any], projection: Dict[str, Any], path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for key, name, marker in (("mpi", "MPI", "o"), ("lossy", "ud", "s")):
+        ref = "mpi" if key == "mpi" else "ud"
+        for q, fill in (("p50", True), ("p99", False)):
+            x = [r["measured"][ref][0 if q == "p50" else 1] * 1e3 for r in calibration["rows"]]
+            y = [r[key][q] * 1e3 for r in calibration["rows"]]
+            a.scatter(x, y, marker=marker, label=f"{name} {q}",
+                      facecolors=None if fill else "none", edgecolors="C0" if key == "mpi" else "C1",
+                      c=None if not fill else ("C0" if key == "mpi" else "C1"))
+    top = max(max(r["measured"]["mpi"][1], r["measured"]["ud"][1]) for r in calibration["rows"]) * 1e3
+    a.plot([10, top], [10, top], "k-", lw=0.8)
+    a.fill_between([10, top], [8, 0.8 * top], [12, 1.2 * top], color="0.9")
+    a.set(xscale="log", yscale="log", xlabel="emulated cluster (ms)", ylabel="model (ms)",
+          title="calibration: per-call time (grey: within 20%)")
+    a.legend(fontsize=8)
+    rows = [r for r in projection["rows"] if not r["scenario"]["background"]]
+    for nbytes in sorted({r["scenario"]["nbytes"] for r in rows}):
+        pick = sorted((r for r in rows if r["scenario"]["nbytes"] == nbytes),
+                      key=lambda r: r["scenario"]["nodes"])
+        ranks = [r["scenario"]["nodes"] * r["scenario"]["ppn"] for r in pick]
+        b.plot(ranks, [r["lossy"]["p50"] / r["mpi"]["p50"] for r in pick], "o-",
+               label=f"{nbytes >> 20} MiB")
+    b.axhline(1.0, color="k", lw=0.8)
+    b.set(xscale="log", xlabel="ranks (8 per node, fat tree)", ylabel="mpilossy p50 / MPI_Allreduce p50",
+          title="projection, quiet network")
+    b.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mpilossy.sim", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("calibrate", "project", "all", "plot"))
+    parser.add_argument("--out", default="", help="folder for the JSON results (and the plot)")
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=40, help="calls per calibration row (at most)")
+    parser.add_argument("--nodes", type=lambda t: [int(x) for x in t.split(",")],
+                        default=[8, 16, 32])
+    parser.add_argument("--ppn", type=int, default=8)
+    parser.add_argument("--rate", default="100gbit")
+    parser.add_argument("--sizes", type=lambda t: [_size(x) for x in t.split(",")],
+                        default=[25 * MiB, 100 * MiB])
+    parser.add_argument("--deadline", type=float, default=1.0)
+    parser.add_argument("--payload", type=int, default=8192,
+                        help="datagram payload at scale (jumbo frames / UD verbs: 4096-8192)")
+    parser.add_argument("--seal-rate", type=float, default=1.6e9,
+                        help="bytes/s one rank seals and checks (docs/ud.md: 1.6 GB/s a core)")
+    parser.add_argument("--background", default="100/400:1")
+    parser.add_argument("--plot", default="", help="where to write the plot (all)")
+    args = parser.parse_args(list(argv) or None)
+    if args.what == "plot":               # from the JSON files a run left in --out
+        folder = Path(args.out or ".")
+        plot(json.loads((folder / "calibration.json").read_text()),
+             json.loads((folder / "projection.json").read_text()), Path(args.plot or "scale.png"))
+    elif args.what == "calibrate":
+        calibrate(args)
+    elif args.what == "project":
+        args.calls = min(args.calls, 3)
+        project(args)
+    else:
+        cal = calibrate(args)
+        print()
+        args.calls = 3
+        proj = project(args)
+        if args.plot:
+            plot(cal, proj, Path(args.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

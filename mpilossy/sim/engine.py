@@ -1,0 +1,634 @@
+"""One scenario on a simulated platform: mpilossy's calls and MPI's
+all-reduce, alternating as in `python -m mpilossy.bench allreduce
+--scenario link`, every rank an S4U actor on its node's host.
+
+Model (docs/scale.md says what each choice leaves out):
+- a stream (what one rank sends another in one deadline stage) is cut in
+  `pieces` messages sent in order, so a stage pipelines into the next at
+  that granularity; bytes on the wire include the datagram, UDP/IP and
+  Ethernet headers (ud) or TCP/IP and Ethernet (MPI);
+- each rank paces its datagrams at 0.95 x port rate / ranks on the node
+  (MPILOSSY_UD_RATE, as the emulated cluster's `--pace port` sets it); MPI's
+  TCP is not paced; flows share links as SimGrid's network model shares them
+  (max-min fairness, CM02 by default: no packets, no queues), and a datagram
+  flow served slower than its pace loses the difference instead of slowing;
+- a message not in by its stage deadline is late; the stage deadlines are
+  the core's (anchor + 0.4 x budget x stage end, at most start + budget);
+- random datagram drops (`drop`) enter as expected values: a block crossing
+  one hop arrives with probability 1 - drop;
+- MPI_Allreduce is MPICH's for large buffers (SMP-aware with several ranks
+  per node, reduce_scatter_allgather among the leaders).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from . import _simgrid
+
+__all__ = ["Background", "Scenario", "simulate", "ALGORITHMS"]
+
+ALGORITHMS = ("direct", "ring", "tree", "hierarchical")
+UD_HEADERS = 64 + 28 + 38          # mpilossy's datagram header, UDP/IP, Ethernet framing
+TCP_PAYLOAD, TCP_FRAME = 1448, 1538
+HIER_SHARES = (0.15, 0.25, 0.0375, 0.075)   # hierarchy stage floors (mpilossy/hierarchy/stages.py)
+
+
+@dataclass(frozen=True)
+class Background:
+    """On/off TCP flows from each node to the next (mpilossy.cluster's
+    `--background ON/OFF:FLOWS`): on and off periods uniform in 0.5-1.5 x
+    their means, each flow sending as fast as the network lets it."""
+
+    on_ms: float
+    off_ms: float
+    flows: int = 1
+
+    @classmethod
+    def parse(cls, text: str) -> "Background":
+        times, _, flows = text.partition(":")
+        on, _, off = times.partition("/")
+        return cls(float(on), float(off), int(flows or 1))
+
+    def __str__(self) -> str:
+        return f"{self.on_ms:g}/{self.off_ms:g}:{self.flows}"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    nodes: int = 4
+    ppn: int = 1
+    rate: float = 200e6                 # bit/s of each node's port, each way
+    nbytes: int = 1 << 20
+    algorithm: str = "direct"
+    deadline: float = 0.25
+    calls: int = 20
+    background: Optional[Background] = None
+    drop: float = 0.0                   # random datagram drops on the switch
+    payload: int = 1408                 # datagram payload (MTU 1500)
+    pace: bool = True
+    latency: float = 25e-6              # one way, per link
+    memory: float = 2e9                 # bytes/s between the ranks of a node
+    pieces: int = 8
+    tree: Tuple[int, ...] = ()          # fat tree (levels, down..., up..., count...); () one switch
+    mpi: bool = True                    # also time MPI_Allreduce
+    network: str = "CM02"               # SimGrid's network model (LV08: TCP-calibrated factors)
+    cores: int = 0                      # >0: all ranks share this many cores (the emulated cluster)
+    core_rate: float = 0.0              # bytes/s one core sends through the stack
+    seal_rate: float = 0.0              # bytes/s a rank seals and checks (datagrams' MAC); 0: free
+    seed: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.ppn
+
+    def label(self) -> str:
+        bg = f" bg {self.background}" if self.background else ""
+        drop = f" drop {self.drop:g}" if self.drop else ""
+        return (f"{self.nodes}x{self.ppn} {self.rate / 1e6:g}Mbit {self.algorithm} "
+                f"{self.nbytes >> 10}KiB T={self.deadline:g}{bg}{drop}")
+
+
+@dataclass
+class Outcome:
+    scenario: Dict[str, Any]
+    lossy: List[float] = field(default_factory=list)       # seconds, every rank and call
+    delivered: List[float] = field(default_factory=list)
+    mpi: List[float] = field(default_factory=list)
+    events: int = 0                                         # messages simulated
+
+
+def _fat_tree(scenario: Scenario) -> Tuple[int, List[int], List[int], List[int]]:
+    if not scenario.tree:
+        return 1, [scenario.nodes], [1], [1]
+    levels = scenario.tree[0]
+    rest = list(scenario.tree[1:])
+    return levels, rest[:levels], rest[levels:2 * levels], rest[2 * levels:3 * levels]
+
+
+class _World:
+    """The platform, the mailboxes and the send/receive primitives."""
+
+    def __init__(self, sg: Any, scenario: Scenario) -> None:
+        self.sg = sg
+        self.s = scenario
+        self.events = 0
+        self.holders: List[Any] = []
+        self.ideal: Dict[str, float] = {}
+        self.done = False
+        root = sg.NetZone.create_full_zone("world")
+        self.hosts: Dict[int, Any] = {}
+
+        def netpoint(zone: Any, coord: Any, ident: int) -> Any:
+            host = zone.create_host(f"node-{ident}", 1e9)
+            host.core_count = scenario.ppn
+            host.seal()
+            self.hosts[ident] = host
+            return host.netpoint, None
+
+        def loopback(zone: Any, coord: Any, ident: int) -> Any:
+            link = zone.create_link(f"memory-{ident}", scenario.memory)
+            link.set_latency(1e-6)
+            return link.seal()
+
+        def limiter(zone: Any, coord: Any, ident: int) -> Any:
+            return zone.create_link(f"limit-{ident}", 1e15).seal()
+
+        levels, down, up, count = _fat_tree(scenario)
+        zone = sg.NetZone.create_fatTree_zone(
+            "fabric", root, sg.FatTreeParams(levels, down, up, count),
+            sg.ClusterCallbacks(netpoint, loopback, limiter),
+            scenario.rate / 8, scenario.latency, sg.Link.SharingPolicy.SPLITDUPLEX)
+        zone.seal()
+        root.seal()
+        if len(self.hosts) < scenario.nodes:
+            raise ValueError(f"the fat tree {scenario.tree} has {len(self.hosts)} nodes, "
+                             f"fewer than {scenario.nodes}")
+        frame = (scenario.payload + UD_HEADERS) / scenario.payload
+        self.ud_frame = frame
+        # what one rank can push: its pace, and on an oversubscribed machine
+        # (the emulated cluster: every rank on `cores` shared cores) its CPU
+        self.cpu = (scenario.core_rate * min(1.0, scenario.cores / scenario.size)
+                    if scenario.cores else 0.0)
+        pace = 0.95 * scenario.rate / 8 / scenario.ppn if scenario.pace else 0.0
+        caps = [r for r in (pace, self.cpu, scenario.seal_rate) if r > 0]
+        self.pace = min(caps) if caps else 0.0
+
+    def host_of(self, rank: int) -> Any:
+        return self.hosts[rank // self.s.ppn]
+
+    def same_node(self, a: int, b: int) -> bool:
+        return a // self.s.ppn == b // self.s.ppn
+
+    def put(self, key: str, nbytes: float, rate: float = 0.0, datagrams: bool = True) -> Any:
+        comm = self.sg.Mailbox.by_name(key).put_init(None, max(1, int(nbytes)))
+        if rate > 0:
+            comm.set_rate(rate)
+            if datagrams:
+                self.ideal[key] = int(nbytes) / rate
+        self.events += 1
+        return comm.start()
+
+    def get(self, key: str) -> "_Arrival":
+        comm, holder = self.sg.Mailbox.by_name(key).get_async()
+        # (the holder receives the payload: it must outlive the comm)
+        self.holders.append(holder)
+        return _Arrival(comm, key, self)
+
+
+class _Arrival:
+    """A datagram stream's piece on its way in.  Datagrams are not slowed
+    down by a congested port, they are dropped there: a piece whose flow the
+    network served slower than its sender's pace arrives with only the share
+    the network carried (ideal / actual duration)."""
+
+    __slots__ = ("comm", "key", "world")
+
+    def __init__(self, comm: Any, key: str, world: _World) -> None:
+        self.comm, self.key, self.world = comm, key, world
+
+    def share(self) -> float:
+        ideal = self.world.ideal.pop(self.key, 0.0)
+        took = self.comm.finish_time - self.comm.start_time
+        # (plus the route's latency: a flow at its pace takes that too)
+        slack = 2 * self.world.s.latency * (len(self.world.s.tree) // 3 + 1)
+        return min(1.0, (ideal + slack) / took) if ideal > 0 and took > 0 else 1.0
+
+
+def _wait(comms: Sequence[Any], until: float, clock: Callable[[], float]) -> List[float]:
+    """Wait for each comm (or _Arrival) until `until` (absolute) and cancel
+    the rest.  Returns what arrived of each: 0 (late), else 1, or an
+    arrival's share of its datagrams."""
+    done: List[float] = []
+    for item in comms:
+        c = item.comm if isinstance(item, _Arrival) else item
+        left = until - clock()
+        got = 0.0
+        try:
+            if left > 0:
+                c.wait_for(left)
+                got = item.share() if isinstance(item, _Arrival) else 1.0
+        except Exception:                        # timeout, or the peer cancelled
+            got = 0.0
+        if not got:
+            try:
+                c.cancel()
+            except Exception:
+                pass
+        done.append(got)
+    return done
+
+
+class _Pacer:
+    """A rank's datagram sender: rows of messages leave in the order they were
+    queued (the core's token bucket is one FIFO), a row's messages to other
+    nodes sharing the rank's pace; nothing leaves after the call's budget."""
+
+    def __init__(self, world: _World, me: int, until: float) -> None:
+        self.w, self.me, self.until = world, me, until
+        sg = world.sg
+        self.queue = sg.Mailbox.by_name(f"pace:{me}:{id(self)}")
+        self.actor = sg.Actor.create(f"pacer{me}", sg.this_actor.get_host(), self._run)
+        self.queue.set_receiver(self.actor)
+
+    def send(self, row: Sequence[Tuple[str, int, float]]) -> None:
+        """Queue one row: (key, destination rank, bytes) each."""
+        self.queue.put_init(list(row), 0).detach()
+
+    def close(self) -> None:
+        self.queue.put_init(None, 0).detach()
+        self.actor.join()
+
+    def _run(self) -> None:
+        w, sg = self.w, self.w.sg
+        clock = _clock(sg)
+        flying: List[Any] = []
+        while True:
+            row = self.queue.get()
+            if row is None:
+                break
+            if clock() >= self.until:
+                continue                           # unsent: past the budget
+            remote = [nbytes for _, dest, nbytes in row if not w.same_node(self.me, dest)]
+            rate = w.pace / len(remote) if w.pace and remote else 0.0
+            flying += [w.put(key, nbytes, 0.0 if w.same_node(self.me, dest) else rate)
+                       for key, dest, nbytes in row]
+            if w.pace and remote:
+                # the token bucket lets the row out at the pace, whether or
+                # not the network keeps up (the switch queues the rest)
+                sg.this_actor.sleep_for(min(sum(remote) / w.pace, max(0.0, self.until - clock())))
+        _wait(flying, self.until, clock)
+
+
+class _Call:
+    """One lossy call of every rank: its clock, deadlines and what arrived."""
+
+    def __init__(self, world: _World, number: int, start: float, budget: float) -> None:
+        self.w = world
+        self.n = number
+        self.start = start
+        self.budget = budget
+        # every rank enters at `start` (the bench lines them up), so the
+        # anchor is the start plus the time to see one message from each peer
+        self.anchor = start + 2 * world.s.latency
+
+    def stage_deadline(self, lo: float, share_end: float, budget: float) -> float:
+        """The core's stage deadline: anchor + 0.4 x budget x stage end, at
+        most the budget's end."""
+        anchor = max(self.anchor, lo)
+        return min(lo + budget, anchor + 0.4 * budget * share_end) if budget > 0 else math.inf
+
+    def key(self, *parts: Any) -> str:
+        return ":".join(str(p) for p in (self.n,) + parts)
+
+
+def _clock(sg: Any) -> Callable[[], float]:
+    return lambda: sg.Engine.clock
+
+
+def _among(call: _Call, me: int, members: Sequence[int]) -> Tuple[Any, Any, int, int, int,
+                                                                   Callable[[], float]]:
+    """(world, simgrid, group size, my index, pieces per stream, clock)."""
+    return call.w, call.w.sg, len(members), members.index(me), call.w.s.pieces, _clock(call.w.sg)
+
+
+def _direct(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: float,
+            budget: float, tag: str, drop: float) -> Tuple[float, float]:
+    """The direct all-reduce among `members` (ranks), from time `begin` with
+    `budget` seconds: (expected contributors summed over my result's pieces,
+    in member units; the number of pieces)."""
+    w, sg, P, k, K, clock = _among(call, me, members)
+    if P == 1:
+        return 1.0, 1.0
+    wire = nbytes / P / K * w.ud_frame
+    others = [members[(k - j) % P] for j in range(1, P)]
+    end0 = call.stage_deadline(begin, 0.5, budget)
+    end1 = call.stage_deadline(begin, 1.0, budget)
+    gets0 = [[w.get(call.key(tag, 0, o, me, i)) for o in others] for i in range(K)]
+    gets1 = [[w.get(call.key(tag, 1, o, me, i)) for o in others] for i in range(K)]
+    pacer = _Pacer(w, me, begin + budget)
+    for i in range(K):              # every contribution row first, as the core queues them
+        pacer.send([(call.key(tag, 0, me, o, i), o, wire) for o in others])
+    counts: List[float] = []
+
+    def reduce_and_send() -> None:
+        for i in range(K):
+            arrived = _wait(gets0[i], end0, clock)
+            counts.append(1.0 + (1 - drop) * sum(arrived))
+            pacer.send([(call.key(tag, 1, me, o, i), o, wire) for o in others])
+
+    reducer = sg.Actor.create(f"r{me}", sg.this_actor.get_host(), reduce_and_send)
+    total = 0.0
+    # a reducer's count in expectation: each contribution arrives with 1 - drop
+    mean_count = 1.0 + (1 - drop) * (P - 1)
+    for i in range(K):
+        for got in _wait(gets1[i], end1, clock):
+            p = (1 - drop) * got
+            total += p * mean_count + (1 - p) * 1.0
+    reducer.join()
+    pacer.close()
+    return total + sum(counts), float(P * K)
+
+
+def _ring(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: float,
+          budget: float, tag: str, drop: float) -> Tuple[float, float]:
+    """mpilossy's ring: a chain per chunk through every rank (reduce-scatter,
+    pipelined by pieces), then the reducer's fan-out to every other rank."""
+    w, sg, P, k, K, clock = _among(call, me, members)
+    if P == 1:
+        return 1.0, 1.0
+    left, right = members[(k - 1) % P], members[(k + 1) % P]
+    wire = nbytes / P / K * w.ud_frame
+    # (partial sums travel in the accumulation type: float32 data, same bytes)
+    ends = [call.stage_deadline(begin, (j + 1) / (2.0 * (P - 1)), budget) for j in range(P - 1)]
+    end_g = call.stage_deadline(begin, 1.0, budget)
+    pacer = _Pacer(w, me, begin + budget)
+    reduced = [1.0] * K
+    gets_rs = [[w.get(call.key(tag, "rs", j - 1, left, me, i)) for i in range(K)]
+               for j in range(1, P)]
+    for i in range(K):              # position 0: my chunk starts its chain
+        pacer.send([(call.key(tag, "rs", 0, me, right, i), right, wire)])
+
+    def position(j: int) -> None:
+        for i in range(K):
+            got = _wait([gets_rs[j - 1][i]], ends[j - 1], clock)[0]
+            if j < P - 1:
+                pacer.send([(call.key(tag, "rs", j, me, right, i), right, wire)])
+            else:
+                reduced[i] = 1.0 + (1 - drop) * got * _chain_mean(j - 1, drop)
+                pacer.send([(call.key(tag, "ag", me, o, i), o, wire) for o in members if o != me])
+
+    host = sg.this_actor.get_host()
+    helpers = [sg.Actor.create(f"p{me}.{j}", host, position, j) for j in range(1, P)]
+    reducer_mean = _chain_mean(P - 1, drop)
+    total = 0.0
+    gets = [[w.get(call.key(tag, "ag", members[(k - j) % P], me, i)) for j in range(1, P)]
+            for i in range(K)]
+    for i in range(K):
+        for j, got in enumerate(_wait(gets[i], end_g, clock), start=1):
+            p = (1 - drop) * got
+            # my fallback: my own partial of that chunk, at my position in its chain
+            total += p * reducer_mean + (1 - p) * _chain_mean(P - 1 - j, drop)
+    for h in helpers:
+        h.join()
+    pacer.close()
+    return total + sum(reduced), float(P * K)
+
+
+def _chain_mean(position: int, drop: float) -> float:
+    """Expected contributors at a chain position when each hop arrives with
+    1 - drop (a lost hop restarts the chain)."""
+    size = 1.0
+    for _ in range(position):
+        size = 1.0 + (1 - drop) * size
+    return size
+
+
+def _tree(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: float,
+          budget: float, tag: str, drop: float, radix: int = 4) -> Tuple[float, float]:
+    """The k-ary tree: partial sums up, the result down, piece by piece."""
+    from .patterns import tree_depth, tree_levels, tree_shape
+    w, sg, P, k, K, clock = _among(call, me, members)
+    if P == 1:
+        return 1.0, 1.0
+    root = call.n % P
+    children, levels, parent = tree_shape(k, P, root, radix)
+    H = tree_levels(P, radix)
+    nst = max(1, 2 * H)
+    depth = tree_depth((k - root) % P, radix)
+    wire = nbytes / K * w.ud_frame
+    up = [[w.get(call.key(tag, "up", members[c], me, i)) for c in children] for i in range(K)]
+    down = [w.get(call.key(tag, "dn", members[parent], me, i)) for i in range(K)] \
+        if parent >= 0 else []
+    pacer = _Pacer(w, me, begin + budget)
+    subtree = [1.0] * K
+
+    def upward() -> None:
+        for i in range(K):
+            for lv, g in zip(levels, up[i]):
+                ok = _wait([g], call.stage_deadline(begin, (lv + 1) / nst, budget), clock)[0]
+                subtree[i] += (1 - drop) * ok
+            if parent >= 0:
+                pacer.send([(call.key(tag, "up", me, members[parent], i), members[parent], wire)])
+            else:
+                pacer.send([(call.key(tag, "dn", me, members[c], i), members[c], wire)
+                            for c in children])
+
+    climber = sg.Actor.create(f"u{me}", sg.this_actor.get_host(), upward)
+    total = 0.0
+    for i in range(K):
+        if parent >= 0:
+            got = _wait([down[i]], call.stage_deadline(begin, (H + depth) / nst, budget), clock)[0]
+            if children:
+                pacer.send([(call.key(tag, "dn", me, members[c], i), members[c], wire)
+                            for c in children])
+            # the whole result, in expectation over the hops above me; else my subtree
+            total += got * P * (1 - drop) ** depth + (1 - got) * subtree[i]
+    climber.join()
+    if parent < 0:
+        total = sum(subtree)
+    pacer.close()
+    return total, float(P * K)
+
+
+def _hierarchical(call: _Call, me: int, nbytes: float, budget: float,
+                  drop: float) -> Tuple[float, float]:
+    """The two-level all-reduce: reduce-scatter within the node (shared
+    memory, exact), direct across nodes among each slice's owners, then the
+    node's all-gathers; the stages' budgets as mpilossy/hierarchy/stages.py."""
+    w, sg = call.w, call.w.sg
+    s = w.s
+    node, local = divmod(me, s.ppn)
+    clock = _clock(sg)
+    peers = [node * s.ppn + j for j in range(s.ppn) if j != local]
+    T = budget
+    slice_bytes = nbytes / s.ppn
+    # stage 1: my slice from every local peer (memory copies)
+    gets = [w.get(call.key("h1", p, me)) for p in peers]
+    sends = [w.put(call.key("h1", me, p), slice_bytes) for p in peers]
+    end1 = call.start + HIER_SHARES[0] * T
+    local_count = 1 + sum(_wait(gets, end1, clock))
+    _wait(sends, end1, clock)
+    # stage 2: across nodes, among the owners of my slice
+    left = T - (clock() - call.start)
+    b2 = max(left - HIER_SHARES[0] * T, HIER_SHARES[1] * T)
+    owners = [n * s.ppn + local for n in range(s.nodes)]
+    total, pieces = _direct(call, me, owners, slice_bytes, clock(), b2, "h2", drop)
+    cross = total / pieces                 # nodes' contributions in my slice
+    # stages 3-4: the slices to every local peer
+    left = T - (clock() - call.start)
+    until = clock() + max(left, HIER_SHARES[3] * T)
+    gets = [w.get(call.key("h4", p, me)) for p in peers]
+    sends = [w.put(call.key("h4", me, p), slice_bytes) for p in peers]
+    arrived = _wait(gets, until, clock)
+    _wait(sends, until, clock)
+    # contributors (ranks): my slice holds every node's ranks that made stage 1
+    mine = cross * local_count
+    others = sum(got * cross * s.ppn + (1 - got) for got in arrived)
+    return mine + others, float(s.ppn)
+
+
+def _mpi_allreduce(world: _World, n: int, me: int) -> None:
+    """MPI_Allreduce for large messages as MPICH runs it: with several
+    ranks per node (its SMP-aware collectives, on by default) the node's
+    ranks reduce to a leader through shared memory, the leaders all-reduce,
+    and each leader broadcasts to its node; among the leaders (or all ranks
+    on one rank per node) reduce_scatter_allgather: ranks beyond the largest
+    power of two fold into a partner, the rest halve the vector by recursive
+    halving, then double it back.  TCP between nodes."""
+    s = world.s
+
+    def exchange(tag: str, peer: int, nbytes: float, send: bool = True, recv: bool = True) -> None:
+        g = world.get(f"m{n}:{tag}:{peer}:{me}") if recv else None
+        c = None
+        if send:
+            if world.same_node(me, peer):
+                c = world.put(f"m{n}:{tag}:{me}:{peer}", nbytes, datagrams=False)
+            else:
+                c = world.put(f"m{n}:{tag}:{me}:{peer}", nbytes * TCP_FRAME / TCP_PAYLOAD,
+                              world.cpu, datagrams=False)
+        if g is not None:
+            g.comm.wait()
+        if c is not None:
+            c.wait()
+
+    node, local = divmod(me, s.ppn)
+    leader = node * s.ppn
+    smp = s.ppn > 1 and s.nodes > 1
+    if smp and local:
+        exchange("node-reduce", leader, s.nbytes, recv=False)
+        exchange("node-bcast", leader, s.nbytes, send=False)
+        return
+    if smp:
+        for j in range(1, s.ppn):
+            world.get(f"m{n}:node-reduce:{leader + j}:{me}").comm.wait()
+        members = [k * s.ppn for k in range(s.nodes)]
+    else:
+        members = list(range(s.size))
+    _reduce_scatter_allgather(exchange, members.index(me), members, s.nbytes)
+    if smp:
+        sends = [world.put(f"m{n}:node-bcast:{me}:{leader + j}", s.nbytes, datagrams=False)
+                 for j in range(1, s.ppn)]
+        for c in sends:
+            c.wait()
+
+
+def _reduce_scatter_allgather(exchange: Callable[..., None], me: int, members: Sequence[int],
+                              nbytes: float) -> None:
+    P = len(members)
+    if P == 1:
+        return
+    pof2 = 1 << (P.bit_length() - 1)
+    rem = P - pof2
+    if me < 2 * rem:
+        if me % 2 == 0:
+            exchange("fold", members[me + 1], nbytes, recv=False)
+            newrank = -1
+        else:
+            exchange("fold", members[me - 1], nbytes, send=False)
+            newrank = me // 2
+    else:
+        newrank = me - rem
+
+    def real(v: int) -> int:
+        return members[v * 2 + 1 if v < rem else v + rem]
+
+    if newrank >= 0:
+        size = float(nbytes)
+        mask = 1
+        while mask < pof2:
+            size /= 2
+            exchange(f"rs{mask}", real(newrank ^ mask), size)
+            mask <<= 1
+        mask = pof2 >> 1
+        while mask > 0:
+            exchange(f"ag{mask}", real(newrank ^ mask), size)
+            size *= 2
+            mask >>= 1
+    if me < 2 * rem:
+        if me % 2:
+            exchange("unfold", members[me - 1], nbytes, recv=False)
+        else:
+            exchange("unfold", members[me + 1], nbytes, send=False)
+
+
+def _background(world: _World, sink_of: Callable[[int], Any]) -> None:
+    sg, bg = world.sg, world.s.background
+    assert bg is not None
+    for node in range(world.s.nodes):
+        for f in range(bg.flows):
+            rng = random.Random(world.s.seed * 1_000_000 + node * 1000 + f)
+            dest = (node + 1) % world.s.nodes
+            # (not daemons: a daemon killed mid-sleep at the end prints a backtrace;
+            # these end at the first period boundary after the ranks are done)
+            sg.Actor.create(f"bg{node}.{f}", world.hosts[node], _flow, world, rng, node, dest, bg)
+    for node in range(world.s.nodes):
+        sink_of(node)
+
+
+def _flow(world: _World, rng: random.Random, node: int, dest: int, bg: Background) -> None:
+    sg = world.sg
+    sg.this_actor.sleep_for(rng.uniform(0, (bg.on_ms + bg.off_ms) / 1e3))
+    mailbox = sg.Mailbox.by_name(f"sink-{dest}")
+    while not world.done:
+        on = rng.uniform(0.5, 1.5) * bg.on_ms / 1e3
+        comm = mailbox.put_async(None, int(1e12))
+        sg.this_actor.sleep_for(on)
+        comm.cancel()
+        sg.this_actor.sleep_for(rng.uniform(0.5, 1.5) * bg.off_ms / 1e3)
+
+
+def simulate(scenario: Scenario) -> Outcome:
+    """Run one scenario (one SimGrid engine: call in a fresh process)."""
+    sg = _simgrid.load()
+    engine = sg.Engine(["mpilossy-sim", "--log=root.thr:critical", "--log=xbt_cfg.thr:critical",
+                        f"--cfg=network/model:{scenario.network}"])
+    s = scenario
+    if s.algorithm not in ALGORITHMS:
+        raise ValueError(f"unknown algorithm {s.algorithm!r}; known: {', '.join(ALGORITHMS)}")
+    if s.algorithm == "hierarchical" and (s.ppn < 2 or s.nodes < 2):
+        raise ValueError("the hierarchy needs several nodes of several ranks")
+    world = _World(sg, s)
+    out = Outcome(asdict(s))
+    barrier = sg.Barrier(s.size)
+    P = s.size
+
+    def sink(node: int) -> None:
+        def idle() -> None:
+            sg.this_actor.sleep_for(1e9)
+        actor = sg.Actor.create(f"sink{node}", world.hosts[node], idle)
+        actor.daemonize()
+        sg.Mailbox.by_name(f"sink-{node}").set_receiver(actor)
+
+    def rank(me: int) -> None:
+        for n in range(s.calls):
+            barrier.wait()
+            start = sg.Engine.clock
+            call = _Call(world, n, start, s.deadline)
+            if s.algorithm == "hierarchical":
+                total, blocks = _hierarchical(call, me, s.nbytes, s.deadline, s.drop)
+                delivered = total / (blocks * P)
+            else:
+                members = list(range(P))
+                fn = {"direct": _direct, "ring": _ring, "tree": _tree}[s.algorithm]
+                total, blocks = fn(call, me, members, s.nbytes, start, s.deadline, "f", s.drop)
+                delivered = total / (blocks * P)
+            out.lossy.append(sg.Engine.clock - start)
+            out.delivered.append(min(1.0, delivered))
+            if s.mpi:
+                barrier.wait()
+                began = sg.Engine.clock
+                _mpi_allreduce(world, n, me)
+                out.mpi.append(sg.Engine.clock - began)
+        world.done = True
+
+    if s.background:
+        _background(world, sink)
+    for r in range(P):
+        sg.Actor.create(f"rank{r}", world.host_of(r), rank, r)
+    engine.run()
+    out.events = world.events
+    return out

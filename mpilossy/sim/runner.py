@@ -1,0 +1,53 @@
+"""Run scenarios, each in a fresh process (SimGrid keeps one engine per
+process), and summarise them."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+from dataclasses import asdict
+from typing import Any, Dict, Iterator, List, Sequence
+
+import numpy as np
+
+from .engine import Scenario, simulate
+
+__all__ = ["one", "run_all"]
+
+
+def one(scenario: Scenario) -> Dict[str, Any]:
+    out = simulate(scenario)
+    row: Dict[str, Any] = {"scenario": asdict(scenario), "label": scenario.label(),
+                           "messages": out.events}
+    for name in ("lossy", "mpi"):
+        values = np.array(getattr(out, name))
+        if values.size:
+            row[name] = {"p50": float(np.percentile(values, 50)),
+                         "p99": float(np.percentile(values, 99)), "calls": int(values.size)}
+    row["delivered"] = float(np.mean(out.delivered)) if out.delivered else None
+    return row
+
+
+# What a launcher tells its processes: a child that kept it would take
+# itself for one of the job's ranks (importing mpilossy initialises MPI).
+_LAUNCHER = ("PMI_", "PMIX_", "HYDRA_", "HYDI_", "MPI_LOCAL", "OMPI_", "SLURM_")
+
+
+@contextlib.contextmanager
+def _as_singletons() -> Iterator[None]:
+    saved = {k: v for k, v in os.environ.items() if k.startswith(_LAUNCHER)}
+    for k in saved:
+        del os.environ[k]
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def run_all(scenarios: Sequence[Scenario], jobs: int) -> List[Dict[str, Any]]:
+    """Each scenario in a fresh process (SimGrid: one engine per process),
+    started outside any MPI job this one runs in."""
+    ctx = multiprocessing.get_context("spawn")
+    with _as_singletons(), ctx.Pool(max(1, jobs), maxtasksperchild=1) as pool:
+        return pool.map(one, scenarios, chunksize=1)

@@ -1,0 +1,77 @@
+"""The scale model's engine on SimGrid (mpilossy.sim.engine): a call takes
+at least what its bytes need at the rank's pace, a lossless call delivers
+everything, a deadline shorter than the transfer ends the call on time with
+blocks missing, and MPI_Allreduce (recursive halving and doubling at a
+power of two) takes what its bytes need.  Each
+scenario runs in a fresh process (one SimGrid engine per process)."""
+
+import pytest
+
+from helpers import unavailable
+from mpilossy.sim import _simgrid
+from mpilossy.sim.engine import UD_HEADERS, Scenario, TCP_FRAME, TCP_PAYLOAD
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def run():
+    try:
+        _simgrid.load()
+    except ImportError as e:
+        unavailable(str(e))
+    from mpilossy.sim.runner import run_all
+    return lambda *scenarios: run_all(list(scenarios), jobs=2)
+
+
+def pace_seconds(s: Scenario, nbytes: float) -> float:
+    frame = (s.payload + UD_HEADERS) / s.payload
+    return nbytes * frame / (0.95 * s.rate / 8 / s.ppn)
+
+
+@pytest.mark.timeout(120)
+def test_direct_and_ring_take_what_their_bytes_need_and_deliver_everything(run):
+    direct = Scenario(nodes=4, ppn=1, rate=200e6, nbytes=MiB, algorithm="direct",
+                      deadline=5.0, calls=2)
+    ring = Scenario(nodes=3, ppn=1, rate=200e6, nbytes=MiB, algorithm="ring",
+                    deadline=5.0, calls=2)
+    rows = run(direct, ring)
+    for s, row in zip((direct, ring), rows):
+        P = s.size
+        # every rank sends (P - 1) / P of the vector twice (direct: its
+        # contributions and its reduced chunk; ring: the chain and the fan-out)
+        least = pace_seconds(s, 2 * s.nbytes * (P - 1) / P)
+        assert least <= row["lossy"]["p50"] <= 1.3 * least, (s.algorithm, least, row)
+        assert row["delivered"] == pytest.approx(1.0)
+        if P == 4:
+            mpi_least = 2 * s.nbytes * (P - 1) / P * TCP_FRAME / TCP_PAYLOAD / (s.rate / 8)
+            assert mpi_least <= row["mpi"]["p50"] <= 1.3 * mpi_least, row
+
+
+@pytest.mark.timeout(120)
+def test_a_deadline_shorter_than_the_transfer_ends_the_call_on_time(run):
+    s = Scenario(nodes=4, ppn=1, rate=200e6, nbytes=MiB, algorithm="direct", deadline=0.05,
+                 calls=2, mpi=False)
+    slow = Scenario(nodes=2, ppn=2, rate=200e6, nbytes=MiB, algorithm="hierarchical",
+                    deadline=0.02, calls=2, mpi=False)
+    for scenario, row in zip((s, slow), run(s, slow)):
+        assert row["lossy"]["p99"] <= scenario.deadline + 1e-3, row
+        assert 0.0 < row["delivered"] < 0.9, row
+
+
+@pytest.mark.timeout(120)
+def test_background_flows_slow_mpi_and_cost_datagrams(run):
+    from mpilossy.sim.engine import Background
+    quiet = Scenario(nodes=4, ppn=1, rate=200e6, nbytes=MiB, algorithm="direct", deadline=0.25,
+                     calls=10)
+    busy = Scenario(nodes=4, ppn=1, rate=200e6, nbytes=MiB, algorithm="direct", deadline=0.25,
+                    calls=10, background=Background(200, 200, 2))
+    q, b = run(quiet, busy)
+    assert b["mpi"]["p50"] > 1.5 * q["mpi"]["p50"], (q, b)
+    assert q["delivered"] == pytest.approx(1.0) and b["delivered"] < 0.95, (q, b)
+
+
+def test_scenarios_refuse_what_they_cannot_model():
+    from mpilossy.sim.engine import simulate
+    with pytest.raises(ValueError, match="algorithm"):
+        simulate(Scenario(algorithm="butterfly"))
