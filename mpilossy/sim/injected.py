@@ -5,7 +5,7 @@ The core decides each lost block at the receiver from counters only
 where link is (peer << 32 | rank) and index counts the records of the
 call's streams in the order the algorithm plans them.  Mirroring that rule
 lets the model be fed exactly the losses a real run suffers, so the two can
-be compared block by block (tests/sim/test_agreement.py).
+be compared block by block (tests/sim/test_model_agreement.py).
 """
 
 from __future__ import annotations
