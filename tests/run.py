@@ -71,7 +71,8 @@ def finish(proc: subprocess.Popen, deadline: float) -> object:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,2,3,4")
-    parser.add_argument("--timeout", type=float, default=1200, help="seconds per size")
+    parser.add_argument("--timeout", type=float, default=1800,
+                        help="seconds per size: a deadlock guard (every test has its own bound)")
     parser.add_argument("--per-test", type=float, default=180, help="seconds per test")
     args, pytest_args = parser.parse_known_args()
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"

@@ -27,6 +27,7 @@ def check(name, ok):
 with mpilossy.Communicator(comm, timeout=None if mode == "lossless" else 0.1,
                            loss=None if mode == "lossless" else mpilossy.loss.Bernoulli(0.1, seed=3)) as lc:
     check("no shared memory", lc.shared_memory_peers == 0)
+    outliers = 0
     for algorithm in ("ring", "tree", "direct"):
         lossy_calls = deadline_calls = 0
         for n in (1, 1000, 100_003):
@@ -49,7 +50,10 @@ with mpilossy.Communicator(comm, timeout=None if mode == "lossless" else 0.1,
                     # some set S of ranks: out / w * |S| / size is S's bits.
                     check(f"{algorithm} {n} whole contributions",
                           bool(np.all(np.isin(np.round(out / w, 9), ALLOWED))))
-                    check(f"{algorithm} {n} within deadline", took <= 0.1 + 0.05)
+                    # the documented margin on shared cores (docs/deadlines.md):
+                    # + 50 ms, and one outlier per run under + 200 ms
+                    check(f"{algorithm} {n} within deadline + 200 ms", took <= 0.1 + 0.2)
+                    outliers += took > 0.1 + 0.05
                     check(f"{algorithm} {n} delivered", 0 < stats.delivered <= 1)
                     lossy_calls += stats.lost_blocks[0] > 0
                     # At the deadline with nothing late: only injected loss
@@ -63,6 +67,7 @@ with mpilossy.Communicator(comm, timeout=None if mode == "lossless" else 0.1,
             check(f"{algorithm} ends lossy calls early ({deadline_calls} of {lossy_calls})",
                   lossy_calls > 10 and deadline_calls < 0.3 * lossy_calls)
     if mode == "lossy":
+        check(f"at most one call past deadline + 50 ms ({outliers})", outliers <= 1)
         # The same communicator, loss off, no deadline: exact again.
         lc._state.core.configure_loss({})
         x = (2.0 ** comm.rank) * (1.0 + np.arange(100_003) % 11)
