@@ -23,90 +23,19 @@ Model (docs/scale.md says what each choice leaves out):
 from __future__ import annotations
 
 import math
-import random
-from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from dataclasses import asdict
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from . import _simgrid
+from .mpich import mpi_allreduce
+from .scenario import Outcome, Scenario, fat_tree
+from .traffic import Background, start_background
 
-__all__ = ["Background", "Scenario", "simulate", "ALGORITHMS"]
+__all__ = ["Background", "Scenario", "Outcome", "simulate", "ALGORITHMS"]
 
 ALGORITHMS = ("direct", "ring", "tree", "hierarchical")
 UD_HEADERS = 64 + 28 + 38          # mpilossy's datagram header, UDP/IP, Ethernet framing
-TCP_PAYLOAD, TCP_FRAME = 1448, 1538
 HIER_SHARES = (0.15, 0.25, 0.0375, 0.075)   # hierarchy stage floors (mpilossy/hierarchy/stages.py)
-
-
-@dataclass(frozen=True)
-class Background:
-    """On/off TCP flows from each node to the next (mpilossy.cluster's
-    `--background ON/OFF:FLOWS`): on and off periods uniform in 0.5-1.5 x
-    their means, each flow sending as fast as the network lets it."""
-
-    on_ms: float
-    off_ms: float
-    flows: int = 1
-
-    @classmethod
-    def parse(cls, text: str) -> "Background":
-        times, _, flows = text.partition(":")
-        on, _, off = times.partition("/")
-        return cls(float(on), float(off), int(flows or 1))
-
-    def __str__(self) -> str:
-        return f"{self.on_ms:g}/{self.off_ms:g}:{self.flows}"
-
-
-@dataclass(frozen=True)
-class Scenario:
-    nodes: int = 4
-    ppn: int = 1
-    rate: float = 200e6                 # bit/s of each node's port, each way
-    nbytes: int = 1 << 20
-    algorithm: str = "direct"
-    deadline: float = 0.25
-    calls: int = 20
-    background: Optional[Background] = None
-    drop: float = 0.0                   # random datagram drops on the switch
-    payload: int = 1408                 # datagram payload (MTU 1500)
-    pace: bool = True
-    latency: float = 25e-6              # one way, per link
-    memory: float = 2e9                 # bytes/s between the ranks of a node
-    pieces: int = 8
-    tree: Tuple[int, ...] = ()          # fat tree (levels, down..., up..., count...); () one switch
-    mpi: bool = True                    # also time MPI_Allreduce
-    network: str = "CM02"               # SimGrid's network model (LV08: TCP-calibrated factors)
-    cores: int = 0                      # >0: all ranks share this many cores (the emulated cluster)
-    core_rate: float = 0.0              # bytes/s one core sends through the stack
-    seal_rate: float = 0.0              # bytes/s a rank seals and checks (datagrams' MAC); 0: free
-    seed: int = 1
-
-    @property
-    def size(self) -> int:
-        return self.nodes * self.ppn
-
-    def label(self) -> str:
-        bg = f" bg {self.background}" if self.background else ""
-        drop = f" drop {self.drop:g}" if self.drop else ""
-        return (f"{self.nodes}x{self.ppn} {self.rate / 1e6:g}Mbit {self.algorithm} "
-                f"{self.nbytes >> 10}KiB T={self.deadline:g}{bg}{drop}")
-
-
-@dataclass
-class Outcome:
-    scenario: Dict[str, Any]
-    lossy: List[float] = field(default_factory=list)       # seconds, every rank and call
-    delivered: List[float] = field(default_factory=list)
-    mpi: List[float] = field(default_factory=list)
-    events: int = 0                                         # messages simulated
-
-
-def _fat_tree(scenario: Scenario) -> Tuple[int, List[int], List[int], List[int]]:
-    if not scenario.tree:
-        return 1, [scenario.nodes], [1], [1]
-    levels = scenario.tree[0]
-    rest = list(scenario.tree[1:])
-    return levels, rest[:levels], rest[levels:2 * levels], rest[2 * levels:3 * levels]
 
 
 class _World:
@@ -137,7 +66,7 @@ class _World:
         def limiter(zone: Any, coord: Any, ident: int) -> Any:
             return zone.create_link(f"limit-{ident}", 1e15).seal()
 
-        levels, down, up, count = _fat_tree(scenario)
+        levels, down, up, count = fat_tree(scenario)
         zone = sg.NetZone.create_fatTree_zone(
             "fabric", root, sg.FatTreeParams(levels, down, up, count),
             sg.ClusterCallbacks(netpoint, loopback, limiter),
@@ -471,116 +400,6 @@ def _hierarchical(call: _Call, me: int, nbytes: float, budget: float,
     return mine + others, float(s.ppn)
 
 
-def _mpi_allreduce(world: _World, n: int, me: int) -> None:
-    """MPI_Allreduce for large messages as MPICH runs it: with several
-    ranks per node (its SMP-aware collectives, on by default) the node's
-    ranks reduce to a leader through shared memory, the leaders all-reduce,
-    and each leader broadcasts to its node; among the leaders (or all ranks
-    on one rank per node) reduce_scatter_allgather: ranks beyond the largest
-    power of two fold into a partner, the rest halve the vector by recursive
-    halving, then double it back.  TCP between nodes."""
-    s = world.s
-
-    def exchange(tag: str, peer: int, nbytes: float, send: bool = True, recv: bool = True) -> None:
-        g = world.get(f"m{n}:{tag}:{peer}:{me}") if recv else None
-        c = None
-        if send:
-            if world.same_node(me, peer):
-                c = world.put(f"m{n}:{tag}:{me}:{peer}", nbytes, datagrams=False)
-            else:
-                c = world.put(f"m{n}:{tag}:{me}:{peer}", nbytes * TCP_FRAME / TCP_PAYLOAD,
-                              world.cpu, datagrams=False)
-        if g is not None:
-            g.comm.wait()
-        if c is not None:
-            c.wait()
-
-    node, local = divmod(me, s.ppn)
-    leader = node * s.ppn
-    smp = s.ppn > 1 and s.nodes > 1
-    if smp and local:
-        exchange("node-reduce", leader, s.nbytes, recv=False)
-        exchange("node-bcast", leader, s.nbytes, send=False)
-        return
-    if smp:
-        for j in range(1, s.ppn):
-            world.get(f"m{n}:node-reduce:{leader + j}:{me}").comm.wait()
-        members = [k * s.ppn for k in range(s.nodes)]
-    else:
-        members = list(range(s.size))
-    _reduce_scatter_allgather(exchange, members.index(me), members, s.nbytes)
-    if smp:
-        sends = [world.put(f"m{n}:node-bcast:{me}:{leader + j}", s.nbytes, datagrams=False)
-                 for j in range(1, s.ppn)]
-        for c in sends:
-            c.wait()
-
-
-def _reduce_scatter_allgather(exchange: Callable[..., None], me: int, members: Sequence[int],
-                              nbytes: float) -> None:
-    P = len(members)
-    if P == 1:
-        return
-    pof2 = 1 << (P.bit_length() - 1)
-    rem = P - pof2
-    if me < 2 * rem:
-        if me % 2 == 0:
-            exchange("fold", members[me + 1], nbytes, recv=False)
-            newrank = -1
-        else:
-            exchange("fold", members[me - 1], nbytes, send=False)
-            newrank = me // 2
-    else:
-        newrank = me - rem
-
-    def real(v: int) -> int:
-        return members[v * 2 + 1 if v < rem else v + rem]
-
-    if newrank >= 0:
-        size = float(nbytes)
-        mask = 1
-        while mask < pof2:
-            size /= 2
-            exchange(f"rs{mask}", real(newrank ^ mask), size)
-            mask <<= 1
-        mask = pof2 >> 1
-        while mask > 0:
-            exchange(f"ag{mask}", real(newrank ^ mask), size)
-            size *= 2
-            mask >>= 1
-    if me < 2 * rem:
-        if me % 2:
-            exchange("unfold", members[me - 1], nbytes, recv=False)
-        else:
-            exchange("unfold", members[me + 1], nbytes, send=False)
-
-
-def _background(world: _World, sink_of: Callable[[int], Any]) -> None:
-    sg, bg = world.sg, world.s.background
-    assert bg is not None
-    for node in range(world.s.nodes):
-        for f in range(bg.flows):
-            rng = random.Random(world.s.seed * 1_000_000 + node * 1000 + f)
-            dest = (node + 1) % world.s.nodes
-            # (not daemons: a daemon killed mid-sleep at the end prints a backtrace;
-            # these end at the first period boundary after the ranks are done)
-            sg.Actor.create(f"bg{node}.{f}", world.hosts[node], _flow, world, rng, node, dest, bg)
-    for node in range(world.s.nodes):
-        sink_of(node)
-
-
-def _flow(world: _World, rng: random.Random, node: int, dest: int, bg: Background) -> None:
-    sg = world.sg
-    sg.this_actor.sleep_for(rng.uniform(0, (bg.on_ms + bg.off_ms) / 1e3))
-    mailbox = sg.Mailbox.by_name(f"sink-{dest}")
-    while not world.done:
-        on = rng.uniform(0.5, 1.5) * bg.on_ms / 1e3
-        comm = mailbox.put_async(None, int(1e12))
-        sg.this_actor.sleep_for(on)
-        comm.cancel()
-        sg.this_actor.sleep_for(rng.uniform(0.5, 1.5) * bg.off_ms / 1e3)
-
-
 def simulate(scenario: Scenario) -> Outcome:
     """Run one scenario (one SimGrid engine: call in a fresh process)."""
     sg = _simgrid.load()
@@ -621,12 +440,12 @@ def simulate(scenario: Scenario) -> Outcome:
             if s.mpi:
                 barrier.wait()
                 began = sg.Engine.clock
-                _mpi_allreduce(world, n, me)
+                mpi_allreduce(world, n, me)
                 out.mpi.append(sg.Engine.clock - began)
         world.done = True
 
     if s.background:
-        _background(world, sink)
+        start_background(world, sink)
     for r in range(P):
         sg.Actor.create(f"rank{r}", world.host_of(r), rank, r)
     engine.run()

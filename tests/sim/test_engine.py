@@ -9,7 +9,8 @@ import pytest
 
 from helpers import unavailable
 from mpilossy.sim import _simgrid
-from mpilossy.sim.engine import UD_HEADERS, Scenario, TCP_FRAME, TCP_PAYLOAD
+from mpilossy.sim.engine import UD_HEADERS, Scenario
+from mpilossy.sim.mpich import TCP_FRAME, TCP_PAYLOAD
 
 MiB = 1 << 20
 

@@ -1,0 +1,63 @@
+"""What one simulated scenario is (platform, call, traffic) and what it
+returns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+from .traffic import Background
+
+__all__ = ["Scenario", "Outcome", "fat_tree"]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    nodes: int = 4
+    ppn: int = 1
+    rate: float = 200e6                 # bit/s of each node's port, each way
+    nbytes: int = 1 << 20
+    algorithm: str = "direct"
+    deadline: float = 0.25
+    calls: int = 20
+    background: Optional[Background] = None
+    drop: float = 0.0                   # random datagram drops on the switch
+    payload: int = 1408                 # datagram payload (MTU 1500)
+    pace: bool = True
+    latency: float = 25e-6              # one way, per link
+    memory: float = 2e9                 # bytes/s between the ranks of a node
+    pieces: int = 8
+    tree: Tuple[int, ...] = ()          # fat tree (levels, down..., up..., count...); () one switch
+    mpi: bool = True                    # also time MPI_Allreduce
+    network: str = "CM02"               # SimGrid's network model (LV08: TCP-calibrated factors)
+    cores: int = 0                      # >0: all ranks share this many cores (the emulated cluster)
+    core_rate: float = 0.0              # bytes/s one core sends through the stack
+    seal_rate: float = 0.0              # bytes/s a rank seals and checks (datagrams' MAC); 0: free
+    seed: int = 1
+
+    @property
+    def size(self) -> int:
+        return self.nodes * self.ppn
+
+    def label(self) -> str:
+        bg = f" bg {self.background}" if self.background else ""
+        drop = f" drop {self.drop:g}" if self.drop else ""
+        return (f"{self.nodes}x{self.ppn} {self.rate / 1e6:g}Mbit {self.algorithm} "
+                f"{self.nbytes >> 10}KiB T={self.deadline:g}{bg}{drop}")
+
+
+@dataclass
+class Outcome:
+    scenario: Dict[str, Any]
+    lossy: List[float] = field(default_factory=list)       # seconds, every rank and call
+    delivered: List[float] = field(default_factory=list)
+    mpi: List[float] = field(default_factory=list)
+    events: int = 0                                         # messages simulated
+
+
+def fat_tree(scenario: Scenario) -> Tuple[int, List[int], List[int], List[int]]:
+    if not scenario.tree:
+        return 1, [scenario.nodes], [1], [1]
+    levels = scenario.tree[0]
+    rest = list(scenario.tree[1:])
+    return levels, rest[:levels], rest[levels:2 * levels], rest[2 * levels:3 * levels]
