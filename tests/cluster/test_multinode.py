@@ -119,10 +119,15 @@ def test_unbiased_under_injected_loss(report, channel, algorithm):
 @pytest.mark.parametrize("channel", CHANNELS)
 def test_lossy_calls_close_early(report, channel, algorithm):
     """A call that lost blocks ends when its producers are done, well before
-    its deadline (the median of those calls), and none runs past it."""
+    its deadline (the median of those calls), and none runs past it.
+
+    Without early close a lossy call waits out its deadline (median at the
+    deadline); with it, the median reached 52 and 54 ms on this 200 ms
+    deadline in two CI runs (2x2 rma tree over two shared cores), so half the
+    deadline separates the two with room on both sides."""
     r = report["unbiased"][f"{channel} {algorithm}"]
     assert r["lossy_elapsed_p50"] is not None, r
-    assert r["lossy_elapsed_p50"] < 0.25 * r["timeout"], r
+    assert r["lossy_elapsed_p50"] < 0.5 * r["timeout"], r
     assert r["elapsed_max"] < r["timeout"] + MARGIN, r
 
 
