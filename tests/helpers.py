@@ -237,6 +237,19 @@ def unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
+def cpu_wait() -> float:
+    """Seconds the calling thread has spent runnable but waiting for a CPU
+    (the kernel's schedstat run_delay).  A deadline test subtracts what a
+    call's thread waited from its elapsed time: on two cores shared by four
+    ranks and a build, the scheduler's delays are measured, not guessed.
+    0.0 where the kernel does not report it: then nothing is excused."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) * 1e-9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def is_singleton() -> bool:
     return MPI.COMM_WORLD.size == 1
 

@@ -222,18 +222,17 @@ def test_real_kernel_drops(dropping_namespace, algorithm):
     its deadline, the delivered fraction is what 10% injected loss gives, and
     the rank-averaged result stays unbiased.
 
-    Deadline: of the 480 (call, rank) pairs at most 2% (9) may end more than
-    30 ms past the deadline, and none more than 200 ms.  Four ranks share two
-    cores here, beside the nice-19 builds: ranks the OS deschedules for tens
-    of ms were seen in CI (3 pairs in one run, one at 97 ms); that is the
-    scheduler's doing, not the channel's.  A channel that waits on a lost
-    datagram past the deadline makes most pairs late (nearly every call loses
-    one at 10%), so the bound still bites."""
+    Deadline: of the 480 (call, rank) pairs at most one may end more than
+    30 ms past the deadline, and none more than 200 ms, each net of the time
+    its thread waited for a CPU (helpers.cpu_wait: the kernel's count).  Four
+    ranks share two cores here beside the nice-19 builds; CI saw 3 pairs past
+    30 ms on the raw clock in one run, which is the scheduler's doing, not
+    the channel's.  A channel that waits on a lost datagram past the deadline
+    makes most pairs late (nearly every call loses one at 10%)."""
     args = ["--calls", "120", "--timeout", "0.05", "--algorithm", algorithm]
     real = run_drops(dropping_namespace, *args)
     injected = run_drops(None, *args, "--loss", "bernoulli:0.1")
-    pairs = real["ranks"] * real["calls"]
-    assert real["late_30ms"] <= 0.02 * pairs and real["overshoot_ms"] < 200, real
+    assert real["late_30ms"] <= 1 and real["overshoot_ms"] < 200, real
     assert real["lost_blocks"][0] == 0 and sum(real["lost_blocks"]) > 0, real
     assert real["delivered"] < 0.97, real
     assert abs(real["delivered"] - injected["delivered"]) < 0.06, (real, injected)
