@@ -56,9 +56,10 @@ class Communicator:
     parity blocks per k blocks, or "auto", docs/redundancy.md),
     redundancy_target; delivered_target (timeout="auto"); pipeline_bytes
     (GPU all-reduces staged in segments, docs/gpu.md); elastic=True with
-    evict_after and elastic_wait (ranks that exit or fall behind are
-    excluded by agreement of the others, which go on without hierarchy:
-    docs/elastic.md).
+    evict_after, elastic_wait and heartbeat_span (ranks that exit or fall
+    behind are excluded by agreement of the others, which go on without
+    hierarchy; each rank's heartbeat goes to the heartbeat_span ranks on
+    each side of it: docs/elastic.md).
 
     Construction and free() are collective over `comm`.
     """
@@ -75,7 +76,8 @@ class Communicator:
                  delivered_target: float = UNSET,
                  pipeline_bytes: Optional[int] = None, elastic: bool = DEFAULTS.elastic,
                  evict_after: int = DEFAULTS.evict_after,
-                 elastic_wait: float = DEFAULTS.elastic_wait) -> None:
+                 elastic_wait: float = DEFAULTS.elastic_wait,
+                 heartbeat_span: int = DEFAULTS.heartbeat_span) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:

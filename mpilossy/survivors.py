@@ -38,7 +38,8 @@ class Elastic:
         layout = state.layout
         self.membership = Membership(state.comm, list(range(state.size)),
                                      state.config.evict_after, state.config.elastic_wait,
-                                     across_nodes=layout is not None and layout.nodes > 1)
+                                     across_nodes=layout is not None and layout.nodes > 1,
+                                     span=state.config.heartbeat_span)
         self.callbacks: List[Callback] = []
         self.owed: List[int] = []           # call numbers still to answer alone, last first
         self.before: Optional[State] = None     # the state they belong to

@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-t", "--timeout", type=float, default=2.0,
                    help="deadline (s): elastic needs one; generous, nothing is lost")
     p.add_argument("--evict-after", type=int, default=20)
+    p.add_argument("--heartbeat-span", type=int, default=2,
+                   help="ranks on each side that each heartbeat goes to (every peer: size // 2)")
     p.add_argument("-n", "--iters", type=int, default=40)
     p.add_argument("-w", "--warmup", type=int, default=5)
     p.add_argument("--json", metavar="FILE", help="write the rows as JSON")
@@ -49,7 +51,7 @@ def measure(comm: MPI.Intracomm, channel: str, nbytes: int, args: argparse.Names
     last: List[Any] = [None]
     with mpilossy.Communicator(comm, **common) as plain, \
             mpilossy.Communicator(comm, elastic=True, evict_after=args.evict_after,
-                                  **common) as elastic:
+                                  heartbeat_span=args.heartbeat_span, **common) as elastic:
         sides = [Contender("mpi", lambda: comm.Allreduce(send, mpi_recv)),
                  Contender("plain", lambda: plain.allreduce(send, recv,
                                                             algorithm=args.algorithm)),
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
             rows.append(measure(comm, channel, nbytes, args))
     say(comm, f"# elastic=True against a plain Communicator, {comm.size} ranks, "
               f"{args.algorithm}, deadline {args.timeout} s, evict_after {args.evict_after}, "
+              f"heartbeat_span {args.heartbeat_span}, "
               f"{args.iters} calls each in alternating batches",
         f"# {'size':>10} {'channel':>7} {'plain us':>10} {'elastic us':>11} "
         f"{'elastic/plain':>13} {'MPI/plain':>10} {'MPI/elastic':>11} {'#wrong':>6} "

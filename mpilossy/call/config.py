@@ -241,6 +241,8 @@ class Config:
     elastic: bool = setting(False, check=_bool, agreed=True)
     evict_after: int = setting(20, check=_int_in(1, words="an int >= 1 (calls)"), agreed=True)
     elastic_wait: float = setting(10.0, check=_seconds(), agreed=True)
+    heartbeat_span: int = setting(2, check=_int_in(1, words="an int >= 1 (ranks on each side)"),
+                                  agreed=True)
     # from the environment only
     rma_shm: bool = setting(
         True, check=_bool, env="MPILOSSY_RMA_SHM", convert=to_switch, argument=False,

@@ -2,12 +2,17 @@
 
 A rank is out when MPI reports it failed (it exited: control/failures.py),
 or when it has fallen `evict_after` calls behind this rank's (hung, stopped,
-cut off).  Ranks tell each other how far they are with a heartbeat, one
-small message to every peer after each call (control/signals.py: UDP
-datagrams across nodes, where MPI sends to a rank that is gone crash or
-hang on some netmods; MPI through shared memory on one node); nothing
-ever waits for one without a deadline, and a round's datagram is sent
-again until every peer it goes to has confirmed it (ACK) or is out.
+cut off).  Ranks tell their neighbours how far they are with a heartbeat:
+after each call one small message to each of the `span` ranks on either
+side of it on the ring of ranks (every peer when there are at most
+2 span + 1 ranks), so that a call costs each rank at most 2 span messages
+at any size (control/signals.py: UDP datagrams across nodes, where MPI
+sends to a rank that is gone crash or hang on some netmods; MPI through
+shared memory on one node).  A rank is watched by the same neighbours it
+watches: they suspect it and start the agreement, which every other rank
+joins when the agreement's first message reaches it.  Nothing ever waits
+for a heartbeat without a deadline, and a round's datagram is sent again
+until every peer it goes to has confirmed it (ACK) or is out.
 
 The ranks that still run agree on who is out in two rounds of messages,
 each waiting at most `wait` seconds for a peer that says nothing:
@@ -45,7 +50,7 @@ from ..errors import EvictedError
 from .failures import failed_ranks
 from .signals import signals_for
 
-__all__ = ["Membership", "check_elastic"]
+__all__ = ["Membership", "check_elastic", "neighbours"]
 
 BEAT, ROUND_1, ROUND_2, OUT, ACK = 1, 2, 3, 4, 5   # datagram tags (control/signals.py)
 POLL = 0.001                                  # seconds between looks while waiting
@@ -71,14 +76,24 @@ def check_elastic(timeout: Any) -> Optional[Exception]:
     return None
 
 
+def neighbours(rank: int, size: int, span: int) -> List[int]:
+    """The ranks that `rank` sends its heartbeat to and watches: `span` on
+    each side of it on the ring of ranks, every other rank when there are
+    at most 2 span + 1.  Symmetric (a watches b exactly when b watches a),
+    so that every heartbeat over MPI has a reader that confirms it."""
+    if size <= 2 * span + 1:
+        return [r for r in range(size) if r != rank]
+    return sorted({(rank + d) % size for d in range(-span, span + 1) if d != 0})
+
+
 class Membership:
     """Heartbeats, suspicion and the agreement of one elastic communicator.
     Ranks here are the current communicator's; `members[r]` is rank r's
     rank in the communicator the user built the Communicator with."""
 
     def __init__(self, comm: MPI.Intracomm, members: List[int], evict_after: int,
-                 wait: float, across_nodes: bool = True) -> None:
-        self.evict_after, self.wait = evict_after, float(wait)
+                 wait: float, across_nodes: bool = True, span: int = 2) -> None:
+        self.evict_after, self.wait, self.span = evict_after, float(wait), span
         self.members = list(members)
         self.epoch = 0                          # agreements so far
         self.evicted: Optional[str] = None      # why this rank is out, once it is
@@ -92,7 +107,8 @@ class Membership:
         self.comm = comm                        # (for failed_ranks: local)
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.calls = 0                          # calls made on `comm`
-        self.seen = [0] * self.size             # the last call each peer finished
+        self.watched = neighbours(self.rank, self.size, self.span)
+        self.seen = [0] * self.size             # the last call each neighbour finished
         # (reliable signals: the heartbeats sent to each peer that it has not
         # said it read, oldest first; a heartbeat says which of the
         # receiver's it has read)
@@ -170,15 +186,13 @@ class Membership:
             self.gone = failed_ranks(self.comm)
         if self.signals.reliable:
             self._drain()       # (first: the heartbeats confirm what is read up to now)
-        for peer in range(self.size):
-            if peer != self.rank:
-                self._beat(peer, seq)
+        for peer in self.watched:
+            self._beat(peer, seq)
         self._drain()
         if self.evicted:
             raise EvictedError(self.evicted)
         suspects = set(self.gone) if waited else set()
-        suspects.update(r for r in range(self.size)
-                        if r != self.rank and seq - self.seen[r] >= self.evict_after)
+        suspects.update(r for r in self.watched if seq - self.seen[r] >= self.evict_after)
         if not suspects and not self.inbox[ROUND_1]:
             return None
         return frozenset(suspects)

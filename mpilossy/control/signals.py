@@ -93,8 +93,12 @@ class Signals:
 
     def send_to(self, address: Address, tag: int, epoch: int, number: int = 0,
                 first: Iterable[int] = (), second: Iterable[int] = ()) -> None:
-        body = (HEAD.pack(MAGIC, tag, epoch, self.rank, number, self.words)
-                + _bitmap(first, self.words) + _bitmap(second, self.words))
+        first, second = tuple(first), tuple(second)
+        # (a message naming no ranks, a heartbeat or a confirmation, carries no
+        # bitmaps: its size does not grow with the job)
+        words = self.words if first or second else 0
+        body = (HEAD.pack(MAGIC, tag, epoch, self.rank, number, words)
+                + _bitmap(first, words) + _bitmap(second, words))
         try:
             self.sock.sendto(body + self._mac(body), address)
         except OSError:         # (a peer that is gone, a full buffer: lost, sent again later)

@@ -6,6 +6,7 @@ docs/scale.md.
     python -m mpilossy.sim project [--nodes 8,16,32] [--ppn 8] [--rate 100gbit] [--out DIR]
     python -m mpilossy.sim all --out docs/results/scale --plot docs/scale.png
     python -m mpilossy.sim plot --out docs/results/scale --plot docs/scale.png   # from the JSON
+    python -m mpilossy.sim heartbeat [--nodes 1,8,16,64,1024] [--ppn 8] [--out DIR]
 
 Each scenario runs in a process of its own (SimGrid keeps one engine per
 process); --jobs runs that many at once.
@@ -22,7 +23,8 @@ from typing import Any, Dict, List, Sequence
 
 from . import mechanisms
 from .engine import Background, Scenario
-from .runner import run_all
+from .heartbeat import simulate_heartbeat
+from .runner import run_all, run_each
 
 MiB = 1 << 20
 
@@ -129,6 +131,29 @@ def project(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+def heartbeat(args: argparse.Namespace) -> Dict[str, Any]:
+    """One call's heartbeats, heartbeat_span=2 (today's default) against
+    every peer (before it), up to `--all-peers-up-to` ranks for the latter
+    (it is quadratic in messages)."""
+    rate = _rate(args.rate)
+    calls = []
+    for nodes in args.nodes:
+        for span in (2, 0):
+            if span == 0 and nodes * args.ppn > args.all_peers_up_to:
+                continue
+            calls.append((nodes, args.ppn, span, rate, _fat_tree(nodes)))
+    rows = run_each(simulate_heartbeat, calls, args.jobs)
+    print("| nodes x ranks | heartbeat to | datagrams per call | per call: p50 / slowest rank (us) |")
+    print("|---|---|---|---|")
+    for r in rows:
+        to = "2 neighbours on each side" if r["span"] else "every peer"
+        print(f"| {r['nodes']} x {r['ppn']} | {to} | {r['messages']:,} | "
+              f"{r['p50_us']:.1f} / {r['max_us']:.1f} |")
+    result = {"rows": rows}
+    _save(args, "heartbeat.json", result)
+    return result
+
+
 def _save(args: argparse.Namespace, name: str, data: Any) -> None:
     if args.out:
         out = Path(args.out)
@@ -173,12 +198,14 @@ def plot(calibration: Dict[str, Any], projection: Dict[str, Any], path: Path) ->
 def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpilossy.sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("calibrate", "project", "all", "plot"))
+    parser.add_argument("what", choices=("calibrate", "project", "all", "plot", "heartbeat"))
     parser.add_argument("--out", default="", help="folder for the JSON results (and the plot)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--calls", type=int, default=40, help="calls per calibration row (at most)")
     parser.add_argument("--nodes", type=lambda t: [int(x) for x in t.split(",")],
-                        default=[8, 16, 32])
+                        default=None, help="project: 8,16,32; heartbeat: 1,8,16,64,1024")
+    parser.add_argument("--all-peers-up-to", type=int, default=128,
+                        help="heartbeat: simulate the every-peer heartbeat up to this many ranks")
     parser.add_argument("--ppn", type=int, default=8)
     parser.add_argument("--rate", default="100gbit")
     parser.add_argument("--sizes", type=lambda t: [_size(x) for x in t.split(",")],
@@ -191,10 +218,14 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--background", default="100/400:1")
     parser.add_argument("--plot", default="", help="where to write the plot (all)")
     args = parser.parse_args(list(argv) or None)
+    if args.nodes is None:
+        args.nodes = [1, 8, 16, 64, 1024] if args.what == "heartbeat" else [8, 16, 32]
     if args.what == "plot":               # from the JSON files a run left in --out
         folder = Path(args.out or ".")
         plot(json.loads((folder / "calibration.json").read_text()),
              json.loads((folder / "projection.json").read_text()), Path(args.plot or "scale.png"))
+    elif args.what == "heartbeat":
+        heartbeat(args)
     elif args.what == "calibrate":
         calibrate(args)
     elif args.what == "project":

@@ -19,18 +19,31 @@ UNIT = {
     # transport (assumed: sendmmsg/recvmmsg batches, or verbs UD)
     "datagram_s": 1.0e-6,
     "wire_overhead_b": 28 + 38,          # UDP/IP + Ethernet framing
-    "heartbeat_b": 55,                   # mpilossy/control/signals.py: BEAT at P <= 64
+    "heartbeat_b": 39,                   # mpilossy/control/signals.py: BEAT (no bitmaps)
+    "heartbeat_span": 2,                 # Communicator(heartbeat_span=...)'s default
     "packet_b": 8256,                    # a receive buffer (ud_mtu 8192 + headers)
     "latency_s": 2e-6,                   # one message across the fat tree
 }
 
 
-def _heartbeat(ranks: int, ppn: int, link_Bps: float) -> float:
-    """Seconds per call: every rank beats to every peer after each call
-    (mpilossy/control/elastic.py), a datagram each (its bitmaps grow with P)."""
-    payload = UNIT["heartbeat_b"] + 16 * max(0, math.ceil(ranks / 64) - 1)
+def _heartbeat(ranks: int, ppn: int, link_Bps: float, span: int = 0) -> float:
+    """Seconds per call: every rank beats to its neighbours after each call,
+    `span` on each side on the ring of ranks (mpilossy/control/elastic.py;
+    0: the default), a datagram each, sent and received."""
+    peers = min(ranks - 1, 2 * (span or UNIT["heartbeat_span"]))
+    payload = UNIT["heartbeat_b"]
+    per_rank_cpu = peers * (UNIT["datagram_s"] + UNIT["mac_fixed_s"]
+                            + payload * UNIT["mac_per_byte_s"]) * 2
+    wire = ppn * peers * (payload + UNIT["wire_overhead_b"] + 64) / link_Bps
+    return max(per_rank_cpu, wire)
+
+
+def _heartbeat_to_all(ranks: int, ppn: int, link_Bps: float) -> float:
+    """The heartbeat before heartbeat_span: to every peer after each call,
+    its two rank bitmaps growing with the ranks."""
+    payload = 23 + 16 * math.ceil(ranks / 64) + 16
     per_rank_cpu = (ranks - 1) * (UNIT["datagram_s"] + UNIT["mac_fixed_s"]
-                                  + payload * UNIT["mac_per_byte_s"]) * 2      # sent and received
+                                  + payload * UNIT["mac_per_byte_s"]) * 2
     wire = ppn * (ranks - 1) * (payload + UNIT["wire_overhead_b"] + 64) / link_Bps
     return max(per_rank_cpu, wire)
 
@@ -77,7 +90,8 @@ def _memory_gib(ranks: int, ppn: int, link_Bps: float, bucket: int = 25 << 20) -
 
 
 MECHANISMS: Dict[str, Callable[..., float]] = {
-    "heartbeat (elastic=True)": _heartbeat,
+    "heartbeat (elastic=True, heartbeat_span=2)": _heartbeat,
+    "heartbeat to every peer (before heartbeat_span)": _heartbeat_to_all,
     "learned-deadline and redundancy agreements": _agreements,
     "hierarchy stage 2, per-message cost (25 MiB)": _direct_across_nodes,
     "flat direct, per-message cost (25 MiB)": _flat_direct,

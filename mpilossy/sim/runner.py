@@ -7,13 +7,13 @@ import contextlib
 import multiprocessing
 import os
 from dataclasses import asdict
-from typing import Any, Dict, Iterator, List, Sequence
+from typing import Any, Callable, Dict, Iterator, List, Sequence
 
 import numpy as np
 
 from .engine import Scenario, simulate
 
-__all__ = ["one", "run_all"]
+__all__ = ["one", "run_all", "run_each"]
 
 
 def one(scenario: Scenario) -> Dict[str, Any]:
@@ -51,3 +51,11 @@ def run_all(scenarios: Sequence[Scenario], jobs: int) -> List[Dict[str, Any]]:
     ctx = multiprocessing.get_context("spawn")
     with _as_singletons(), ctx.Pool(max(1, jobs), maxtasksperchild=1) as pool:
         return pool.map(one, scenarios, chunksize=1)
+
+
+def run_each(fn: Callable[..., Any], calls: Sequence[tuple], jobs: int) -> List[Any]:
+    """fn(*args) for each args in `calls`, each in a fresh process as above
+    (fn: a module-level function of this package)."""
+    ctx = multiprocessing.get_context("spawn")
+    with _as_singletons(), ctx.Pool(max(1, jobs), maxtasksperchild=1) as pool:
+        return pool.starmap(fn, calls, chunksize=1)

@@ -11,7 +11,7 @@ import pytest
 
 import mpilossy
 from helpers import all_ranks_raise, elastic_run
-from mpilossy.control.elastic import Membership
+from mpilossy.control.elastic import Membership, neighbours
 from mpilossy.control.failures import reports_failures
 
 needs_failures = pytest.mark.skipif(not reports_failures(),
@@ -88,6 +88,63 @@ def test_heartbeats_of_many_calls_reach_every_peer(comm, across_nodes):
             [150] * (comm.size - 1), membership.seen
     finally:
         membership.close()
+
+
+def test_neighbours_are_symmetric_and_bounded():
+    """Each rank beats to and watches at most 2 span ranks (every peer when
+    there are at most 2 span + 1), symmetrically, and every rank is
+    watched by as many as it watches."""
+    for size in range(1, 13):
+        for span in (1, 2, 3):
+            rings = [neighbours(r, size, span) for r in range(size)]
+            for r, peers in enumerate(rings):
+                assert r not in peers and len(set(peers)) == len(peers), (size, span, r, peers)
+                assert len(peers) == min(size - 1, 2 * span), (size, span, r, peers)
+                assert all(r in rings[p] for p in peers), (size, span, r, peers)
+                if size > 2 * span + 1:     # (the ring's neighbours, not any 2 span ranks)
+                    assert all(min((p - r) % size, (r - p) % size) <= span for p in peers)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("across_nodes", [False, True], ids=["mpi", "datagrams"])
+def test_heartbeats_go_to_the_neighbours_only(comm, across_nodes):
+    """heartbeat_span=1: a rank hears from its two ring neighbours only (at
+    4 ranks, rank 0 from 1 and 3, not 2), and nobody is suspected."""
+    membership = Membership(comm.Dup(), list(range(comm.size)), 1000, 1.0,
+                            across_nodes=across_nodes, span=1)
+    try:
+        watched = neighbours(comm.rank, comm.size, 1)
+        assert membership.watched == watched
+        for _ in range(30):
+            assert membership.after_call(False) is None
+            comm.Barrier()
+        ends = time.monotonic() + 2.0
+        while min(membership.seen[r] for r in watched) < 30 and time.monotonic() < ends:
+            membership._drain()
+            time.sleep(0.001)
+        comm.Barrier()
+        membership._drain()
+        heard = [r for r, s in enumerate(membership.seen) if s > 0]
+        assert heard == watched and all(membership.seen[r] == 30 for r in watched), \
+            membership.seen
+    finally:
+        membership.close()
+
+
+@needs_failures
+@pytest.mark.parametrize("channel, victim", [("rma", 2), ("ud", 0)])
+def test_a_stopped_rank_is_excluded_through_its_neighbours(channel, victim):
+    """heartbeat_span=1 at 4 ranks: only the stopped rank's two neighbours
+    watch it; they suspect it after evict_after=5 calls and start the
+    agreement, which the fourth rank joins from its first message (a call
+    later at most).  Every survivor goes on exact, and woken, the stopped
+    rank's next call raises EvictedError."""
+    lines, output = run(4, channel, f"stop:{victim}@6", ELASTIC_HEARTBEAT_SPAN="1")
+    for r in check_survivors(lines, 4, [victim], [[victim]], output):
+        exclusion = r["exclusions"][0]
+        assert 6 + 4 <= exclusion["call"] <= 6 + 7 and exclusion["after"] < 3.0, r
+    woken = [r for r in lines if r["rank"] == victim]
+    assert len(woken) == 1 and woken[0]["woken"].startswith("EvictedError"), output
 
 
 @needs_failures

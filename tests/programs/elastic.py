@@ -17,7 +17,7 @@ SCENARIO, one of:
                    and go on with W, every call paired as before
 
 Every call is a direct all-reduce ($ELASTIC_ALGORITHM: another; $ELASTIC_EVICT_AFTER: other
-than evict_after=5; $ELASTIC_DROP: one control datagram lost, below) (op avg, deadline
+than evict_after=5; $ELASTIC_HEARTBEAT_SPAN: other than heartbeat_span=2; $ELASTIC_DROP: one control datagram lost, below) (op avg, deadline
 0.2 s, no injected loss unless LOSS, e.g. bernoulli:0.1) of (original rank + 1 + call / 1000); each block of each result is
 checked against the mean over the ranks the call records as its
 contributors.  Every rank still running at the end prints one JSON line:
@@ -96,8 +96,10 @@ if drop:
 
 algorithm = os.environ.get("ELASTIC_ALGORITHM", "direct")     # (hierarchical: fake nodes)
 evict_after = int(os.environ.get("ELASTIC_EVICT_AFTER", "5"))
+span = int(os.environ.get("ELASTIC_HEARTBEAT_SPAN", "2"))
 lc = mpilossy.Communicator(comm, channel=channel, timeout=0.2, algorithm=algorithm,
-                           elastic=True, evict_after=evict_after, elastic_wait=1.0, loss=loss)
+                           elastic=True, evict_after=evict_after, elastic_wait=1.0, loss=loss,
+                           heartbeat_span=span)
 seen = []
 lc.on_exclusion(lambda excluded, members: seen.append((list(excluded), list(members))))
 n = 3000                # (several blocks at any size)

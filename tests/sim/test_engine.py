@@ -76,3 +76,24 @@ def test_scenarios_refuse_what_they_cannot_model():
     from mpilossy.sim.engine import simulate
     with pytest.raises(ValueError, match="algorithm"):
         simulate(Scenario(algorithm="butterfly"))
+
+
+@pytest.mark.timeout(120)
+def test_heartbeat_sends_what_elastic_sends_and_costs_its_datagrams(run):
+    """The simulated heartbeat (mpilossy.sim.heartbeat) sends each rank's
+    beats to the ranks control/elastic.py watches: 2 span per rank at span
+    1 and 2 on 16 ranks, every peer at span 0; a call's cost is at least
+    the rank's own datagrams' CPU time (each sent and read) and grows with
+    the datagrams, not the ranks."""
+    from mpilossy.sim.heartbeat import simulate_heartbeat
+    from mpilossy.sim.mechanisms import UNIT
+    from mpilossy.sim.runner import run_each
+    calls = [(2, 8, 1, 100e9), (2, 8, 2, 100e9), (2, 8, 0, 100e9), (8, 8, 2, 100e9)]
+    one, two, every, wider = run_each(simulate_heartbeat, calls, jobs=2)
+    assert [r["messages"] for r in (one, two, every, wider)] == \
+        [16 * 2, 16 * 4, 16 * 15, 64 * 4]
+    per = UNIT["datagram_s"] + UNIT["mac_fixed_s"] + UNIT["heartbeat_b"] * UNIT["mac_per_byte_s"]
+    for r, peers in ((one, 2), (two, 4), (wider, 4)):
+        assert r["p50_us"] >= 2 * peers * per * 1e6, r
+    assert one["p50_us"] < two["p50_us"] < every["p50_us"], (one, two, every)
+    assert wider["max_us"] <= 1.5 * two["max_us"], (two, wider)
