@@ -17,7 +17,7 @@ import numpy as np
 
 from . import _simgrid
 from .engine import _World
-from .mechanisms import UNIT
+from .mechanisms import UNIT, beat_bytes
 from .scenario import Scenario
 
 __all__ = ["simulate_heartbeat", "watched"]
@@ -45,7 +45,7 @@ def simulate_heartbeat(nodes: int, ppn: int, span: int, rate: float,
     size = s.size
     # the datagram: header, no rank bitmaps (signals.py), the MAC; on the wire with
     # UDP/IP and Ethernet framing.  Before heartbeat_span it carried two bitmaps.
-    payload = UNIT["heartbeat_b"] if span > 0 else 23 + 16 * -(-size // 64) + 16
+    payload = beat_bytes(size, span)
     cpu = UNIT["datagram_s"] + UNIT["mac_fixed_s"] + payload * UNIT["mac_per_byte_s"]
     flops = cpu * 1e9                   # (hosts compute 1e9 flops a second per core)
     wire = payload + UNIT["wire_overhead_b"]

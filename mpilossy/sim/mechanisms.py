@@ -26,26 +26,30 @@ UNIT = {
 }
 
 
-def _heartbeat(ranks: int, ppn: int, link_Bps: float, span: int = 0) -> float:
-    """Seconds per call: every rank beats to its neighbours after each call,
-    `span` on each side on the ring of ranks (mpilossy/control/elastic.py;
-    0: the default), a datagram each, sent and received."""
-    peers = min(ranks - 1, 2 * (span or UNIT["heartbeat_span"]))
-    payload = UNIT["heartbeat_b"]
+def beat_bytes(ranks: int, span: int) -> int:
+    """A heartbeat datagram's bytes: no rank bitmaps since heartbeat_span;
+    before it (span 0) two bitmaps that grew with the ranks."""
+    return int(UNIT["heartbeat_b"]) if span > 0 else 23 + 16 * -(-ranks // 64) + 16
+
+
+def _beats(peers: int, payload: int, ppn: int, link_Bps: float) -> float:
+    """Seconds per call of `peers` heartbeats per rank, each sent and received."""
     per_rank_cpu = peers * (UNIT["datagram_s"] + UNIT["mac_fixed_s"]
                             + payload * UNIT["mac_per_byte_s"]) * 2
     wire = ppn * peers * (payload + UNIT["wire_overhead_b"] + 64) / link_Bps
     return max(per_rank_cpu, wire)
 
 
+def _heartbeat(ranks: int, ppn: int, link_Bps: float) -> float:
+    """Every rank beats to its neighbours after each call, heartbeat_span on
+    each side on the ring of ranks (mpilossy/control/elastic.py)."""
+    span = int(UNIT["heartbeat_span"])
+    return _beats(min(ranks - 1, 2 * span), beat_bytes(ranks, span), ppn, link_Bps)
+
+
 def _heartbeat_to_all(ranks: int, ppn: int, link_Bps: float) -> float:
-    """The heartbeat before heartbeat_span: to every peer after each call,
-    its two rank bitmaps growing with the ranks."""
-    payload = 23 + 16 * math.ceil(ranks / 64) + 16
-    per_rank_cpu = (ranks - 1) * (UNIT["datagram_s"] + UNIT["mac_fixed_s"]
-                                  + payload * UNIT["mac_per_byte_s"]) * 2
-    wire = ppn * (ranks - 1) * (payload + UNIT["wire_overhead_b"] + 64) / link_Bps
-    return max(per_rank_cpu, wire)
+    """The heartbeat before heartbeat_span: to every peer after each call."""
+    return _beats(ranks - 1, beat_bytes(ranks, 0), ppn, link_Bps)
 
 
 def _agreements(ranks: int, ppn: int, link_Bps: float) -> float:
