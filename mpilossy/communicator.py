@@ -19,6 +19,8 @@ from .call.buffers import chunk_bounds
 from .call.config import DEFAULTS, UNSET, Config, agree, check_fraction
 from .call.request import Request
 from .call.stats import ALGORITHM_NAMES, COLLECTIVE_NAMES, AllreduceStats, CollectiveStats
+from . import reliable
+from .control.agreement import linger
 from .dispatch import run
 from .errors import EvictedError, MPILossyError
 from .hierarchy import NodeLayout
@@ -227,7 +229,13 @@ class Communicator:
     def free(self) -> None:
         """Release windows and the duplicate communicator (collective; on a
         rank that elastic=True excluded, nothing: freeing is collective over
-        ranks that are gone)."""
+        ranks that are gone).  elastic=True: a barrier() first, so that a
+        rank that hangs is excluded rather than waited for."""
+        if self._elastic is not None and self._state is not None and not self._elastic.evicted:
+            try:
+                self.barrier()
+            except EvictedError:
+                pass
         state, self._state = self._state, None
         _live.discard(self)
         if state is None:
@@ -321,6 +329,41 @@ class Communicator:
         own chunk of `recvbuf` (in place).  redundancy: as in allreduce."""
         return self._call(Request(ALLGATHER, sendbuf, recvbuf, timeout=timeout,
                                   redundancy=redundancy))
+
+    # -- reliable collectives ----------------------------------------------------
+    def barrier(self) -> None:
+        """Collective: returns once every rank still in has entered it.
+        elastic=True: never blocked by a rank that hangs or is gone: a
+        neighbour silent for `elastic_wait` seconds meanwhile is excluded by
+        agreement (on_exclusion runs) and the barrier is made again over
+        the survivors (docs/elastic.md)."""
+        self._reliable(lambda state: (state.exact.Ibarrier(), None, np.empty(0)))
+
+    def bcast(self, buf: np.ndarray, root: int = 0) -> None:
+        """Collective: reliable broadcast of `root`'s NumPy array `buf`
+        (C-contiguous; writable except on the root) into every rank's, in
+        place.  Byte counts, dtypes and roots are checked across ranks
+        first: a mismatch raises on every rank.  elastic=True: bounded as
+        barrier() is; made again over the survivors if ranks are excluded
+        meanwhile, and if the root is, MPILossyError on every survivor."""
+        reliable.bcast(self._reliable, buf, root, self.rank, lambda: self.members)
+
+    def _reliable(self, attempt: reliable.Attempt) -> np.ndarray:
+        """Make the collective `attempt` starts until it completes (what it
+        wrote): elastic=True, again over the survivors each time ranks were
+        excluded while it was in flight, the old one abandoned whole."""
+        while True:
+            state = self._live()
+            request, send, recv = attempt(state)
+            if self._elastic is None:
+                request.Wait()
+                return recv
+            switched = self._elastic.wait(state, request)
+            if switched is None:
+                return recv
+            linger(request, send, recv)         # (MPI cannot cancel a collective)
+            self._state, excluded = switched
+            self._elastic.notify(excluded)
 
     def _call(self, request: Request) -> CollectiveStats:
         state = self._live()

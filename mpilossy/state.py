@@ -56,6 +56,9 @@ class State:
                       if config.redundancy == "auto" else None)
         self.resolver = CallResolver(config, self.size, self.auto, self.codes)
         self.lag = LagWatch(self.rank, self.size, config.max_behind)
+        # reliable collectives (Communicator.barrier, bcast): elastic, on a duplicate
+        # of their own, abandoned whole with a request in flight when ranks are lost
+        self.exact = comm.Dup() if config.elastic else comm
         self.trace = Trace.open(config.trace, serial, self.rank)
         self.layout = layout
         self.hierarchy: Optional[Hierarchy] = None
@@ -182,6 +185,8 @@ class State:
             if loop is not None:
                 loop.close()
                 loop.comm.Free()
+        if self.exact is not self.comm:
+            self.exact.Free()
         self.comm.Free()
 
     def abandon(self) -> None:

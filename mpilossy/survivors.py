@@ -4,17 +4,20 @@ are out, the switch to a state built whole on the survivors (no
 hierarchy, as an elastic communicator promises), the old one abandoned
 with its agreements handed over; and the calls this rank then owes the
 survivors that reached the agreement after more calls, answered alone
-(call/alone.py) on the old state (docs/elastic.md)."""
+(call/alone.py) on the old state; and the waits of reliable collectives,
+which a rank that hangs cannot block (wait(): docs/elastic.md)."""
 
 from __future__ import annotations
 
 import time
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, FrozenSet, List, Optional, Tuple
+
+from mpi4py import MPI
 
 from .call import environment
 from .call.request import Request
 from .call.stats import CollectiveStats
-from .control.elastic import Membership, check_elastic
+from .control.elastic import POLL, Membership, check_elastic
 from .control.failures import survivors
 from .dispatch import alone
 from .state import State
@@ -61,15 +64,52 @@ class Elastic:
         agreement), agree on who is out and return the survivors' state
         (else `state`).  The stats say whom this call excluded (then
         notify() them, once the survivors' state is in use)."""
-        membership = self.membership
-        suspects = membership.after_call(stats.deadline_hit)
+        suspects = self.membership.after_call(stats.deadline_hit)
         if suspects is None:
             return state, stats
+        fresh, excluded = self._exclude(state, suspects)
+        return fresh, stats._replace(excluded=excluded) if excluded else stats
+
+    def wait(self, state: State, request: MPI.Request
+             ) -> Optional[Tuple[State, Tuple[int, ...]]]:
+        """Wait for `request`, a reliable collective on `state.exact`, with
+        the membership's heartbeat going on: None once it completed, or
+        (the survivors' state, the ranks excluded) if ranks were excluded
+        meanwhile: the caller abandons the request (control/agreement.py's
+        linger) and makes the collective again over the survivors.  A
+        neighbour silent for `elastic_wait` seconds is suspected
+        (Membership.waiting), so the wait is bounded by that and one
+        agreement."""
+        membership = self.membership
+        began = time.monotonic()
+        silent = began - membership.last_beat > membership.wait
+        while True:
+            done = request.Test()
+            # (also once it completed: a woken excluded rank completes the others'
+            # abandoned collective, and must learn it is out rather than return)
+            suspects = membership.waiting(began)
+            if done:
+                if silent:
+                    membership.after_silence()
+                return None
+            if suspects is None:
+                time.sleep(POLL)
+                continue
+            fresh, excluded = self._exclude(state, suspects)
+            if excluded:
+                return fresh, excluded
+            began = time.monotonic()        # (nobody out: another `elastic_wait`)
+
+    def _exclude(self, state: State, suspects: FrozenSet[int]
+                 ) -> Tuple[State, Tuple[int, ...]]:
+        """The agreement; if it put ranks out, the switch to the survivors'
+        state.  (that state or `state`, the ranks excluded, if any)"""
+        membership = self.membership
         began = time.perf_counter()
         calls = membership.calls
         out, failed, behind = membership.agree(suspects)
         if not out:
-            return state, stats
+            return state, ()
         excluded = tuple(membership.members[r] for r in sorted(out))
         reported = [membership.members[r] for r in sorted(failed)]
         fresh = self._switch(state, out)
@@ -80,7 +120,7 @@ class Elastic:
                                 calls, time.perf_counter() - began, fresh.size,
                                 f"; this rank answers its next {behind} call(s) alone to "
                                 f"line up with the others" if behind else "")
-        return fresh, stats._replace(excluded=excluded)
+        return fresh, excluded
 
     def notify(self, excluded: Tuple[int, ...]) -> None:
         """The callbacks, once the Communicator goes on over the survivors'

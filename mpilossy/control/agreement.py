@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import ctypes
 import time
-from typing import Deque, List, NamedTuple
+from typing import Any, Deque, List, NamedTuple
 
-import numpy as np
 from mpi4py import MPI
 
-__all__ = ["PERIOD", "LAG", "Agreement", "finish", "reap"]
+__all__ = ["PERIOD", "LAG", "Agreement", "finish", "reap", "linger"]
 
 PERIOD = 16             # calls between agreements
 LAG = 8                 # calls between an agreement's start and the call it applies at
@@ -28,8 +27,8 @@ LAG = 8                 # calls between an agreement's start and the call it app
 
 class Agreement(NamedTuple):
     request: MPI.Request
-    send: np.ndarray            # kept alive until the request completes
-    recv: np.ndarray
+    send: Any                   # kept alive until the request completes
+    recv: Any
     due: int                    # the call at which the result applies
 
 
@@ -56,6 +55,13 @@ def reap(limit: float = 0.0) -> int:
         if not _lingering or time.monotonic() >= end:
             return len(_lingering)
         time.sleep(1e-4)
+
+
+def linger(request: MPI.Request, send: Any, recv: Any) -> None:
+    """Keep a collective that will not be waited for (elastic: abandoned
+    for the survivors' communicator), request and buffers, until it
+    completes or the process ends (never freed while active)."""
+    _lingering.append(Agreement(request, send, recv, -1))
 
 
 def finish(pending: Deque[Agreement], limit: float = 1.0) -> None:

@@ -55,6 +55,14 @@ __all__ = ["Membership", "check_elastic", "neighbours"]
 BEAT, ROUND_1, ROUND_2, OUT, ACK = 1, 2, 3, 4, 5   # datagram tags (control/signals.py)
 POLL = 0.001                                  # seconds between looks while waiting
 RESEND = 0.02                                 # seconds between a round's sends (datagrams)
+WAIT_BEAT = 0.05                # seconds between heartbeats while in a reliable wait
+# Seconds a rank that was silent for longer than `wait` (it computed, or it
+# was stopped and the others excluded it meanwhile) looks for an OUT message
+# before it trusts a reliable collective that completed at once: a woken
+# excluded rank completes the collective the others abandoned, and their
+# OUT, sent long before, reached its MPI probe a few milliseconds after it
+# woke (tried: 4 ranks on one node).
+AFTER_SILENCE = 0.05
 # Datagrams: seconds a round goes on sending, once this rank heard everyone, to
 # peers that have not confirmed its message (at most `wait`): 25 more sendings.
 CONFIRM = 0.5
@@ -109,6 +117,9 @@ class Membership:
         self.calls = 0                          # calls made on `comm`
         self.watched = neighbours(self.rank, self.size, self.span)
         self.seen = [0] * self.size             # the last call each neighbour finished
+        self.heard = [0.0] * self.size          # when each neighbour's last heartbeat came
+        self.next_beat = 0.0                    # (in a reliable wait: the next heartbeat's time)
+        self.last_beat = time.monotonic()       # when this rank last sent its heartbeat
         # (reliable signals: the heartbeats sent to each peer that it has not
         # said it read, oldest first; a heartbeat says which of the
         # receiver's it has read)
@@ -156,6 +167,7 @@ class Membership:
                 continue                        # (an earlier agreement's late message)
             elif signal.tag == BEAT:
                 self.seen[signal.sender] = max(self.seen[signal.sender], signal.number)
+                self.heard[signal.sender] = time.monotonic()
                 read = max(signal.first, default=0)
                 unread = self.unread[signal.sender]
                 while unread and unread[0] <= read:
@@ -188,6 +200,7 @@ class Membership:
             self._drain()       # (first: the heartbeats confirm what is read up to now)
         for peer in self.watched:
             self._beat(peer, seq)
+        self.last_beat = time.monotonic()
         self._drain()
         if self.evicted:
             raise EvictedError(self.evicted)
@@ -196,6 +209,44 @@ class Membership:
         if not suspects and not self.inbox[ROUND_1]:
             return None
         return frozenset(suspects)
+
+    def waiting(self, began: float) -> Optional[FrozenSet[int]]:
+        """In a reliable wait that began at `began` (time.monotonic()), between
+        two looks at its request: a heartbeat every WAIT_BEAT seconds (the
+        call count unchanged), and as after_call, None or the ranks to
+        suspect when an agreement is to run.  No call advances here, so a
+        hung neighbour falls behind in time, not in calls: one not heard
+        from for `wait` seconds since the wait began is suspected, with
+        those MPI reports failed.  Raises EvictedError if the others
+        excluded this rank."""
+        now = time.monotonic()
+        if now >= self.next_beat:
+            self.next_beat = now + WAIT_BEAT
+            self.gone = failed_ranks(self.comm)
+            if self.signals.reliable:
+                self._drain()
+            for peer in self.watched:
+                self._beat(peer, self.calls)
+            self.last_beat = now
+        self._drain()
+        if self.evicted:
+            raise EvictedError(self.evicted)
+        suspects = set(self.gone)
+        suspects.update(r for r in self.watched if now - max(self.heard[r], began) > self.wait)
+        if not suspects and not self.inbox[ROUND_1]:
+            return None
+        return frozenset(suspects)
+
+    def after_silence(self) -> None:
+        """A reliable collective completed for a rank that had been silent
+        for more than `wait` seconds: look for an OUT message for
+        AFTER_SILENCE seconds first (raises EvictedError if there is one)."""
+        ends = time.monotonic() + AFTER_SILENCE
+        while time.monotonic() < ends:
+            self._drain()
+            if self.evicted:
+                raise EvictedError(self.evicted)
+            time.sleep(POLL)
 
     def _beat(self, peer: int, seq: int) -> None:
         """Heartbeat `seq` to `peer`.  Over MPI it carries the latest of the

@@ -203,24 +203,6 @@ def redundancy(cfg: Config) -> Union[None, str, Tuple[int, int]]:
     return (k, m)
 
 
-# Elastic runs line the ranks up with a barrier that gives up after this
-# long: a rank that is gone never enters it, and the lossy call that
-# follows is where the others notice and exclude it.
-LINE_UP_WAIT = 2.0
-_abandoned: List[MPI.Request] = []      # (MPI cannot cancel a collective: kept)
-
-
-def line_up(comm: MPI.Intracomm) -> None:
-    """MPI_Ibarrier, waited for at most LINE_UP_WAIT seconds."""
-    request = comm.Ibarrier()
-    ends = time.monotonic() + LINE_UP_WAIT
-    while not request.Test():
-        if time.monotonic() > ends:
-            _abandoned.append(request)
-            return
-        time.sleep(0.0005)
-
-
 def windows(text: np.ndarray, starts: np.ndarray, length: int,
             device: Optional[torch.device] = None) -> torch.Tensor:
     idx = starts[:, None] + np.arange(length)[None, :]
@@ -428,7 +410,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                 # to ~100 ms apart, which a 50 ms deadline would count as
                 # loss; lined up, the loss measured is the injected one.
                 if lc is not None and lc.elastic:
-                    line_up(reliable())
+                    lc.barrier()    # (a rank that is gone or hangs cannot block it)
                 else:
                     reliable().Barrier()
             assert wrapped is not None
