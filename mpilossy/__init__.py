@@ -12,7 +12,7 @@ from . import compression, loss
 from .call.contributors import Contributors
 from .call.stats import AllreduceStats, CollectiveStats
 from .communicator import Communicator, allgather, allreduce, default_communicator, reduce_scatter
-from .errors import EvictedError, LaggingError, MismatchError, MPILossyError
+from .errors import EvictedError, LaggingError, MembershipChanged, MismatchError, MPILossyError
 from .group import GroupAverager
 
 __version__: str = _core.VERSION      # VERSION, through meson.build
@@ -26,6 +26,7 @@ __all__ = [
     "MPILossyError",
     "LaggingError",
     "EvictedError",
+    "MembershipChanged",
     "MismatchError",
     "allgather",
     "allreduce",

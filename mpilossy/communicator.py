@@ -88,6 +88,7 @@ class Communicator:
                      if name in Config.arguments()}         # (the settings: every keyword)
         self._state: Optional[State] = None
         self._elastic: Optional[Elastic] = None
+        self._bounded: Optional[reliable.BoundedComm] = None
         self._serial = next(_serials)
         config, env = agree(comm, arguments)
         environment.configure_logging(env, comm.Get_rank())
@@ -337,7 +338,7 @@ class Communicator:
         neighbour silent for `elastic_wait` seconds meanwhile is excluded by
         agreement (on_exclusion runs) and the barrier is made again over
         the survivors (docs/elastic.md)."""
-        self._reliable(lambda state: (state.exact.Ibarrier(), None, np.empty(0)))
+        reliable.barrier(self._reliable)
 
     def bcast(self, buf: np.ndarray, root: int = 0) -> None:
         """Collective: reliable broadcast of `root`'s NumPy array `buf`
@@ -348,22 +349,38 @@ class Communicator:
         meanwhile, and if the root is, MPILossyError on every survivor."""
         reliable.bcast(self._reliable, buf, root, self.rank, lambda: self.members)
 
-    def _reliable(self, attempt: reliable.Attempt) -> np.ndarray:
-        """Make the collective `attempt` starts until it completes (what it
-        wrote): elastic=True, again over the survivors each time ranks were
-        excluded while it was in flight, the old one abandoned whole."""
-        while True:
-            state = self._live()
-            request, send, recv = attempt(state)
-            if self._elastic is None:
-                request.Wait()
-                return recv
-            switched = self._elastic.wait(state, request)
-            if switched is None:
-                return recv
-            linger(request, send, recv)         # (MPI cannot cancel a collective)
-            self._state, excluded = switched
-            self._elastic.notify(excluded)
+    def bounded_comm(self) -> reliable.BoundedComm:
+        """elastic=True: the subset of an mpi4py communicator (Barrier,
+        Bcast, bcast, Allreduce, allgather, Allgatherv) that mpilossy.torch's
+        reliable calls use, each bounded as barrier() is; ranks excluded
+        during one raise MembershipChanged (make the operation again)."""
+        if self._elastic is None:
+            raise ValueError("bounded_comm() needs a communicator built with elastic=True")
+        if self._bounded is None:
+            self._bounded = reliable.BoundedComm(self._reliable, lambda: self.comm)
+        return self._bounded
+
+    def _reliable(self, attempt: reliable.Attempt, closing: bool = False) -> np.ndarray:
+        """Wait for the collective `attempt` starts: what it wrote.
+        elastic=True: if ranks were excluded while it was in flight, it is
+        abandoned whole, the communicator goes on over the survivors, and
+        reliable.Switched is raised, unless `closing` (the barrier that
+        closes a reliable collective: reliable.py) had completed on a
+        survivor, so everywhere but here."""
+        state = self._live()
+        request, send, recv = attempt(state)
+        if self._elastic is None:
+            request.Wait()
+            return recv
+        switched = self._elastic.wait(state, request, closing)
+        if switched is None:
+            return recv
+        linger(request, send, recv)         # (MPI cannot cancel a collective)
+        self._state, excluded, done = switched
+        self._elastic.notify(excluded)
+        if done:
+            return recv
+        raise reliable.Switched()
 
     def _call(self, request: Request) -> CollectiveStats:
         state = self._live()

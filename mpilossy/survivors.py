@@ -70,16 +70,19 @@ class Elastic:
         fresh, excluded = self._exclude(state, suspects)
         return fresh, stats._replace(excluded=excluded) if excluded else stats
 
-    def wait(self, state: State, request: MPI.Request
-             ) -> Optional[Tuple[State, Tuple[int, ...]]]:
+    def wait(self, state: State, request: MPI.Request, closing: bool
+             ) -> Optional[Tuple[State, Tuple[int, ...], bool]]:
         """Wait for `request`, a reliable collective on `state.exact`, with
         the membership's heartbeat going on: None once it completed, or
-        (the survivors' state, the ranks excluded) if ranks were excluded
-        meanwhile: the caller abandons the request (control/agreement.py's
-        linger) and makes the collective again over the survivors.  A
+        (the survivors' state, the ranks excluded, done) if ranks were
+        excluded meanwhile: the caller abandons the request
+        (control/agreement.py's linger) and, unless `done`, makes its
+        reliable collective again from the start over the survivors.  A
         neighbour silent for `elastic_wait` seconds is suspected
         (Membership.waiting), so the wait is bounded by that and one
-        agreement."""
+        agreement.  `closing`: the barrier that closes a reliable
+        collective; done when a survivor had left it (Membership.reliable_done),
+        so it completed everywhere but here."""
         membership = self.membership
         began = time.monotonic()
         silent = began - membership.last_beat > membership.wait
@@ -91,13 +94,16 @@ class Elastic:
             if done:
                 if silent:
                     membership.after_silence()
+                membership.reliable_done += closing
                 return None
             if suspects is None:
                 time.sleep(POLL)
                 continue
             fresh, excluded = self._exclude(state, suspects)
             if excluded:
-                return fresh, excluded
+                ahead = closing and membership.others_ahead
+                membership.reliable_done += ahead
+                return fresh, excluded, ahead
             began = time.monotonic()        # (nobody out: another `elastic_wait`)
 
     def _exclude(self, state: State, suspects: FrozenSet[int]

@@ -109,6 +109,14 @@ class Membership:
         # the ranks excluded so far, by address: (the agreement's epoch, its OUT set),
         # told again whenever they send anything (a rank that wakes up)
         self.excluded: Dict[Tuple[str, int], Tuple[int, FrozenSet[int]]] = {}
+        # Reliable collectives (Communicator.barrier, bcast, ...) this rank has seen
+        # complete, each closed by a barrier: one can have completed on some ranks
+        # (they left its barrier) and not on others (still in it, or in a wait
+        # for it), never on one that did not enter that barrier, so the counts
+        # of ranks still in differ by one at most and their parities say who
+        # is ahead.  Set by the last agreement: whether a rank going on had.
+        self.reliable_done = 0
+        self.others_ahead = False
         self._bind(comm)
 
     def _bind(self, comm: MPI.Intracomm) -> None:
@@ -273,8 +281,10 @@ class Membership:
         the furthest answers its next d calls alone (call/alone.py), so that
         every survivor's next call on the new communicator is the same."""
         seq = self.calls
-        first, failed, _ = self._round(ROUND_1, set(suspects), seq)
-        decided, failed, seqs = self._round(ROUND_2, set(first), seq, failed)
+        # (the rounds carry 2 calls + the parity of reliable_done)
+        mine = 2 * seq + (self.reliable_done & 1)
+        first, failed, _ = self._round(ROUND_1, set(suspects), mine)
+        decided, failed, numbers = self._round(ROUND_2, set(first), mine, failed)
         out = frozenset(decided)          # (never this rank: _round evicts it first)
         counted = [r for r in range(self.size) if r not in failed]
         kept = [r for r in counted if r not in out]
@@ -291,7 +301,8 @@ class Membership:
         self.epoch += 1
         self.inbox = {ROUND_1: {}, ROUND_2: {}}
         self.acked = {ROUND_1: set(), ROUND_2: set()}
-        furthest = max([seq] + [seqs[r] for r in kept if r in seqs])
+        furthest = max([seq] + [numbers[r] // 2 for r in kept if r in numbers])
+        self.others_ahead = any(numbers[r] & 1 != mine & 1 for r in kept if r in numbers)
         return out, frozenset(failed & out), furthest - seq
 
     def _round(self, tag: int, mine: Set[int], seq: int, failed: Optional[Set[int]] = None

@@ -15,6 +15,7 @@ import torch
 from mpi4py import MPI
 
 from .. import Communicator
+from ..errors import MembershipChanged
 from .averaging import average_optimizer_state, average_tensors
 from .broadcast import bcast_tensors, broadcast_optimizer_state
 from .checks import check_tensors
@@ -171,14 +172,25 @@ class DriftController:
         due = bool(self.broadcast_every and (self.steps % self.broadcast_every == 0
                                              or self._excluded))
         self._excluded = False
-        if due:
-            self.synchronize()
+        while due:
+            try:
+                self.synchronize()
+                break
+            except MembershipChanged:
+                # (elastic: ranks excluded during it; rebind() made rank 0 of the
+                # survivors the root: again from the start, over them)
+                self._excluded = False
         return DriftStep(drift, due, time.perf_counter() - began)
 
     def measure(self) -> float:
         """Measure the drift now (collective); also stored in ``.drift``."""
         began = time.perf_counter()
-        self.drift_per_rank = self._meter()
+        while True:
+            try:
+                self.drift_per_rank = self._meter()
+                break
+            except MembershipChanged:       # (elastic: again, over the survivors)
+                continue
         self.drift = max(self.drift_per_rank)
         self.history.append((self.steps, self.drift))
         took = time.perf_counter() - began
@@ -223,6 +235,6 @@ def _follow_exclusions(controller: DriftController, comm: CommLike) -> None:
     def react(excluded: Tuple[int, ...], members: Tuple[int, ...]) -> None:
         alive = ref()
         if alive is not None:
-            alive.rebind(lc.comm)
+            alive.rebind(reliable_comm(lc))
 
     lc.on_exclusion(react)

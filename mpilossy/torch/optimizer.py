@@ -137,7 +137,7 @@ class Engine:
     def rebind(self) -> None:
         """After an elastic exclusion (Communicator.on_exclusion): the
         reliable collectives go over the survivors' communicator."""
-        comm = self.lc.comm
+        comm = reliable_comm(self.lc)
         if self.drift is not None:
             self.drift.rebind(comm)
         if self.feedback is not None:

@@ -18,7 +18,8 @@ needs_failures = pytest.mark.skipif(not reports_failures(),
     ("sharded", 4, "rma", "exit:2@10"), ("sharded", 3, "ud", "stop:0@8"),
     ("distributed", 4, "ud", "exit:3@10"), ("distributed", 3, "rma", "exit:0@10"),
     ("sharded", 4, "ud", "late:1@10,3"), ("ddp", 3, "rma", "exit:1@10"),
-    ("ddp", 4, "ud", "stop:2@8")])
+    ("ddp", 4, "ud", "stop:2@8"), ("distributed", 3, "rma", "stop:1@8"),
+    ("distributed", 4, "ud", "stop:0@8")])
 def test_torch_wrappers_go_on_after_an_exclusion(wrapper, ranks, channel, lose):
     """The survivors train on: their models equal each other's and, within
     float32 rounding, an exact MPI_Allreduce run over the survivors from
@@ -27,7 +28,9 @@ def test_torch_wrappers_go_on_after_an_exclusion(wrapper, ranks, channel, lose):
     chunks are cut again for them, and its momenta travel with them
     (tests/programs/elastic_torch.py).  `late`: rank 3 notices the loss
     one call after the others, which answer that call (the all-gather of
-    step 10) alone and line up."""
+    step 10) alone and line up.  The replicated wrapper re-synchronising
+    every step with a rank stopped (its root, too) once hung in its
+    broadcast: the broadcast is a bounded wait now, which excludes it."""
     victim = int(lose.split(":")[1].split("@")[0])
     momentum = "0.9" if wrapper == "sharded" else "0"    # (ddp: no optimizer state re-synced)
     late = lose.partition(",")[2]
