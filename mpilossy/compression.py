@@ -46,6 +46,7 @@ from mpi4py import MPI
 from .call.config import COMPRESSIONS
 from .call.stats import CollectiveStats
 from .communicator import Communicator
+from .errors import MembershipChanged
 
 __all__ = ["Compression", "LowBit", "TopK"]
 
@@ -160,37 +161,39 @@ class TopK(Compression):
         if not inside.all():        # (sorted: the short block is the last chosen)
             out[full * self.block:] = values[-1, :out.size - full * self.block]
 
-    def refusal(self, lc: Communicator) -> Optional[str]:
-        if lc.elastic:
-            # (the choice is reliable, and before the lossy call: over a lost
-            # rank it waits forever, before any deadline could notice the loss)
-            return ("TopK does not work with Communicator(elastic=True): its choice of "
-                    "blocks is an MPI_Allreduce over every rank, which never returns once "
-                    "a rank is lost; LowBit compression works there")
-        return None
-
-    def _select(self, lc: Communicator, blocks: np.ndarray) -> np.ndarray:
-        """Indices of the chosen blocks, sorted, identical on every rank."""
-        refused = self.refusal(lc)
-        if refused:
-            raise ValueError(refused)
+    def _select(self, lc: Communicator, blocks: np.ndarray, again: bool) -> np.ndarray:
+        """Indices of the chosen blocks, sorted, identical on every rank.
+        elastic=True: the choice is a bounded wait (Communicator.bounded_comm),
+        made again over the survivors if ranks are excluded during it when
+        `again` (an all-reduce, whose buffers fit any number of ranks), else
+        MembershipChanged (a reduce-scatter's result is cut for the ranks
+        there were)."""
         energy = np.einsum("ij,ij->i", blocks, blocks, dtype=np.float64)
         # Every operand of the maximum a number (see the module docs): a
         # NaN gradient is sent, not hidden, and chosen alike everywhere.
         energy[np.isnan(energy)] = np.inf
-        lc.comm.Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX)
+        if not lc.elastic:
+            lc.comm.Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX)
+        while lc.elastic:
+            try:
+                lc.bounded_comm().Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX)
+                break
+            except MembershipChanged:
+                if not again:
+                    raise
         k = min(energy.size, max(1, math.ceil(self.density * energy.size)))
         # Most energy first, ties to the lower index: a stable sort has one
         # answer (argpartition's choice among ties is the build's).
         return np.sort(np.argsort(-energy, kind="stable")[:k])
 
     def _reduce(self, lc: Communicator, key: Hashable, data: np.ndarray, op: str,
-                weight: Optional[float]) -> Tuple[np.ndarray, np.ndarray, CollectiveStats]:
+                weight: Optional[float], collective: str
+                ) -> Tuple[np.ndarray, np.ndarray, CollectiveStats]:
         """(chosen blocks, their reduced values, stats); `data` (gradient
         plus residual) is left as it is, the residual set."""
         residual = self._with_residual(key, data)
         blocks = self._blocks(data)
-        chosen = self._select(lc, blocks)
+        chosen = self._select(lc, blocks, again=collective == "allreduce")
         values = blocks[chosen]
         stats = lc.allreduce(values.reshape(-1), op=op, weight=weight, algorithm="direct")
         if residual is not None:
@@ -202,7 +205,7 @@ class TopK(Compression):
                   weight: Optional[float] = None) -> CollectiveStats:
         if data.dtype != np.float32:
             return lc.allreduce(data, op=op, weight=weight, algorithm="direct")
-        chosen, values, stats = self._reduce(lc, key, data, op, weight)
+        chosen, values, stats = self._reduce(lc, key, data, op, weight, "allreduce")
         data[...] = 0
         self._put(data, chosen, values)
         return stats
@@ -212,7 +215,7 @@ class TopK(Compression):
                        weight: Optional[float] = None) -> CollectiveStats:
         if send.dtype != np.float32:
             return lc.reduce_scatter(send, recv, op=op, weight=weight, algorithm="direct")
-        chosen, values, stats = self._reduce(lc, key, send, op, weight)
+        chosen, values, stats = self._reduce(lc, key, send, op, weight, "reduce_scatter")
         dense = np.zeros_like(send)
         self._put(dense, chosen, values)
         lo, hi = lc.chunk_bounds(send.size)

@@ -15,6 +15,8 @@ so it works on buffers of its own, copied out once it completed."""
 
 from __future__ import annotations
 
+import functools
+import operator
 import pickle
 import zlib
 from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
@@ -136,10 +138,16 @@ def bcast(run: Run, buf: Any, root: Any, rank: int,
         data[...] = got
 
 
+# mpi4py's reductions of Python objects
+_PYTHON_OPS: List[Tuple[MPI.Op, Callable[[Any, Any], Any]]] = [
+    (MPI.SUM, operator.add), (MPI.PROD, operator.mul), (MPI.MAX, max), (MPI.MIN, min),
+    (MPI.LAND, lambda a, b: a and b), (MPI.LOR, lambda a, b: a or b)]
+
+
 class BoundedComm:
     """What mpilossy.torch's reliable calls use on an elastic Communicator
     (torch/communicators.py's reliable_comm): Barrier, Bcast, bcast,
-    Allreduce, allgather and Allgatherv with mpi4py's signatures, each
+    Allreduce, allreduce, allgather and Allgatherv with mpi4py's signatures, each
     bounded by the membership; if ranks are excluded while one is in
     flight, MembershipChanged (the caller makes its operation again, over
     the survivors).  Anything else is the Communicator's duplicate's own,
@@ -221,6 +229,15 @@ class BoundedComm:
         data = np.frombuffer(mine, np.uint8).copy() if mine else np.empty(length[0], np.uint8)
         self.Bcast(data, root)
         return obj if self.rank == root else pickle.loads(data.tobytes())
+
+    def allreduce(self, obj: Any, op: MPI.Op = MPI.SUM) -> Any:
+        """Python objects, as mpi4py's allreduce: every rank's, gathered
+        (allgather) and reduced in rank order."""
+        reduce = next((f for o, f in _PYTHON_OPS if o == op), None)
+        if reduce is None:
+            raise NotImplementedError(f"BoundedComm.allreduce: op {op} (SUM, PROD, MAX, "
+                                      f"MIN, LAND, LOR only)")
+        return functools.reduce(reduce, self.allgather(obj))
 
     def allgather(self, obj: Any) -> List[Any]:
         mine = np.frombuffer(pickle.dumps(obj), np.uint8)

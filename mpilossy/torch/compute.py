@@ -16,6 +16,7 @@ import torch
 from mpi4py import MPI
 
 from .. import Communicator
+from ..errors import MembershipChanged
 
 __all__ = ["ComputeDeadline"]
 
@@ -126,7 +127,12 @@ class ComputeDeadline:
             raise RuntimeError("ComputeDeadline('auto') needs a communicator to agree on "
                                "(comm=, or pass it to an optimizer wrapper)")
         mine = statistics.median(self.times) if self.times else math.nan
-        medians = [m for m in self.comm.allgather(mine) if not math.isnan(m)]
+        while True:
+            try:
+                medians = [m for m in self.comm.allgather(mine) if not math.isnan(m)]
+                break
+            except MembershipChanged:       # (elastic: again, over the survivors)
+                continue
         if medians:
             self.budget = (statistics.median(medians) * self.max_micro_batches
                            * (1.0 + self.slack))

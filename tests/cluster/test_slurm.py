@@ -220,32 +220,30 @@ def test_train(slurm, tmp_path, channel):
     assert f"traces: {len(files)} files" in out, out
 
 
-def test_train_elastic_survives_a_rank_that_exits(slurm, tmp_path):
-    """ELASTIC=1 (LAUNCHER=mpiexec): the launch keeps the others alive when
-    rank 2 exits before step 5 (-disable-auto-cleanup), they exclude it and
-    finish the run, and the job ends with exit code 0."""
+@pytest.mark.parametrize("launcher, keeps", [
+    ("mpiexec", "-disable-auto-cleanup"), ("srun", "--no-kill --kill-on-bad-exit=0")])
+def test_train_elastic_survives_a_rank_that_exits(slurm, tmp_path, launcher, keeps):
+    """ELASTIC=1: the launch keeps the others alive when rank 2 exits before
+    step 5, they exclude it and finish the run, and the job ends with exit
+    code 0.  Under srun MPICH does not report the exit (below): the others
+    find rank 2 silent in the barrier before the next step, a bounded wait,
+    and exclude it after elastic_wait (before the waits were bounded, that
+    job hung until its time limit)."""
     pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
     pytest.importorskip("tqdm", reason="tqdm is not installed")
     env = dict(TRAIN_STEPS="10", TRAIN_TIMEOUT="0.2", TRAIN_ARGS=TINY + " --kill-rank 2 "
-               "--at-step 5", ELASTIC="1", LAUNCHER="mpiexec")
+               "--at-step 5", ELASTIC="1", LAUNCHER=launcher)
     job, code, out, err = submit(slurm, tmp_path, "train.sbatch", **env)
     assert code == 0, out + err
-    assert "-disable-auto-cleanup" in out and "--elastic" in out, out
+    assert keeps in out and "--elastic" in out, out
     summary = (tmp_path / f"mpilossy-train-{job}" / "summary.txt").read_text()
     assert re.search(r"^elastic +ranks \[2\] excluded; 3 went on$", summary, re.M), summary
     r = json.loads((tmp_path / f"mpilossy-train-{job}" / "result.json").read_text())
     assert r["members"] == [0, 1, 3] and math.isfinite(r["val_perplexity"]), r
 
 
-def test_train_elastic_refuses_srun(slurm, tmp_path):
-    """ELASTIC=1 with srun: refused before anything starts (such a job hung
-    in this Slurm when a rank exited: docs/elastic.md)."""
-    job, code, out, err = submit(slurm, tmp_path, "train.sbatch", ELASTIC="1", LAUNCHER="srun")
-    assert code == 2 and "ELASTIC=1 needs LAUNCHER=mpiexec" in err, out + err
-
-
 def test_srun_reports_no_exit_and_lossy_calls_go_on_by_heartbeat(slurm, tmp_path):
-    """Why the template refuses ELASTIC=1 with srun (docs/elastic.md, "The
+    """Why an elastic job under srun finds an exit late (docs/elastic.md, "The
     launch"): under srun (PMI2) MPICH does not report a rank that exited,
     so an exit is a silent rank, excluded after evict_after=5 calls by the
     heartbeats (not in the call it was lost in, as under mpiexec

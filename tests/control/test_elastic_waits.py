@@ -1,5 +1,6 @@
 """Communicator(elastic=True)'s reliable waits: a rank that exits or stops
-while the others are in a barrier, a bcast (its root too) or free() is
+while the others are in a barrier, a bcast (its root too), TopK's block
+choice or free() is
 excluded within `elastic_wait` and one agreement, and the others go on
 over themselves, every result exact (tests/programs/elastic_waits.py,
 under its own ``mpiexec -disable-auto-cleanup``; evict_after=1000, so no
@@ -20,7 +21,8 @@ AGREEMENT = 0.5
 @pytest.mark.parametrize("ranks, channel, scenario, nodes", [
     (3, "rma", "stop:1@barrier", 1), (4, "ud", "exit:2@barrier", 1),
     (4, "ud", "stop:0@bcast", 1), (3, "rma", "exit:2@bcast", 1),
-    (4, "rma", "stop:3@free", 1), (4, "ud", "stop:1@barrier", 2)])
+    (4, "rma", "stop:3@free", 1), (4, "ud", "stop:1@barrier", 2),
+    (4, "rma", "exit:1@topk", 1), (3, "ud", "stop:2@topk", 1)])
 def test_a_rank_lost_in_a_reliable_wait_is_excluded_within_the_bound(ranks, channel,
                                                                       scenario, nodes):
     env = {"MPIR_CVAR_NUM_CLIQUES": "2"} if nodes > 1 else {}
@@ -37,7 +39,8 @@ def test_a_rank_lost_in_a_reliable_wait_is_excluded_within_the_bound(ranks, chan
         # after the exclusion every call is over the survivors, whole (one
         # scheduling outlier on a 0.2 s deadline)
         assert sum(d < 1.0 for d in r["delivered"]) <= 1, r
-        took = {"barrier": r["barrier"], "bcast": r["bcast_s"], "free": r["free"]}
+        took = {"barrier": r["barrier"], "bcast": r["bcast_s"], "topk": r["topk_s"],
+                "free": r["free"]}
         assert took[where] < WAIT + AGREEMENT, r
         if how == "stop":        # (nothing reports a stop: the wait's own bound found it)
             assert took[where] >= 0.9 * WAIT, r
@@ -48,6 +51,9 @@ def test_a_rank_lost_in_a_reliable_wait_is_excluded_within_the_bound(ranks, chan
         else:       # (rank 0 of the survivors' communicator when it is made)
             root = survivors[0] if where == "barrier" else 0
             assert r["bcast"] == [float(root)], r
+        # TopK (half the blocks, all alike: the first half) over the ranks in then
+        over = survivors if where != "free" else list(range(ranks))
+        assert r["topk"] == [0.0, round(sum(k + 1 for k in over) / len(over), 4)], r
         if where != "free":
             assert r["members"] == survivors and r["size"] == len(survivors), r
     if how == "stop":

@@ -7,6 +7,7 @@ under injected loss, a sleeping rank of a node).  In the suite's own jobs
 every rank is on one node, where algorithm='hierarchical' is the flat
 algorithm."""
 
+import re
 
 import numpy as np
 import pytest
@@ -49,7 +50,21 @@ def test_fake_nodes_over_datagrams():
     assert result["others_call_with_sleeper_ms"] < 150, result
 
 
-@pytest.mark.timeout(300)
+# A rank whose call waited out its 0.5 s deadline before another rank's
+# refusal reached it (6 ranks on 2 loaded cores, in CI once) learns of the
+# error only at its next call, which the program cannot tell from a miss:
+# such a run is made again, at most this many times in all.
+ERROR_RUNS = 3
+
+
+def _deadline_waited_out(failures):
+    """Every failure a call that returned without the error after at least
+    0.9 of its 0.5 s deadline."""
+    took = [re.search(r"timeout 0\.5\): no error after ([0-9.]+) s$", f) for f in failures]
+    return bool(failures) and all(t and float(t.group(1)) >= 0.45 for t in took)
+
+
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("ranks,cliques,channel", [(r, c, "rma") for r, c in LAYOUTS]
                          + [(4, 2, "ud")])
 def test_bad_input_on_one_rank(ranks, cliques, channel):
@@ -61,9 +76,12 @@ def test_bad_input_on_one_rank(ranks, cliques, channel):
         pytest.skip("starts its own mpiexec: runs at size 1")
     if channel == "ud" and not _core.HAVE_DATAGRAM_AUTH:
         pytest.skip("channel='ud' needs OpenSSL's libcrypto at build time")
-    proc = run_mpi_script("hierarchical_errors.py", ranks, "--channel", channel, timeout=240,
-                          MPIR_CVAR_NUM_CLIQUES=str(cliques))
-    result = last_report(proc.stdout, proc.stderr)
+    for _ in range(ERROR_RUNS):
+        proc = run_mpi_script("hierarchical_errors.py", ranks, "--channel", channel,
+                              timeout=180, MPIR_CVAR_NUM_CLIQUES=str(cliques))
+        result = last_report(proc.stdout, proc.stderr)
+        if not _deadline_waited_out(result["failures"]):
+            break
     assert result["layout"].startswith(f"{cliques} nodes"), result
     assert proc.returncode == 0 and not result["failures"], result
     assert result["bad_calls"] == 2 * result["good_calls"] > 0, result

@@ -6,14 +6,17 @@ with ``mpiexec -disable-auto-cleanup``.
 
 HOW: exit (os._exit) or stop (SIGSTOP; woken by the others at the end, its
 next barrier must raise EvictedError); WHERE: the collective rank V misses:
-barrier, bcast (rank 0's values; V=0: the root is lost), free.
+barrier, bcast (rank 0's values; V=0: the root is lost), topk (a TopK
+all-reduce: its block choice), free.
 
 Every rank makes 3 direct all-reduces (op avg, deadline 0.2 s), a
-barrier, a bcast from rank 0, 3 more all-reduces and free(), with
+barrier, a bcast from rank 0, a TopK all-reduce (half the blocks) of
+rank + 1, 3 more all-reduces and free(), with
 evict_after=1000: no lossy call can exclude anyone, only the waits.  Each
 all-reduce's blocks are checked against the mean of the ranks the call
 records as contributors.  Every survivor prints one JSON line: seconds
-in the barrier, the bcast and free, what the bcast gave (or raised), the
+in the barrier, the bcast, the TopK all-reduce and free, what the bcast
+and the TopK all-reduce gave (or raised), the
 exclusions (on_exclusion), the members, the delivered fraction and the
 wrong blocks of the calls after it."""
 
@@ -27,6 +30,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpilossy
+from mpilossy.compression import TopK
 
 WAIT = 1.0          # elastic_wait: seconds a wait gives a silent neighbour
 
@@ -90,6 +94,12 @@ try:
 except mpilossy.MPILossyError as exc:
     report["bcast"] = f"{type(exc).__name__}: {exc}"
 report["bcast_s"] = round(time.perf_counter() - began, 3)
+leave_if_victim("topk")
+chosen = np.full(n, me + 1.0, np.float32)
+began = time.perf_counter()
+TopK(0.5, error_feedback=False).allreduce(lc, "g", chosen, op="avg")
+report["topk"] = sorted({round(v, 4) for v in chosen.tolist()})
+report["topk_s"] = round(time.perf_counter() - began, 3)
 for call in range(3, 6):
     lossy(call)
 leave_if_victim("free")

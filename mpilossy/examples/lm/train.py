@@ -364,10 +364,11 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     per_micro = cfg.batch // cfg.micro_batches
     train_began = time.perf_counter()
 
-    def reliable() -> MPI.Intracomm:
-        """Where the reliable calls go: the survivors' communicator once an
-        elastic run lost a rank."""
-        return lc.comm if lc is not None and lc.elastic else comm
+    def reliable() -> Any:
+        """Where the reliable calls go: elastic, the Communicator's bounded
+        waits (over the survivors once a rank is lost; a rank that hangs or
+        is gone cannot block them), else MPI."""
+        return lc.bounded_comm() if lc is not None and lc.elastic else comm
 
     for step in range(cfg.steps):
         if step == cfg.kill_at and rank == cfg.kill_rank:
@@ -423,8 +424,8 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             pause = time.perf_counter()
             # (fsdp: every rank takes part in the forward pass's all-gathers)
-            ppl_now = reliable().bcast(perplexity(model, val)
-                                       if reliable().rank == 0 or fsdp is not None else None)
+            ppl_now = made_again(lambda: reliable().bcast(
+                perplexity(model, val) if reliable().rank == 0 or fsdp is not None else None))
             curve.append((step + 1, pause - train_began - paused, ppl_now))
             paused += time.perf_counter() - pause
         # the last 10 steps' mean training loss and delivered fraction
@@ -433,59 +434,76 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         bar.update(1)
     train_seconds = time.perf_counter() - train_began - paused
     bar.close()
-    comm = reliable()
-    size = comm.size
+    def summary() -> Dict[str, Any]:
+        """The run's results, agreed by reliable collectives (made again
+        over the survivors if ranks are excluded during them)."""
+        comm = reliable()
+        size = comm.size
 
-    # Drift of the models as trained: the measurement of the last step was
-    # taken before that step's broadcast, if it had one.
-    # (fsdp: one owner per shard, gathered exactly: no drift)
-    history = drift_control.history if drift_control is not None else []
-    final_drift = 0.0 if drift_control is None else history[-1][1] \
-        if history and history[-1][0] == cfg.steps else drift_control.measure()
-    ppl = comm.allgather(perplexity(model, val))
-    mean_delivered = comm.allreduce(float(np.mean(delivered)) if delivered else 1.0) / size
-    result = {
-        "config": asdict(cfg),
-        "ranks": size,
-        "members": list(lc.members) if lc is not None else list(range(size)),
-        "val_perplexity": ppl[0],                 # rank 0's model
-        "val_perplexity_ranks": ppl,
-        "final_drift": final_drift,
-        "max_drift": max((d for _, d in history), default=0.0),
-        "delivered": mean_delivered,
-        "train_loss_first": float(np.mean(losses[:10])),
-        "train_loss_last": float(np.mean(losses[-10:])),
-        "train_seconds": comm.allreduce(train_seconds, op=MPI.MAX),
-        "comm_seconds": comm.allreduce(comm_seconds, op=MPI.MAX),
-        "wall_seconds": comm.allreduce(time.perf_counter() - began, op=MPI.MAX),
-        "parameters": sum(p.numel() for p in params),
-        "device": str(device),
-        "train_tokens": int(data.train.size),
-        "val_tokens": int(data.val.size),
-        "broadcasts": drift_control.broadcasts if drift_control is not None else 0,
-        "step_seconds": comm.allreduce(train_seconds, op=MPI.MAX) / cfg.steps,
-        "micro_batches": comm.allreduce(float(np.mean(micro_done)), op=MPI.SUM) / size,
-        "curve": curve,
-    }
-    if tolerance is not None:
-        result["phase_aware"] = {"reliable_steps": tolerance.reliable,
-                                 "repaired_steps": tolerance.repaired,
-                                 "critical_ended": tolerance.critical_ended}
-    if lc is not None:
-        result["fabric"] = comm.allgather(fabric(lc))
-        result["timeout"] = lc.timeout          # the deadline used (deadline_for)
-        if lc.timeout == "auto":
-            # the learned deadline of each kind of call at the end (seconds)
-            result["auto_deadlines"] = {" ".join(map(str, kind)): seconds
-                                        for kind, seconds in lc.auto_timeouts.items()}
-        if lc.config.redundancy == "auto":
-            # what the agreed loss rate called for at the end of training
-            result["redundancy_auto"] = {"loss_rate": lc.loss_rate, "code": lc.auto_redundancy()}
+        # Drift of the models as trained: the measurement of the last step was
+        # taken before that step's broadcast, if it had one.
+        # (fsdp: one owner per shard, gathered exactly: no drift)
+        history = drift_control.history if drift_control is not None else []
+        final_drift = 0.0 if drift_control is None else history[-1][1] \
+            if history and history[-1][0] == cfg.steps else drift_control.measure()
+        ppl = comm.allgather(perplexity(model, val))
+        mean_delivered = comm.allreduce(float(np.mean(delivered)) if delivered else 1.0) / size
+        result = {
+            "config": asdict(cfg),
+            "ranks": size,
+            "members": list(lc.members) if lc is not None else list(range(size)),
+            "val_perplexity": ppl[0],                 # rank 0's model
+            "val_perplexity_ranks": ppl,
+            "final_drift": final_drift,
+            "max_drift": max((d for _, d in history), default=0.0),
+            "delivered": mean_delivered,
+            "train_loss_first": float(np.mean(losses[:10])),
+            "train_loss_last": float(np.mean(losses[-10:])),
+            "train_seconds": comm.allreduce(train_seconds, op=MPI.MAX),
+            "comm_seconds": comm.allreduce(comm_seconds, op=MPI.MAX),
+            "wall_seconds": comm.allreduce(time.perf_counter() - began, op=MPI.MAX),
+            "parameters": sum(p.numel() for p in params),
+            "device": str(device),
+            "train_tokens": int(data.train.size),
+            "val_tokens": int(data.val.size),
+            "broadcasts": drift_control.broadcasts if drift_control is not None else 0,
+            "step_seconds": comm.allreduce(train_seconds, op=MPI.MAX) / cfg.steps,
+            "micro_batches": comm.allreduce(float(np.mean(micro_done)), op=MPI.SUM) / size,
+            "curve": curve,
+        }
+        if tolerance is not None:
+            result["phase_aware"] = {"reliable_steps": tolerance.reliable,
+                                     "repaired_steps": tolerance.repaired,
+                                     "critical_ended": tolerance.critical_ended}
+        if lc is not None:
+            result["fabric"] = comm.allgather(fabric(lc))
+            result["timeout"] = lc.timeout          # the deadline used (deadline_for)
+            if lc.timeout == "auto":
+                # the learned deadline of each kind of call at the end (seconds)
+                result["auto_deadlines"] = {" ".join(map(str, kind)): seconds
+                                            for kind, seconds in lc.auto_timeouts.items()}
+            if lc.config.redundancy == "auto":
+                # what the agreed loss rate called for at the end of training
+                result["redundancy_auto"] = {"loss_rate": lc.loss_rate, "code": lc.auto_redundancy()}
+        return result
+
+    result = made_again(summary)
     if fsdp is not None:
         fsdp.close()
     if lc is not None:
         lc.free()
     return result
+
+
+def made_again(operation: Any) -> Any:
+    """`operation()`, made again while ranks are excluded during one of its
+    reliable collectives (elastic: mpilossy.MembershipChanged; the
+    communicator goes on over the survivors)."""
+    while True:
+        try:
+            return operation()
+        except mpilossy.MembershipChanged:
+            continue
 
 
 def fabric(lc: mpilossy.Communicator) -> Dict[str, Any]:
