@@ -47,6 +47,7 @@ from .call.config import COMPRESSIONS
 from .call.stats import CollectiveStats
 from .communicator import Communicator
 from .errors import MembershipChanged
+from .reliable import again
 
 __all__ = ["Compression", "LowBit", "TopK"]
 
@@ -161,11 +162,11 @@ class TopK(Compression):
         if not inside.all():        # (sorted: the short block is the last chosen)
             out[full * self.block:] = values[-1, :out.size - full * self.block]
 
-    def _select(self, lc: Communicator, blocks: np.ndarray, again: bool) -> np.ndarray:
+    def _select(self, lc: Communicator, blocks: np.ndarray, retried: bool) -> np.ndarray:
         """Indices of the chosen blocks, sorted, identical on every rank.
         elastic=True: the choice is a bounded wait (Communicator.bounded_comm),
         made again over the survivors if ranks are excluded during it when
-        `again` (an all-reduce, whose buffers fit any number of ranks), else
+        `retried` (an all-reduce, whose buffers fit any number of ranks), else
         MembershipChanged (a reduce-scatter's result is cut for the ranks
         there were)."""
         energy = np.einsum("ij,ij->i", blocks, blocks, dtype=np.float64)
@@ -174,13 +175,11 @@ class TopK(Compression):
         energy[np.isnan(energy)] = np.inf
         if not lc.elastic:
             lc.comm.Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX)
-        while lc.elastic:
-            try:
-                lc.bounded_comm().Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX)
-                break
-            except MembershipChanged:
-                if not again:
-                    raise
+        elif retried:
+            again(lambda: lc.bounded_comm().Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX),
+                  MembershipChanged)
+        else:
+            lc.bounded_comm().Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX)
         k = min(energy.size, max(1, math.ceil(self.density * energy.size)))
         # Most energy first, ties to the lower index: a stable sort has one
         # answer (argpartition's choice among ties is the build's).
@@ -193,7 +192,7 @@ class TopK(Compression):
         plus residual) is left as it is, the residual set."""
         residual = self._with_residual(key, data)
         blocks = self._blocks(data)
-        chosen = self._select(lc, blocks, again=collective == "allreduce")
+        chosen = self._select(lc, blocks, retried=collective == "allreduce")
         values = blocks[chosen]
         stats = lc.allreduce(values.reshape(-1), op=op, weight=weight, algorithm="direct")
         if residual is not None:

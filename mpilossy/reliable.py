@@ -19,7 +19,7 @@ import functools
 import operator
 import pickle
 import zlib
-from typing import Any, Callable, List, Optional, Sequence, Tuple, TypeVar
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Type, TypeVar
 
 import numpy as np
 from mpi4py import MPI
@@ -42,12 +42,15 @@ class Switched(Exception):
     goes on over the survivors; the attempt was abandoned."""
 
 
-def again(operation: Callable[[], T]) -> T:
-    """`operation`, made again from its start as long as it is Switched."""
+def again(operation: Callable[[], T], on: Type[BaseException] = Switched) -> T:
+    """`operation()`, made again from its start as long as it raises `on`:
+    Switched within this module; MembershipChanged for a caller of
+    BoundedComm, whose operation made several calls whose ranks and roots
+    have changed (its retry over the survivors)."""
     while True:
         try:
             return operation()
-        except Switched:
+        except on:
             continue
 
 

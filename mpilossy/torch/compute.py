@@ -17,6 +17,7 @@ from mpi4py import MPI
 
 from .. import Communicator
 from ..errors import MembershipChanged
+from ..reliable import again
 
 __all__ = ["ComputeDeadline"]
 
@@ -127,12 +128,9 @@ class ComputeDeadline:
             raise RuntimeError("ComputeDeadline('auto') needs a communicator to agree on "
                                "(comm=, or pass it to an optimizer wrapper)")
         mine = statistics.median(self.times) if self.times else math.nan
-        while True:
-            try:
-                medians = [m for m in self.comm.allgather(mine) if not math.isnan(m)]
-                break
-            except MembershipChanged:       # (elastic: again, over the survivors)
-                continue
+        comm = self.comm
+        every = again(lambda: comm.allgather(mine), MembershipChanged)   # (elastic)
+        medians = [m for m in every if not math.isnan(m)]
         if medians:
             self.budget = (statistics.median(medians) * self.max_micro_batches
                            * (1.0 + self.slack))

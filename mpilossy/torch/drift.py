@@ -16,6 +16,7 @@ from mpi4py import MPI
 
 from .. import Communicator
 from ..errors import MembershipChanged
+from ..reliable import again
 from .averaging import average_optimizer_state, average_tensors
 from .broadcast import bcast_tensors, broadcast_optimizer_state
 from .checks import check_tensors
@@ -172,25 +173,17 @@ class DriftController:
         due = bool(self.broadcast_every and (self.steps % self.broadcast_every == 0
                                              or self._excluded))
         self._excluded = False
-        while due:
-            try:
-                self.synchronize()
-                break
-            except MembershipChanged:
-                # (elastic: ranks excluded during it; rebind() made rank 0 of the
-                # survivors the root: again from the start, over them)
-                self._excluded = False
+        if due:
+            # (elastic: ranks excluded during it made rank 0 of the survivors the
+            # root (rebind): again from the start, over them)
+            again(self.synchronize, MembershipChanged)
+            self._excluded = False
         return DriftStep(drift, due, time.perf_counter() - began)
 
     def measure(self) -> float:
         """Measure the drift now (collective); also stored in ``.drift``."""
         began = time.perf_counter()
-        while True:
-            try:
-                self.drift_per_rank = self._meter()
-                break
-            except MembershipChanged:       # (elastic: again, over the survivors)
-                continue
+        self.drift_per_rank = again(self._meter, MembershipChanged)   # (elastic: survivors)
         self.drift = max(self.drift_per_rank)
         self.history.append((self.steps, self.drift))
         took = time.perf_counter() - began

@@ -22,6 +22,7 @@ from mpi4py import MPI
 import mpilossy
 import mpilossy.torch as mt
 from mpilossy.hierarchy import NodeLayout
+from mpilossy.reliable import again
 
 from . import corpus as corpus_mod
 from .fsdp import Sharded
@@ -424,8 +425,9 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
             pause = time.perf_counter()
             # (fsdp: every rank takes part in the forward pass's all-gathers)
-            ppl_now = made_again(lambda: reliable().bcast(
-                perplexity(model, val) if reliable().rank == 0 or fsdp is not None else None))
+            ppl_now = again(lambda: reliable().bcast(
+                perplexity(model, val) if reliable().rank == 0 or fsdp is not None else None),
+                mpilossy.MembershipChanged)
             curve.append((step + 1, pause - train_began - paused, ppl_now))
             paused += time.perf_counter() - pause
         # the last 10 steps' mean training loss and delivered fraction
@@ -487,23 +489,12 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                 result["redundancy_auto"] = {"loss_rate": lc.loss_rate, "code": lc.auto_redundancy()}
         return result
 
-    result = made_again(summary)
+    result = again(summary, mpilossy.MembershipChanged)
     if fsdp is not None:
         fsdp.close()
     if lc is not None:
         lc.free()
     return result
-
-
-def made_again(operation: Any) -> Any:
-    """`operation()`, made again while ranks are excluded during one of its
-    reliable collectives (elastic: mpilossy.MembershipChanged; the
-    communicator goes on over the survivors)."""
-    while True:
-        try:
-            return operation()
-        except mpilossy.MembershipChanged:
-            continue
 
 
 def fabric(lc: mpilossy.Communicator) -> Dict[str, Any]:
