@@ -38,7 +38,10 @@ def _cpu_model() -> str:
 
 def _gpus() -> str:
     """CUDA devices as CuPy or PyTorch see them, without initialising either
-    if it is not installed."""
+    if it is not installed, nor importing either (seconds per rank) on a
+    machine without a GPU driver's device files."""
+    if not any(os.path.exists(dev) for dev in ("/dev/nvidiactl", "/dev/kfd")):
+        return "none found (no /dev/nvidiactl or /dev/kfd)"
     try:
         import cupy
         n = cupy.cuda.runtime.getDeviceCount()

@@ -11,7 +11,8 @@ zero-filled result: the test can tell biased from unbiased.
 
 import pytest
 
-from unbiasedness import CALLS_BIASED, T_LIMIT, delivered_floor, max_t, rank_averaged_t, run
+from unbiasedness import (CALLS_BIASED, CALLS_ZERO_FILL, T_LIMIT, delivered_floor, max_t,
+                          rank_averaged_t, run)
 
 
 @pytest.mark.mpi(min_size=2)
@@ -39,7 +40,7 @@ def test_fixed_chain_start_is_biased(comm, algorithm):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("algorithm", ["ring", "tree", "direct"])
 def test_zero_fill_is_biased(comm, algorithm):
-    results, _, _ = run(comm, algorithm, 0.5, calls=CALLS_BIASED, scaling="zero-fill")
+    results, _, _ = run(comm, algorithm, 0.5, calls=CALLS_ZERO_FILL, scaling="zero-fill")
     t = rank_averaged_t(comm, results)
     assert t > T_LIMIT, f"expected a detectable bias, max |t| = {t:.2f}"
 

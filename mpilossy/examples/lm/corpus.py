@@ -41,8 +41,11 @@ def is_validation(module: str) -> bool:
 
 def load(root: str = "") -> Corpus:
     base = pathlib.Path(root or sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in base.rglob("*.py")
-                   if not any(part.startswith(LEFT_OUT) for part in p.relative_to(base).parts[:1]))
+    # the left-out folders are not walked at all (site-packages alone can
+    # hold tens of thousands of files)
+    files = sorted(p for top in base.iterdir() if not top.name.startswith(LEFT_OUT)
+                   for p in ([top] if top.is_file() else top.rglob("*.py"))
+                   if p.suffix == ".py")
     if not files:
         raise FileNotFoundError(f"no Python sources under {base}")
     train: List[bytes] = []

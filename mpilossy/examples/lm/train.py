@@ -25,7 +25,6 @@ from mpilossy.hierarchy import NodeLayout
 from mpilossy.reliable import again
 
 from . import corpus as corpus_mod
-from .fsdp import Sharded
 from .model import TinyGPT
 from .progress import MODES as PROGRESS_MODES
 from .progress import progress as progress_display
@@ -312,7 +311,10 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     mt.broadcast_parameters(model, comm=comm)
     lc = lossy_communicator(cfg, comm, elastic) if cfg.reduce == "mpilossy" else None
     # fsdp: the parameters become shards (DTensors) before the optimizer sees them
-    fsdp = Sharded(model, comm, lc, cfg.align) if cfg.mode == "fsdp" else None
+    fsdp = None
+    if cfg.mode == "fsdp":
+        from .fsdp import Sharded   # torch.distributed.fsdp: 1.5 s of imports, only here
+        fsdp = Sharded(model, comm, lc, cfg.align)
     params = [p for p in model.parameters()]
     if cfg.optimizer == "sgd":
         inner: torch.optim.Optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
