@@ -162,37 +162,33 @@ class TopK(Compression):
         if not inside.all():        # (sorted: the short block is the last chosen)
             out[full * self.block:] = values[-1, :out.size - full * self.block]
 
-    def _select(self, lc: Communicator, blocks: np.ndarray, retried: bool) -> np.ndarray:
+    def _select(self, lc: Communicator, blocks: np.ndarray) -> np.ndarray:
         """Indices of the chosen blocks, sorted, identical on every rank.
         elastic=True: the choice is a bounded wait (Communicator.bounded_comm),
-        made again over the survivors if ranks are excluded during it when
-        `retried` (an all-reduce, whose buffers fit any number of ranks), else
-        MembershipChanged (a reduce-scatter's result is cut for the ranks
-        there were)."""
+        made again over the survivors if ranks are excluded during it (its
+        buffers fit any number of ranks; a reduce-scatter keeps the chunk it
+        was called for: reduce_scatter)."""
         energy = np.einsum("ij,ij->i", blocks, blocks, dtype=np.float64)
         # Every operand of the maximum a number (see the module docs): a
         # NaN gradient is sent, not hidden, and chosen alike everywhere.
         energy[np.isnan(energy)] = np.inf
-        if not lc.elastic:
-            lc.comm.Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX)
-        elif retried:
+        if lc.elastic:
             again(lambda: lc.bounded_comm().Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX),
                   MembershipChanged)
         else:
-            lc.bounded_comm().Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX)
+            lc.comm.Allreduce(MPI.IN_PLACE, energy, op=MPI.MAX)
         k = min(energy.size, max(1, math.ceil(self.density * energy.size)))
         # Most energy first, ties to the lower index: a stable sort has one
         # answer (argpartition's choice among ties is the build's).
         return np.sort(np.argsort(-energy, kind="stable")[:k])
 
     def _reduce(self, lc: Communicator, key: Hashable, data: np.ndarray, op: str,
-                weight: Optional[float], collective: str
-                ) -> Tuple[np.ndarray, np.ndarray, CollectiveStats]:
+                weight: Optional[float]) -> Tuple[np.ndarray, np.ndarray, CollectiveStats]:
         """(chosen blocks, their reduced values, stats); `data` (gradient
         plus residual) is left as it is, the residual set."""
         residual = self._with_residual(key, data)
         blocks = self._blocks(data)
-        chosen = self._select(lc, blocks, retried=collective == "allreduce")
+        chosen = self._select(lc, blocks)
         values = blocks[chosen]
         stats = lc.allreduce(values.reshape(-1), op=op, weight=weight, algorithm="direct")
         if residual is not None:
@@ -204,7 +200,7 @@ class TopK(Compression):
                   weight: Optional[float] = None) -> CollectiveStats:
         if data.dtype != np.float32:
             return lc.allreduce(data, op=op, weight=weight, algorithm="direct")
-        chosen, values, stats = self._reduce(lc, key, data, op, weight, "allreduce")
+        chosen, values, stats = self._reduce(lc, key, data, op, weight)
         data[...] = 0
         self._put(data, chosen, values)
         return stats
@@ -214,9 +210,12 @@ class TopK(Compression):
                        weight: Optional[float] = None) -> CollectiveStats:
         if send.dtype != np.float32:
             return lc.reduce_scatter(send, recv, op=op, weight=weight, algorithm="direct")
-        chosen, values, stats = self._reduce(lc, key, send, op, weight, "reduce_scatter")
+        # The chunk `recv` was cut for: an elastic exclusion during the
+        # choice or the all-reduce leaves it this rank's of the old layout
+        # (the survivors' reduction of it), as a lossy reduce-scatter would.
+        lo, hi = lc.chunk_bounds(send.size)
+        chosen, values, stats = self._reduce(lc, key, send, op, weight)
         dense = np.zeros_like(send)
         self._put(dense, chosen, values)
-        lo, hi = lc.chunk_bounds(send.size)
         recv[...] = dense[lo:hi]
         return stats

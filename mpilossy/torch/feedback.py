@@ -26,6 +26,8 @@ import torch
 from mpi4py import MPI
 
 from .. import CollectiveStats, Communicator
+from ..errors import MembershipChanged
+from ..reliable import again
 from .communicators import reliable_comm
 from .tensors import Flat, REDUCIBLE
 
@@ -74,6 +76,7 @@ class ErrorFeedback:
     def record(self, calls: List[Tuple[torch.dtype, int, CollectiveStats]]) -> None:
         """The step's lossy calls: (dtype, first element in the flat buffer,
         stats).  The residual becomes what the sent values lost."""
+        rank = self.rank             # (the calls' rank: an exclusion below rebinds)
         records = []
         for dtype, first, stats in calls:
             record = stats.contributors
@@ -85,13 +88,18 @@ class ErrorFeedback:
             return                      # nothing is ever lost
         everything = np.concatenate([bits.reshape(-1) for *_, bits in records]) \
             if records else np.zeros(0, np.uint64)
-        self.comm.Allreduce(MPI.IN_PLACE, everything, op=MPI.BOR)
+        # Elastic: made again over the survivors if ranks are excluded during
+        # it (a bounded wait writes nothing until it completes).  A gone
+        # owner's bits are missing: its chunk counts as lost for every
+        # survivor, and it was (its update never reached them).
+        again(lambda: self.comm.Allreduce(MPI.IN_PLACE, everything, op=MPI.BOR),
+              MembershipChanged)
         at = 0
         with torch.no_grad():
             for dtype, first, record, bits in records:
                 truth = record.of_every_chunk(everything[at:at + bits.size].reshape(bits.shape))
                 at += bits.size
-                lost = torch.from_numpy(~truth.mask(self.rank))
+                lost = torch.from_numpy(~truth.mask(rank))
                 end = first + lost.numel()
                 torch.mul(self.sent[dtype][first:end], lost,
                           out=self.residuals[dtype][first:end])

@@ -30,6 +30,8 @@ from mpi4py import MPI
 
 from .. import CollectiveStats, Communicator
 from ..call.buffers import chunk_bounds
+from ..errors import MembershipChanged
+from ..reliable import again
 from .broadcast import bcast_tensors
 from .checks import check_everywhere, check_tensors
 from .communicators import lossy_communicator, reliable_comm
@@ -117,12 +119,23 @@ class _ShardedExchange(Engine):
         largest value; then the optimizer holds views of the new chunk."""
         optimizer = self.optimizer() if self.optimizer is not None else None
         assert optimizer is not None        # (set by ShardedOptimizer; it is alive: stepping)
-        old, members = list(self.members), list(self.lc.members)
+        old = list(self.members)
         self._download()
-        for buf in self.host.buffers.values():
-            self._from_old_owners(buf, old, members)
+        mine = self._take_state(optimizer)
+
+        def share() -> Tuple[Dict[Tuple[torch.dtype, str], torch.Tensor],
+                             Dict[str, Callable[[], Any]]]:
+            # Made again from here over the survivors if a rank is lost
+            # during it: each old chunk then comes from its owner if still
+            # in, else from the lowest survivor, whose copy every survivor
+            # shares once a broadcast of it completed.
+            members = list(self.lc.members)
+            for buf in self.host.buffers.values():
+                self._from_old_owners(buf, old, members)
+            return self._old_state(mine, old, members)
+
+        elementwise, counters = again(share, MembershipChanged)
         self._upload()
-        elementwise, counters = self._old_state(optimizer, old, members)
         self._cut()
         for group, views in zip(optimizer.param_groups, self.shards):
             group["params"] = [view for view, _ in views]
@@ -137,7 +150,7 @@ class _ShardedExchange(Engine):
         if self.trends is not None:
             for dtype, trend in self.trends.items():
                 trend.exact(self.flat.buffers[dtype])
-        self.members = tuple(members)
+        self.members = tuple(self.lc.members)
         self.rebalance_due = False
 
     def _from_old_owners(self, buf: torch.Tensor, old: List[int], members: List[int]) -> None:
@@ -149,14 +162,13 @@ class _ShardedExchange(Engine):
                 self.reliable.Bcast(as_bytes(buf[lo:hi]),
                                 root=members.index(who) if who in members else 0)
 
-    def _old_state(self, optimizer: torch.optim.Optimizer, old: List[int], members: List[int]
-                   ) -> Tuple[Dict[Tuple[torch.dtype, str], torch.Tensor],
-                              Dict[str, Callable[[], Any]]]:
-        """Collective: the optimizer's state of the old chunks, taken out of
-        it.  Elementwise tensors (as long as their view) become whole host
-        buffers (one per dtype and key) filled by their old owners; every
-        other entry (a step counter) the largest over the survivors, as a
-        maker of a fresh copy of it."""
+    def _take_state(self, optimizer: torch.optim.Optimizer
+                    ) -> Tuple[Dict[Tuple[torch.dtype, str], torch.Tensor],
+                               Dict[str, Tuple[float, Any]]]:
+        """The optimizer's state of this rank's old chunk, taken out of it:
+        elementwise tensors (as long as their view) in whole host buffers
+        (one per dtype and key, zeros outside the chunk), every other entry
+        (a step counter) as its value."""
         elementwise: Dict[Tuple[torch.dtype, str], torch.Tensor] = {}
         largest: Dict[str, Tuple[float, Any]] = {}
         for group in optimizer.param_groups:
@@ -173,6 +185,19 @@ class _ShardedExchange(Engine):
                         number = float(value)
                         if key not in largest or number > largest[key][0]:
                             largest[key] = (number, value)
+        return elementwise, largest
+
+    def _old_state(self, mine: Tuple[Dict[Tuple[torch.dtype, str], torch.Tensor],
+                                     Dict[str, Tuple[float, Any]]],
+                   old: List[int], members: List[int]
+                   ) -> Tuple[Dict[Tuple[torch.dtype, str], torch.Tensor],
+                              Dict[str, Callable[[], Any]]]:
+        """Collective: the optimizer's state of the old chunks from this
+        rank's (_take_state): elementwise buffers filled by their old owners,
+        every counter the largest over the survivors, as a maker of a fresh
+        copy of it."""
+        taken, largest = mine
+        elementwise = dict(taken)       # (the same buffers: filled in place)
         # (the same keys on every survivor, in the same order, before the broadcasts)
         every = self.reliable.allgather(([(d, k, t.dtype) for (d, k), t in elementwise.items()],
                                          {k: v[0] for k, v in largest.items()}))

@@ -6,11 +6,17 @@ lost (docs/elastic.md).  Launch with ``mpiexec -disable-auto-cleanup``.
 WRAPPER: distributed, sharded or ddp (DistributedDataParallel over Gloo
 with the lossy hook and a DriftController, which re-synchronises at the
 end of the step that excluded a rank; the model has no buffers, so DDP's
-own process group is used only at construction).  HOW: exit (os._exit) or
+own process group is used only at construction); sharded+feedback (error
+feedback, zero-filled scaling) or sharded+topk (TopK of every block: the
+same values, through its block choice).  HOW: exit (os._exit) or
 stop (SIGSTOP) of rank V before step S, or late:V@S,W: V exits and W looks
 for it one call later than the others (sharded: after the step's
 all-gather, the others after its reduce-scatter; they answer the
-all-gather alone).  No injected loss, a 0.2 s deadline.  Every rank
+all-gather alone).  A suffix /POINT moves the loss into a reliable wait
+of step S: /feedback (V leaves before error feedback's bitmap
+all-reduce, after the step's reduce-scatter), /choice (before TopK's
+block choice), /recut:W (V leaves before step S, then rank W before the
+survivors' re-cut of the chunks: a second loss during it).  No injected loss, a 0.2 s deadline.  Every rank
 still running at the end prints one JSON line: the exclusions, the loss of
 the first and last five steps, whether its parameters equal every other
 survivor's, the size of its optimizer's chunk, and the largest difference
@@ -39,12 +45,46 @@ comm = MPI.COMM_WORLD
 wrapper, channel, lose = sys.argv[1], sys.argv[2], sys.argv[3]
 steps = int(sys.argv[4]) if len(sys.argv) > 4 else 30
 momentum = float(sys.argv[5]) if len(sys.argv) > 5 else 0.0
+lose, _, point = lose.partition("/")
+point, _, second_text = point.partition(":")
+second = int(second_text) if second_text else None
 how, _, where = lose.partition(":")
 where, _, late = where.partition(",")
 victim, at = (int(v) for v in where.split("@"))
 me = comm.rank
 pids = comm.allgather(os.getpid())
 alone = []              # steps with a call this rank answered alone
+step = 0
+
+
+def leave() -> None:
+    sys.stdout.flush()
+    if how == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    os._exit(0)
+
+
+def leave_inside(owner, name, when) -> None:
+    """This rank leaves as it enters owner.name, when `when()`."""
+    original = getattr(owner, name)
+
+    def entered(*args, **kwargs):
+        if when():
+            leave()
+        return original(*args, **kwargs)
+
+    setattr(owner, name, entered)
+
+
+if point == "feedback" and me == victim:
+    from mpilossy.torch.feedback import ErrorFeedback
+    leave_inside(ErrorFeedback, "record", lambda: step == at)
+elif point == "choice" and me == victim:
+    from mpilossy.compression import TopK
+    leave_inside(TopK, "_select", lambda: step == at)
+elif point == "recut" and me == second:
+    from mpilossy.torch.sharded import _ShardedExchange
+    leave_inside(_ShardedExchange, "_from_old_owners", lambda: True)
 
 if late and me == int(late):
     from mpilossy.control import elastic
@@ -58,12 +98,20 @@ if late and me == int(late):
 
 torch.manual_seed(0)
 model = make_model(1)
+# (error feedback needs the plain average: zero-filled scaling)
 lc = mpilossy.Communicator(comm, channel=channel, timeout=0.2, algorithm="direct",
-                           elastic=True, evict_after=5, elastic_wait=1.0)
+                           elastic=True, evict_after=5, elastic_wait=1.0,
+                           scaling="zero-fill" if wrapper == "sharded+feedback" else "unbiased")
 inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum)
 hook = None
 if wrapper == "sharded":
     opt = mt.ShardedOptimizer(inner, model.named_parameters(), lc)
+elif wrapper == "sharded+feedback":
+    opt = mt.ShardedOptimizer(inner, model.named_parameters(), lc, error_feedback=True)
+elif wrapper == "sharded+topk":
+    from mpilossy.compression import TopK
+    opt = mt.ShardedOptimizer(inner, model.named_parameters(), lc,
+                              compression=TopK(1.0, error_feedback=False))
 elif wrapper == "ddp":
     mt.init_process_group("gloo", comm=lc.comm)
     ddp = torch.nn.parallel.DistributedDataParallel(model)     # (no buffers to sync)
@@ -88,19 +136,17 @@ def momenta(opt):
     mine = np.concatenate([opt.state[v]["momentum_buffer"].double().reshape(-1).numpy()
                            if "momentum_buffer" in opt.state.get(v, {}) else
                            np.zeros(v.numel()) for v in views]) if views else np.zeros(0)
-    if wrapper == "sharded":
+    if wrapper.startswith("sharded"):
         return np.concatenate(lc.comm.allgather(mine))
     return mine
 
 
 losses, exclusions, delivered_after = [], [], []
 snapshot = None             # (step, parameters) right after the exclusion
+residual = None            # error feedback's, right after the exclusion
 for step in range(steps):
-    if me == victim and step == at:
-        sys.stdout.flush()
-        if how == "stop":
-            os.kill(os.getpid(), signal.SIGSTOP)
-        os._exit(0)
+    if me == victim and step == at and point in ("", "recut"):
+        leave()
     opt.zero_grad()
     x, y = batch(me, step)
     loss = torch.nn.functional.mse_loss((model if hook is None else ddp)(x), y)
@@ -117,6 +163,8 @@ for step in range(steps):
     if lc.size < comm.size and snapshot is None:
         exclusions.append({"step": step, "size": lc.size, "members": list(lc.members)})
         snapshot = (step + 1, flat(model), momenta(opt))
+        if wrapper == "sharded+feedback":
+            residual = opt._mpilossy.feedback.residual()[torch.float32].double().numpy().copy()
 
 # The reference: plain SGD over the survivors, exact, from the snapshot on.
 survivors = lc.comm
@@ -140,8 +188,12 @@ for step in range(at_step, steps):
     ref_opt.zero_grad()
     x, y = batch(me, step)
     torch.nn.functional.mse_loss(ref(x), y).backward()
+    offset = 0
     for p in ref.parameters():
         g = p.grad.numpy()
+        if residual is not None and step == at_step:    # (error feedback sends it again)
+            g += residual[offset:offset + g.size].reshape(g.shape).astype(g.dtype)
+        offset += g.size
         survivors.Allreduce(MPI.IN_PLACE, g)
         g /= survivors.size
     ref_opt.step()
@@ -157,9 +209,11 @@ print(json.dumps({"rank": me, "exclusions": exclusions, "members": list(lc.membe
                   "lossy_after": sum(d < 1.0 for d in delivered_after),
                   "momentum_kept": float(np.mean(moment != 0)) if momentum else None,
                   "alone": alone,
+                  "residual": None if residual is None else float(np.abs(residual).max()),
                   "from_reference": float(np.abs(mine - flat(ref)).max())}), flush=True)
 if how == "stop":
     survivors.Barrier()
     if survivors.rank == 0:
-        os.kill(pids[victim], signal.SIGCONT)   # (it exits when woken)
+        for gone in {victim, second} - {None}:
+            os.kill(pids[gone], signal.SIGCONT)     # (it exits when woken)
 os._exit(0)
