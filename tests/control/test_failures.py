@@ -57,3 +57,27 @@ def test_a_rank_exits_and_the_others_go_on(ranks, victim, channel):
         assert r["gone"] == [victim] and r["size"] == ranks - 1, r
         assert r["exact"] and r["result"] == want, r
         assert r["seen_after"] < 2.0, r        # (the call's deadline is 0.2 s)
+
+
+@pytest.mark.skipif(not reports_failures(), reason="this MPI does not report failed ranks")
+@pytest.mark.parametrize("how, ranks, victim", [("spare", 4, 1), ("spare", 3, 0),
+                                                ("spawn", 3, 2)])
+def test_a_rank_exits_and_another_takes_its_place(how, ranks, victim):
+    """The MPI a rejoin stands on (tests/programs/rank_replaced.py; not the
+    Communicator's yet, docs/elastic.md "Growing back"): a hot spare
+    launched with the job joins the survivors' communicator, or a
+    replacement that MPI_Comm_spawn started merges with them; the grown
+    communicator is back at full size and its all-reduce exact."""
+    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), sys.executable,
+           str(PROGRAMS / "rank_replaced.py"), how, str(victim)]
+    proc = run_bounded(cmd, 90, clean_subprocess_env())
+    lines = [json.loads(obj) for obj in re.findall(r"\{[^{}]*\}", proc.stdout)]
+    size = ranks if how == "spawn" else ranks - 1     # (the spare was not working)
+    newcomer = -1 if how == "spawn" else ranks - 1
+    assert sorted(r["world"] for r in lines) == sorted(
+        [r for r in range(ranks) if r != victim and r != newcomer] + [newcomer]), \
+        proc.stdout + proc.stderr
+    for r in lines:
+        assert r["size"] == size and r["result"] == size * (size + 1) // 2, r
+        assert r["seconds"] < 10.0, r
+    assert sorted(r["rank"] for r in lines) == list(range(size)), lines
