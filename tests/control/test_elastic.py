@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import mpilossy
-from helpers import all_ranks_raise, elastic_run
+from helpers import all_ranks_raise, elastic_run, json_reports
 from mpilossy.control.elastic import Membership, neighbours
 from mpilossy.control.failures import reports_failures
 
@@ -18,8 +18,10 @@ needs_failures = pytest.mark.skipif(not reports_failures(),
                                     reason="this MPI does not report failed ranks")
 
 
-def run(ranks: int, channel: str, scenario: str, calls: int = 25, **env: str) -> tuple:
-    return elastic_run("elastic.py", ranks, channel, scenario, str(calls), **env)
+def run(ranks: int, channel: str, scenario: str, calls: int = 25, timeout: float = 90,
+        **env: str) -> tuple:
+    return elastic_run("elastic.py", ranks, channel, scenario, str(calls), timeout=timeout,
+                       **env)
 
 
 def check_survivors(lines, ranks, lost, exclusions, output, first=6):
@@ -199,6 +201,21 @@ def test_a_rank_lost_during_the_agreement(channel):
     the others exclude both in that one agreement."""
     lines, output = run(4, channel, "during:1@6,2")
     check_survivors(lines, 4, [1, 2], [[1, 2]], output)
+
+
+@needs_failures
+def test_a_rank_lost_as_the_survivors_build_their_communicator_hangs_them():
+    """Not survived, as docs/elastic.md says: rank 1 exits; rank 2 exits
+    after the agreement's rounds that kept it, as the survivors enter
+    MPI_Comm_create_group, which waits for it forever on this MPI (nothing
+    bounds it: there is no nonblocking MPI_Comm_create_group).  The
+    survivors (0 and 3) entered it and none left it; the run is killed at
+    its bound.  If this starts to pass the other way, the docs are wrong."""
+    with pytest.raises(AssertionError, match="timed out") as hung:
+        run(4, "rma", "switch:1@6,2", timeout=15)
+    lines = json_reports(str(hung.value))
+    assert sorted(r["rank"] for r in lines if "entered" in r) == [0, 3], str(hung.value)
+    assert not [r for r in lines if "left" in r or "calls" in r], str(hung.value)
 
 
 @pytest.mark.mpi

@@ -11,6 +11,8 @@ SCENARIO, one of:
                    EvictedError on its next call
   exit:V@C,W@D     two ranks exit at different calls
   during:V@C,W     V exits before call C, W exits as it enters the agreement
+  switch:V@C,W     V exits before call C, W exits after the agreement's
+                   rounds, as the survivors build their communicator
   none:            nobody is lost
   late:V@C,W       V exits before call C, W looks for it one call later than
                    the others: they must answer that call alone (stats.alone)
@@ -62,6 +64,25 @@ if me == during and kind == "late":
         return None if self.calls == min(leaves.values()) + 1 else found   # (call C, from 1)
 
     elastic.Membership.after_call = after_call_one_late
+elif me == during and kind == "switch":
+    from mpilossy import survivors as switching
+
+    def switch_then_exit(self, *args):
+        sys.stdout.flush()
+        os._exit(0)
+
+    switching.Elastic._switch = switch_then_exit
+elif kind == "switch":         # the others say where they wait
+    from mpilossy import survivors as switching
+    create_group = switching.survivors
+
+    def survivors_said(*args):
+        print(json.dumps({"rank": me, "entered": "MPI_Comm_create_group"}), flush=True)
+        fresh = create_group(*args)
+        print(json.dumps({"rank": me, "left": "MPI_Comm_create_group"}), flush=True)
+        return fresh
+
+    switching.survivors = survivors_said
 elif me == during:
 
     def agree_then_exit(self, *args):
