@@ -40,8 +40,9 @@ def _gpus() -> str:
     """CUDA devices as CuPy or PyTorch see them, without initialising either
     if it is not installed, nor importing either (seconds per rank) on a
     machine without a GPU driver's device files."""
-    if not any(os.path.exists(dev) for dev in ("/dev/nvidiactl", "/dev/kfd")):
-        return "none found (no /dev/nvidiactl or /dev/kfd)"
+    # (NVIDIA's driver, ROCm's, and WSL2's GPU paravirtualisation)
+    if not any(os.path.exists(dev) for dev in ("/dev/nvidiactl", "/dev/kfd", "/dev/dxg")):
+        return "none found (no /dev/nvidiactl, /dev/kfd or /dev/dxg)"
     try:
         import cupy
         n = cupy.cuda.runtime.getDeviceCount()

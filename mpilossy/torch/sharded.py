@@ -29,9 +29,7 @@ import torch
 from mpi4py import MPI
 
 from .. import CollectiveStats, Communicator
-from ..call.buffers import chunk_bounds
-from ..errors import MembershipChanged
-from ..reliable import again
+from . import recut
 from .broadcast import bcast_tensors
 from .checks import check_everywhere, check_tensors
 from .communicators import lossy_communicator, reliable_comm
@@ -111,30 +109,16 @@ class _ShardedExchange(Engine):
         self.rebalance_due = True
 
     def rebalance(self) -> None:
-        """Cut the chunks for the survivors.  Every survivor's old chunk
-        comes from it (exact: it just updated it), a gone rank's from the
-        lowest survivor's copy (its last values there), by reliable
-        broadcasts; the optimizer's elementwise state (momenta) travels the
-        same way, zeros for a gone rank's chunk, and its counters take the
-        largest value; then the optimizer holds views of the new chunk."""
+        """Cut the chunks for the survivors: the old chunks and the
+        optimizer's state reach every survivor (recut.py: a survivor's chunk
+        from it, exact, a gone rank's from the lowest survivor's copy);
+        then the optimizer holds views of the new chunk."""
         optimizer = self.optimizer() if self.optimizer is not None else None
         assert optimizer is not None        # (set by ShardedOptimizer; it is alive: stepping)
-        old = list(self.members)
         self._download()
-        mine = self._take_state(optimizer)
-
-        def share() -> Tuple[Dict[Tuple[torch.dtype, str], torch.Tensor],
-                             Dict[str, Callable[[], Any]]]:
-            # Made again from here over the survivors if a rank is lost
-            # during it: each old chunk then comes from its owner if still
-            # in, else from the lowest survivor, whose copy every survivor
-            # shares once a broadcast of it completed.
-            members = list(self.lc.members)
-            for buf in self.host.buffers.values():
-                self._from_old_owners(buf, old, members)
-            return self._old_state(mine, old, members)
-
-        elementwise, counters = again(share, MembershipChanged)
+        taken = recut.take_state(optimizer, self.host.buffers)
+        elementwise, counters = recut.share(self.reliable, self.lc, self.host.buffers, taken,
+                                            list(self.members))
         self._upload()
         self._cut()
         for group, views in zip(optimizer.param_groups, self.shards):
@@ -152,74 +136,6 @@ class _ShardedExchange(Engine):
                 trend.exact(self.flat.buffers[dtype])
         self.members = tuple(self.lc.members)
         self.rebalance_due = False
-
-    def _from_old_owners(self, buf: torch.Tensor, old: List[int], members: List[int]) -> None:
-        """Reliable: each old chunk of host buffer `buf` from its owner if it
-        is still in, else from the lowest survivor."""
-        for old_rank, who in enumerate(old):
-            lo, hi = chunk_bounds(buf.numel(), len(old), old_rank)
-            if hi > lo:
-                self.reliable.Bcast(as_bytes(buf[lo:hi]),
-                                root=members.index(who) if who in members else 0)
-
-    def _take_state(self, optimizer: torch.optim.Optimizer
-                    ) -> Tuple[Dict[Tuple[torch.dtype, str], torch.Tensor],
-                               Dict[str, Tuple[float, Any]]]:
-        """The optimizer's state of this rank's old chunk, taken out of it:
-        elementwise tensors (as long as their view) in whole host buffers
-        (one per dtype and key, zeros outside the chunk), every other entry
-        (a step counter) as its value."""
-        elementwise: Dict[Tuple[torch.dtype, str], torch.Tensor] = {}
-        largest: Dict[str, Tuple[float, Any]] = {}
-        for group in optimizer.param_groups:
-            for view in group["params"]:
-                for key, value in optimizer.state.pop(view, {}).items():
-                    if isinstance(value, torch.Tensor) and value.shape == view.shape:
-                        full = elementwise.get((view.dtype, key))
-                        if full is None:
-                            full = elementwise[(view.dtype, key)] = torch.zeros_like(
-                                self.host.buffers[view.dtype], dtype=value.dtype)
-                        lo = view.storage_offset()
-                        full[lo:lo + view.numel()].copy_(value)
-                    else:
-                        number = float(value)
-                        if key not in largest or number > largest[key][0]:
-                            largest[key] = (number, value)
-        return elementwise, largest
-
-    def _old_state(self, mine: Tuple[Dict[Tuple[torch.dtype, str], torch.Tensor],
-                                     Dict[str, Tuple[float, Any]]],
-                   old: List[int], members: List[int]
-                   ) -> Tuple[Dict[Tuple[torch.dtype, str], torch.Tensor],
-                              Dict[str, Callable[[], Any]]]:
-        """Collective: the optimizer's state of the old chunks from this
-        rank's (_take_state): elementwise buffers filled by their old owners,
-        every counter the largest over the survivors, as a maker of a fresh
-        copy of it."""
-        taken, largest = mine
-        elementwise = dict(taken)       # (the same buffers: filled in place)
-        # (the same keys on every survivor, in the same order, before the broadcasts)
-        every = self.reliable.allgather(([(d, k, t.dtype) for (d, k), t in elementwise.items()],
-                                         {k: v[0] for k, v in largest.items()}))
-        for entries, _ in every:
-            for dtype, key, value_dtype in entries:
-                if (dtype, key) not in elementwise:
-                    elementwise[(dtype, key)] = torch.zeros_like(self.host.buffers[dtype],
-                                                                 dtype=value_dtype)
-        for (dtype, key) in sorted(elementwise, key=lambda dk: (str(dk[0]), dk[1])):
-            self._from_old_owners(elementwise[(dtype, key)], old, members)
-        counters: Dict[str, Callable[[], Any]] = {}
-        for key in sorted({k for _, numbers in every for k in numbers}):
-            top = max(numbers[key] for _, numbers in every if key in numbers)
-            like = largest[key][1] if key in largest else top
-
-            def make(top: float = top, like: Any = like) -> Any:
-                if isinstance(like, torch.Tensor):
-                    return torch.tensor(top, dtype=like.dtype, device=like.device)
-                return type(like)(top)
-
-            counters[key] = make
-        return elementwise, counters
 
     def _download(self, chunk_only: bool = False) -> None:
         """The parameters (this rank's chunk only) into the host mirror."""

@@ -38,6 +38,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpilossy
+from mpilossy import survivors as switching
 from mpilossy.control import elastic
 
 comm = MPI.COMM_WORLD
@@ -65,7 +66,6 @@ if me == during and kind == "late":
 
     elastic.Membership.after_call = after_call_one_late
 elif me == during and kind == "switch":
-    from mpilossy import survivors as switching
 
     def switch_then_exit(self, *args):
         sys.stdout.flush()
@@ -73,7 +73,6 @@ elif me == during and kind == "switch":
 
     switching.Elastic._switch = switch_then_exit
 elif kind == "switch":         # the others say where they wait
-    from mpilossy import survivors as switching
     create_group = switching.survivors
 
     def survivors_said(*args):

@@ -8,22 +8,22 @@ with the lossy hook and a DriftController, which re-synchronises at the
 end of the step that excluded a rank; the model has no buffers, so DDP's
 own process group is used only at construction); sharded+feedback (error
 feedback, zero-filled scaling) or sharded+topk (TopK of every block: the
-same values, through its block choice).  HOW: exit (os._exit) or
-stop (SIGSTOP) of rank V before step S, or late:V@S,W: V exits and W looks
+same values, through its block choice). HOW: exit (os._exit) or stop
+(SIGSTOP) of rank V before step S, or late:V@S,W: V exits and W looks
 for it one call later than the others (sharded: after the step's
 all-gather, the others after its reduce-scatter; they answer the
-all-gather alone).  A suffix /POINT moves the loss into a reliable wait
+all-gather alone). A suffix /POINT moves the loss into a reliable wait
 of step S: /feedback (V leaves before error feedback's bitmap
 all-reduce, after the step's reduce-scatter), /choice (before TopK's
 block choice), /recut:W (V leaves before step S, then rank W before the
-survivors' re-cut of the chunks: a second loss during it).  No injected loss, a 0.2 s deadline.  Every rank
-still running at the end prints one JSON line: the exclusions, the loss of
-the first and last five steps, whether its parameters equal every other
-survivor's, the size of its optimizer's chunk, and the largest difference
-from a reference: the same model trained by MPI_Allreduce over the
-survivors only from the exclusion's step on, started from the survivors'
-parameters right after it, and the least delivered fraction of a step
-after the exclusion."""
+survivors' re-cut of the chunks: a second loss during it). No injected
+loss, a 0.2 s deadline. Every rank still running at the end prints one
+JSON line: the exclusions, the loss of the first and last five steps,
+whether its parameters equal every other survivor's, the size of its
+optimizer's chunk, and the largest difference from a reference: the same
+model trained by MPI_Allreduce over the survivors only from the
+exclusion's step on, started from the survivors' parameters right after
+it, and the least delivered fraction of a step after the exclusion."""
 
 import json
 import os
@@ -83,8 +83,8 @@ elif point == "choice" and me == victim:
     from mpilossy.compression import TopK
     leave_inside(TopK, "_select", lambda: step == at)
 elif point == "recut" and me == second:
-    from mpilossy.torch.sharded import _ShardedExchange
-    leave_inside(_ShardedExchange, "_from_old_owners", lambda: True)
+    from mpilossy.torch import recut
+    leave_inside(recut, "_from_old_owners", lambda: True)
 
 if late and me == int(late):
     from mpilossy.control import elastic

@@ -488,7 +488,8 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                                             for kind, seconds in lc.auto_timeouts.items()}
             if lc.config.redundancy == "auto":
                 # what the agreed loss rate called for at the end of training
-                result["redundancy_auto"] = {"loss_rate": lc.loss_rate, "code": lc.auto_redundancy()}
+                result["redundancy_auto"] = {"loss_rate": lc.loss_rate,
+                                             "code": lc.auto_redundancy()}
         return result
 
     result = again(summary, mpilossy.MembershipChanged)
