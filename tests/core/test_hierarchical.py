@@ -50,18 +50,21 @@ def test_fake_nodes_over_datagrams():
     assert result["others_call_with_sleeper_ms"] < 150, result
 
 
-# A rank whose call waited out its 0.5 s deadline before another rank's
-# refusal reached it (6 ranks on 2 loaded cores, in CI once) learns of the
-# error only at its next call, which the program cannot tell from a miss:
-# such a run is made again, at most this many times in all.
+# A rank one of whose stages closed at its deadline before another rank's
+# refusal reached it (6 ranks on 2 loaded cores, in CI: the stage within
+# the node has 15% of the 0.5 s) learns of the error only at its next call,
+# the documented rule: such a run is made again, at most this many times
+# in all.  A call that returned without the error and hit no deadline
+# fails at once.
 ERROR_RUNS = 3
 
 
 def _deadline_waited_out(failures):
-    """Every failure a call that returned without the error after at least
-    0.9 of its 0.5 s deadline."""
-    took = [re.search(r"timeout 0\.5\): no error after ([0-9.]+) s$", f) for f in failures]
-    return bool(failures) and all(t and float(t.group(1)) >= 0.45 for t in took)
+    """Every failure a call with a 0.5 s deadline that returned without the
+    error because one of its stages hit its deadline."""
+    return bool(failures) and all(
+        re.search(r"timeout 0\.5\): no error after [0-9.]+ s, a stage's deadline hit$", f)
+        for f in failures)
 
 
 @pytest.mark.timeout(600)
