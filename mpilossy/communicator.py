@@ -8,7 +8,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import weakref
-from typing import Any, Callable, Dict, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -21,6 +21,8 @@ from .call.request import Request
 from .call.stats import ALGORITHM_NAMES, COLLECTIVE_NAMES, AllreduceStats, CollectiveStats
 from . import reliable
 from .control.agreement import linger
+from .control.elastic import check_elastic
+from .control.spares import Spares
 from .dispatch import run
 from .errors import EvictedError, MPILossyError
 from .hierarchy import NodeLayout
@@ -61,7 +63,9 @@ class Communicator:
     evict_after, elastic_wait and heartbeat_span (ranks that exit or fall
     behind are excluded by agreement of the others, which go on without
     hierarchy; each rank's heartbeat goes to the heartbeat_span ranks on
-    each side of it: docs/elastic.md).
+    each side of it: docs/elastic.md); spares=k (with elastic=True: the
+    last k ranks of `comm` wait outside as hot spares, stand_by(), until
+    an exclusion frees a place; on_growth).
 
     Construction and free() are collective over `comm`.
     """
@@ -79,7 +83,8 @@ class Communicator:
                  pipeline_bytes: Optional[int] = None, elastic: bool = DEFAULTS.elastic,
                  evict_after: int = DEFAULTS.evict_after,
                  elastic_wait: float = DEFAULTS.elastic_wait,
-                 heartbeat_span: int = DEFAULTS.heartbeat_span) -> None:
+                 heartbeat_span: int = DEFAULTS.heartbeat_span,
+                 spares: int = DEFAULTS.spares) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -89,17 +94,30 @@ class Communicator:
         self._state: Optional[State] = None
         self._elastic: Optional[Elastic] = None
         self._bounded: Optional[reliable.BoundedComm] = None
+        self._spares: Optional[Spares] = None
+        self._standing = False              # a spare not called in yet
+        # (a spare's on_exclusion and on_growth callbacks, until it is called in)
+        self._early: Tuple[List[Callback], List[Callback]] = ([], [])
         self._serial = next(_serials)
         config, env = agree(comm, arguments)
         environment.configure_logging(env, comm.Get_rank())
         environment.warn_from_environment(env, MPI.COMM_WORLD.Get_rank(), tuple(
             name for name in ("loss", "timeout") if arguments[name] is UNSET))
+        self._config = config
+        if config.spares:
+            comm = self._set_spares_aside(comm, config)
+            if comm == MPI.COMM_NULL:
+                return
         # (an elastic communicator builds no hierarchy: docs/elastic.md)
-        self._state = state = State.open(comm, config, self._serial, layout=True,
-                                         two_levels=None if config.elastic else run)
+        try:
+            self._state = state = State.open(comm, config, self._serial, layout=True,
+                                             two_levels=None if config.elastic else run)
+        finally:
+            if config.spares:
+                comm.Free()
         if config.elastic:
             try:
-                self._elastic = Elastic(state)
+                self._elastic = Elastic(state, self._spares)
             except BaseException:
                 self.free()
                 raise
@@ -108,7 +126,74 @@ class Communicator:
                              "block_bytes=%d", state.size, state.channel, config.timeout,
                              list(config.loss) or None, config.block_bytes)
 
+    def _set_spares_aside(self, comm: MPI.Intracomm, config: Config) -> MPI.Intracomm:
+        """spares=k (collective over `comm`): the working ranks' communicator
+        (the others but the last k), or COMM_NULL on a spare."""
+        size = comm.Get_size()
+        if not config.elastic or check_elastic(config.timeout) is not None:
+            raise ValueError("spares= needs elastic=True and a deadline: spares replace ranks "
+                             "that an elastic communicator excluded")
+        if config.spares >= size:
+            raise ValueError(f"spares={config.spares} leaves no working rank of {size}")
+        self._spares = Spares(comm.Dup(), config.spares)
+        working = comm.Get_rank() < size - config.spares
+        workers = comm.Split(0 if working else MPI.UNDEFINED, comm.Get_rank())
+        self._standing = not working
+        return cast(MPI.Intracomm, workers)
+
     # -- elastic=True -------------------------------------------------------------
+    @property
+    def spare(self) -> bool:
+        """spares=k: this rank is a spare that no exclusion has called in
+        yet (stand_by() waits for that)."""
+        return self._standing
+
+    def stand_by(self, timeout: Optional[float] = None) -> bool:
+        """On a spare (spares=k: the last k ranks of `comm`): wait until the
+        survivors of an exclusion call this rank in (True: it is a member
+        from now on, the communicator's last rank(s); the survivors'
+        on_growth callbacks run at the same time, and whatever reliable
+        calls they make there, this rank makes after stand_by returns), or
+        until the job's working ranks free the communicator without
+        needing it, MPI reports them all failed, or `timeout` seconds pass
+        (False: nothing to do; free() is a no-op)."""
+        if not self._standing or self._spares is None:
+            raise ValueError("stand_by() is for a spare rank not called in yet "
+                             "(Communicator(..., spares=k): the last k ranks)")
+        if timeout is not None and not (isinstance(timeout, (int, float))
+                                        and not isinstance(timeout, bool) and timeout > 0):
+            raise ValueError(f"timeout must be None or seconds > 0, not {timeout!r}")
+        parent = self._spares.parent
+        message = self._spares.stand_by(parent.Get_size() - self._config.spares, timeout)
+        self._standing = False
+        if message is None:
+            return False
+        grown = message["comm"]
+        try:
+            learned = grown.bcast(None, root=0)     # (the survivors' learned deadline, ...)
+            self._state = state = State.open(grown, self._config, self._serial, layout=True)
+        finally:
+            grown.Free()
+        state.warm(learned)
+        self._elastic = elastic = Elastic(state, self._spares, joining=message)
+        elastic.callbacks, elastic.growth_callbacks = self._early
+        _live.add(self)
+        return True
+
+    def on_growth(self, callback: Callback) -> None:
+        """elastic=True with spares: call `callback(joined, members)` (ranks
+        of the communicator this one was built on) on every rank that was
+        in, right after spares joined, before the call after which they
+        joined returns: to send them the model and optimizer state (the
+        spares make the matching reliable calls after stand_by())."""
+        if not callable(callback):
+            raise TypeError("callback must be callable")
+        if self._standing:
+            self._early[1].append(callback)
+        elif self._elastic is None:
+            raise ValueError("on_growth() needs a communicator built with elastic=True")
+        else:
+            self._elastic.growth_callbacks.append(callback)
     @property
     def elastic(self) -> bool:
         return self._elastic is not None
@@ -117,6 +202,8 @@ class Communicator:
     def members(self) -> Tuple[int, ...]:
         """The ranks (in the communicator this Communicator was built on)
         still in: all of them unless elastic=True excluded some."""
+        if self._standing:
+            return ()
         if self._elastic is None:
             return tuple(range(self.size))
         return tuple(self._elastic.membership.members)
@@ -137,6 +224,9 @@ class Communicator:
         to re-shard, log or checkpoint."""
         if not callable(callback):
             raise TypeError("callback must be callable")
+        if self._standing:
+            self._early[0].append(callback)
+            return
         if self._elastic is None:
             raise ValueError("on_exclusion() needs a communicator built with elastic=True")
         self._elastic.callbacks.append(callback)
@@ -235,6 +325,8 @@ class Communicator:
         if self._elastic is not None and self._state is not None and not self._elastic.evicted:
             try:
                 self.barrier()
+                if self._spares is not None and self._state.rank == 0:
+                    self._spares.release()      # (every rank still in is done)
             except EvictedError:
                 pass
         state, self._state = self._state, None
@@ -268,6 +360,9 @@ class Communicator:
         if self._elastic is not None and self._elastic.evicted:
             raise EvictedError(self._elastic.evicted)
         if self._state is None:
+            if self._standing:
+                raise MPILossyError("this rank is a spare standing by: stand_by() returns "
+                                    "once the survivors of an exclusion call it in")
             raise MPILossyError("this mpilossy.Communicator was freed")
         return self._state
 
@@ -390,8 +485,8 @@ class Communicator:
         if elastic.owes():
             return elastic.answer_alone(request)
         self._state, stats = elastic.after_call(state, run(state, request))
-        if stats.excluded:
-            elastic.notify(stats.excluded)
+        if stats.excluded or stats.joined:
+            elastic.notify(stats.excluded, stats.joined)
         return stats
 
 

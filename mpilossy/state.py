@@ -12,7 +12,7 @@ hierarchy makes through dispatch.run, handed to it here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional, Tuple
 
 from mpi4py import MPI
 
@@ -188,6 +188,18 @@ class State:
         if self.exact is not self.comm:
             self.exact.Free()
         self.comm.Free()
+
+    def learned(self) -> Tuple[Any, Optional[float]]:
+        """What its control loops learned and agreed: the learned deadline's
+        state, the agreed loss rate (redundancy="auto")."""
+        return self.auto.learned(), None if self.codes is None else self.codes.loss_rate
+
+    def warm(self, learned: Tuple[Any, Optional[float]]) -> None:
+        """Start the control loops from another state's learned()."""
+        deadline, loss_rate = learned
+        self.auto.warm(deadline)
+        if self.codes is not None:
+            self.codes.loss_rate = loss_rate
 
     def abandon(self) -> None:
         """Leave this state without a collective (elastic: some of its ranks

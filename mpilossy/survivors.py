@@ -4,13 +4,18 @@ are out, the switch to a state built whole on the survivors (no
 hierarchy, as an elastic communicator promises), the old one abandoned
 with its agreements handed over; and the calls this rank then owes the
 survivors that reached the agreement after more calls, answered alone
-(call/alone.py) on the old state; and the waits of reliable collectives,
-which a rank that hangs cannot block (wait(): docs/elastic.md)."""
+(call/alone.py) on the old state; the waits of reliable collectives,
+which a rank that hangs cannot block (wait(): docs/elastic.md); and with
+spares, the growth back: after the first lossy call once places are free
+(never in a reliable wait, where a spare called in would not make the
+collective the survivors make again), an agreement, and the switch to a
+state built on the survivors and the spares called in
+(control/spares.py)."""
 
 from __future__ import annotations
 
 import time
-from typing import Callable, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
 from mpi4py import MPI
 
@@ -19,6 +24,7 @@ from .call.request import Request
 from .call.stats import CollectiveStats
 from .control.elastic import POLL, Membership, check_elastic
 from .control.failures import survivors
+from .control.spares import Spares
 from .dispatch import alone
 from .state import State
 
@@ -30,22 +36,34 @@ Callback = Callable[[Tuple[int, ...], Tuple[int, ...]], None]
 class Elastic:
     """The membership of one elastic Communicator and what follows from it."""
 
-    def __init__(self, state: State) -> None:
+    def __init__(self, state: State, spares: Optional[Spares] = None,
+                 joining: Optional[Dict[str, Any]] = None) -> None:
         """Collective over the state's communicator (the deadline is checked
-        on every rank first; the other settings were agreed in Config)."""
-        problem = check_elastic(state.config.timeout)
-        errors = [(r, e) for r, e in enumerate(
-            state.comm.allgather(None if problem is None else str(problem))) if e]
-        if errors:
-            raise ValueError(f"rank {errors[0][0]}: {errors[0][1]}")
-        layout = state.layout
-        self.membership = Membership(state.comm, list(range(state.size)),
-                                     state.config.evict_after, state.config.elastic_wait,
-                                     across_nodes=layout is not None and layout.nodes > 1,
-                                     span=state.config.heartbeat_span)
+        on every rank first; the other settings were agreed in Config).
+        `joining`: on a spare called in, its call-in (control/spares.py)."""
+        if joining is None:             # (a spare's settings were checked with everyone's)
+            problem = check_elastic(state.config.timeout)
+            errors = [(r, e) for r, e in enumerate(
+                state.comm.allgather(None if problem is None else str(problem))) if e]
+            if errors:
+                raise ValueError(f"rank {errors[0][0]}: {errors[0][1]}")
+        layout, config = state.layout, state.config
+        across = (joining["across_nodes"] if joining is not None
+                  else layout is not None and layout.nodes > 1)
+        self.membership = Membership(state.comm, list(range(state.size)) if joining is None
+                                     else joining["members"], config.evict_after,
+                                     config.elastic_wait, across_nodes=across,
+                                     span=config.heartbeat_span)
         self.callbacks: List[Callback] = []
+        self.growth_callbacks: List[Callback] = []
         self.owed: List[int] = []           # call numbers still to answer alone, last first
         self.before: Optional[State] = None     # the state they belong to
+        self.spares = spares
+        self.places = 0                     # ranks excluded and not replaced yet
+        if joining is not None:
+            self.membership.epoch = joining["epoch"]
+            self.membership.reliable_done = joining["reliable_done"]
+            self.places = joining["places"]
 
     @property
     def evicted(self) -> Optional[str]:
@@ -65,10 +83,18 @@ class Elastic:
         (else `state`).  The stats say whom this call excluded (then
         notify() them, once the survivors' state is in use)."""
         suspects = self.membership.after_call(stats.deadline_hit)
-        if suspects is None:
+        if suspects is None and not self._may_grow():
             return state, stats
-        fresh, excluded = self._exclude(state, suspects)
-        return fresh, stats._replace(excluded=excluded) if excluded else stats
+        fresh, excluded, joined = self._exclude(state, suspects or frozenset(), grow=True)
+        if excluded or joined:
+            stats = stats._replace(excluded=excluded, joined=joined)
+        return fresh, stats
+
+    def _may_grow(self) -> bool:
+        """Places to fill and spares to fill them: the same on every rank
+        still in (they follow from agreed exclusions), so every one starts
+        the growth's agreement after the same call."""
+        return bool(self.places and self.spares is not None and self.spares.left)
 
     def wait(self, state: State, request: MPI.Request, closing: bool
              ) -> Optional[Tuple[State, Tuple[int, ...], bool]]:
@@ -99,41 +125,81 @@ class Elastic:
             if suspects is None:
                 time.sleep(POLL)
                 continue
-            fresh, excluded = self._exclude(state, suspects)
+            fresh, excluded, _ = self._exclude(state, suspects, grow=False)
             if excluded:
                 ahead = closing and membership.others_ahead
                 membership.reliable_done += ahead
                 return fresh, excluded, ahead
             began = time.monotonic()        # (nobody out: another `elastic_wait`)
 
-    def _exclude(self, state: State, suspects: FrozenSet[int]
-                 ) -> Tuple[State, Tuple[int, ...]]:
-        """The agreement; if it put ranks out, the switch to the survivors'
-        state.  (that state or `state`, the ranks excluded, if any)"""
+    def _exclude(self, state: State, suspects: FrozenSet[int], grow: bool
+                 ) -> Tuple[State, Tuple[int, ...], Tuple[int, ...]]:
+        """The agreement; if it put ranks out, or `grow` and spares can fill
+        places, the switch to the survivors' state (with the spares called
+        in).  (that state or `state`, the ranks excluded, the spares joined)"""
         membership = self.membership
         began = time.perf_counter()
         calls = membership.calls
-        out, failed, behind = membership.agree(suspects)
-        if not out:
-            return state, ()
+        out, failed, behind, grow = membership.agree(suspects, grow and self._may_grow())
         excluded = tuple(membership.members[r] for r in sorted(out))
         reported = [membership.members[r] for r in sorted(failed)]
-        fresh = self._switch(state, out)
+        if self.spares is not None:
+            self.places += len(out)
+        joined: Tuple[int, ...] = ()
+        if grow and self._may_grow():      # (agreed: every rank going on can)
+            fresh, joined = self._grow(state, out)
+        elif out:
+            fresh = self._switch(state, out)
+        else:
+            return state, (), ()
         self.owed = [calls + k for k in range(behind, 0, -1)]
         self.before = state                 # (calls owed are the old layout's)
-        environment.log.warning("excluded ranks %s (MPI reported %s failed) after call %d "
-                                "in %.3f s; %d ranks go on%s", list(excluded), reported,
-                                calls, time.perf_counter() - began, fresh.size,
-                                f"; this rank answers its next {behind} call(s) alone to "
-                                f"line up with the others" if behind else "")
-        return fresh, excluded
+        if out:
+            environment.log.warning(
+                "excluded ranks %s (MPI reported %s failed) after call %d in %.3f s; "
+                "%d ranks go on%s", list(excluded), reported, calls,
+                time.perf_counter() - began, fresh.size,
+                f"; this rank answers its next {behind} call(s) alone to line up with "
+                f"the others" if behind else "")
+        if joined:
+            environment.log.warning("spares %s called in after call %d: %d ranks go on",
+                                    list(joined), calls, fresh.size)
+        return fresh, excluded, joined
 
-    def notify(self, excluded: Tuple[int, ...]) -> None:
-        """The callbacks, once the Communicator goes on over the survivors'
-        state (they may use it: a re-shard's reliable broadcasts)."""
+    def notify(self, excluded: Tuple[int, ...], joined: Tuple[int, ...] = ()) -> None:
+        """The callbacks, once the Communicator goes on over the new state
+        (they may use it: a re-shard's reliable broadcasts): on_exclusion's
+        for `excluded`, then on_growth's for `joined`."""
         members = tuple(self.membership.members)
-        for callback in self.callbacks:
-            callback(excluded, members)
+        if excluded:
+            for callback in self.callbacks:
+                callback(excluded, members)
+        if joined:
+            for callback in self.growth_callbacks:
+                callback(joined, members)
+
+    def _grow(self, state: State, out: FrozenSet[int]) -> Tuple[State, Tuple[int, ...]]:
+        """Collective over the survivors and the spares they call in (as
+        many as places are free, while spares last): the state built on
+        them all, as _switch builds it.  (the state, the spares joined)"""
+        assert self.spares is not None
+        membership = self.membership
+        kept = [m for r, m in enumerate(membership.members) if r not in out]
+        places = min(self.places, len(self.spares.left))
+        self.places -= places
+        info = dict(epoch=membership.epoch, reliable_done=membership.reliable_done,
+                    across_nodes=not membership.signals.reliable, places=self.places)
+        grown, joined = self.spares.grown(
+            kept, places, kept.index(membership.members[membership.rank]), info)
+        try:
+            learned = grown.bcast(state.learned(), root=0)     # (to the spares: rank 0's)
+            fresh = State.open(grown, state.config, state.serial, layout=True)
+        finally:
+            grown.Free()
+        fresh.warm(learned)
+        state.abandon()
+        membership.rebind(fresh.comm, out, joined)
+        return fresh, joined
 
     def _switch(self, state: State, out: frozenset) -> State:
         """Collective over the survivors: a state built whole on their
@@ -146,6 +212,7 @@ class Elastic:
             fresh = State.open(rest, state.config, state.serial, layout=True)
         finally:
             rest.Free()
+        fresh.warm(state.learned())         # (agreed: the same on every survivor)
         state.abandon()
         self.membership.rebind(fresh.comm, out)
         return fresh

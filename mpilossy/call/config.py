@@ -243,6 +243,7 @@ class Config:
     elastic_wait: float = setting(10.0, check=_seconds(), agreed=True)
     heartbeat_span: int = setting(2, check=_int_in(1, words="an int >= 1 (ranks on each side)"),
                                   agreed=True)
+    spares: int = setting(0, check=_int_in(0, words="an int >= 0 (ranks)"), agreed=True)
     # from the environment only
     rma_shm: bool = setting(
         True, check=_bool, env="MPILOSSY_RMA_SHM", convert=to_switch, argument=False,

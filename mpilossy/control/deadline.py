@@ -216,8 +216,24 @@ class AutoDeadline:
         if cuts.size and self.agreed:
             largest = self.cap / (FACTOR * min(self.agreed.values()))
             self.scale = next_scale(self.scale, float(np.mean(cuts)), self.allowed, largest)
+        self._set_timeouts()
+
+    def _set_timeouts(self) -> None:
         for key, p in self.agreed.items():
             self.timeouts[key] = min(max(FACTOR * self.scale * p, self.floor), self.cap)
+
+    def learned(self) -> Tuple[Dict[Key, float], float]:
+        """What the agreements so far settled (the same on every rank once
+        applied): the percentiles per kind and the scale."""
+        return dict(self.agreed), self.scale
+
+    def warm(self, learned: Tuple[Dict[Key, float], float]) -> None:
+        """Start from another communicator's learned() (elastic: the
+        survivors' after an exclusion, theirs for a spare called in)
+        instead of the cap."""
+        agreed, self.scale = learned
+        self.agreed = dict(agreed)
+        self._set_timeouts()
 
     def timeout(self, key: Key) -> float:
         """The deadline of this call, of this kind."""

@@ -271,18 +271,21 @@ class Membership:
         unread.append(seq)
         self._send(peer, BEAT, seq, (self.seen[peer],))
 
-    def agree(self, suspects: FrozenSet[int]) -> Tuple[FrozenSet[int], FrozenSet[int], int]:
+    def agree(self, suspects: FrozenSet[int], grow: bool = False
+              ) -> Tuple[FrozenSet[int], FrozenSet[int], int, bool]:
         """The two rounds (module documentation) after this rank's last
         call: (ranks out, ranks among them that MPI reports failed, calls
-        this rank is behind), the first two the same on every rank that
-        goes on.  Raises EvictedError on a rank that is out or in a
+        this rank is behind, whether to grow), the first two and the last
+        the same on every rank that goes on.  `grow`: this rank can take
+        spares in here (after a lossy call, not in a reliable wait); they
+        are taken in only if every rank that goes on can.  Raises EvictedError on a rank that is out or in a
         minority.  Ranks that came to the agreement after different calls
         learn each other's call numbers here; one that is d calls behind
         the furthest answers its next d calls alone (call/alone.py), so that
         every survivor's next call on the new communicator is the same."""
         seq = self.calls
-        # (the rounds carry 2 calls + the parity of reliable_done)
-        mine = 2 * seq + (self.reliable_done & 1)
+        # (the rounds carry 4 calls + 2 grow + the parity of reliable_done)
+        mine = 4 * seq + 2 * grow + (self.reliable_done & 1)
         first, failed, _ = self._round(ROUND_1, set(suspects), mine)
         decided, failed, numbers = self._round(ROUND_2, set(first), mine, failed)
         out = frozenset(decided)          # (never this rank: _round evicts it first)
@@ -301,9 +304,10 @@ class Membership:
         self.epoch += 1
         self.inbox = {ROUND_1: {}, ROUND_2: {}}
         self.acked = {ROUND_1: set(), ROUND_2: set()}
-        furthest = max([seq] + [numbers[r] // 2 for r in kept if r in numbers])
+        furthest = max([seq] + [numbers[r] // 4 for r in kept if r in numbers])
         self.others_ahead = any(numbers[r] & 1 != mine & 1 for r in kept if r in numbers)
-        return out, frozenset(failed & out), furthest - seq
+        grow = grow and all(numbers[r] & 2 for r in kept if r in numbers)
+        return out, frozenset(failed & out), furthest - seq, grow
 
     def _round(self, tag: int, mine: Set[int], seq: int, failed: Optional[Set[int]] = None
                ) -> Tuple[Set[int], Set[int], Dict[int, int]]:
@@ -370,9 +374,10 @@ class Membership:
         self.evicted = f"{why} (agreement {self.epoch + 1}: ranks {sorted(out)} out)"
         raise EvictedError(self.evicted)
 
-    def rebind(self, comm: MPI.Intracomm, out: FrozenSet[int]) -> None:
-        """After the switch to `comm`, the survivors' communicator
-        (collective over it: the survivors' addresses)."""
-        self.members = [m for r, m in enumerate(self.members) if r not in out]
+    def rebind(self, comm: MPI.Intracomm, out: FrozenSet[int],
+               joined: Tuple[int, ...] = ()) -> None:
+        """After the switch to `comm`, the survivors' communicator, with the
+        spares `joined` last (collective over it: everyone's addresses)."""
+        self.members = [m for r, m in enumerate(self.members) if r not in out] + list(joined)
         self.signals.bind(comm)
         self._bind(comm)

@@ -67,16 +67,18 @@ class Signals:
         except OSError:
             self.sock.close()
             raise
-        key = comm.bcast(os.urandom(32) if comm.Get_rank() == 0 else None, root=0)
-        self._keyed = hmac.new(key, digestmod=hashlib.sha256)     # (copied per datagram)
+        self._key = os.urandom(32)
         self.dropped = 0                    # foreign, forged or malformed datagrams
         self.addresses: List[Address] = []
         self.rank = self.size = self.words = 0
         self.bind(comm)
 
     def bind(self, comm: MPI.Intracomm) -> None:
-        """Collective over `comm`: learn every rank's address; ranks are
-        `comm`'s from now on."""
+        """Collective over `comm`: learn every rank's address and rank 0's
+        key (a spare called in learns the survivors'); ranks are `comm`'s
+        from now on."""
+        self._key = comm.bcast(self._key if comm.Get_rank() == 0 else None, root=0)
+        self._keyed = hmac.new(self._key, digestmod=hashlib.sha256)     # (copied per datagram)
         name = MPI.Get_processor_name()
         names = comm.allgather(name)
         host = "127.0.0.1" if all(n == name for n in names) else _address_of(name)

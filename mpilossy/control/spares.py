@@ -1,0 +1,100 @@
+"""Hot spares (Communicator(elastic=True, spares=k); docs/elastic.md,
+"Growing back"): the last k ranks of the user's communicator wait outside
+the working communicator until the survivors of an exclusion call them in.
+
+Why spares, not MPI_Comm_spawn: with the ``mpich`` wheel a spare called in
+joins the survivors' MPI_Comm_create_group under mpiexec and under srun
+(pmi2), where MPI_Comm_spawn hung (tests/programs/rank_replaced.py).
+
+The call-in is one message from the lowest survivor to each spare it
+calls, on a duplicate of the user's communicator that every rank made at
+construction; then the survivors and the spares called in build the grown
+communicator (MPI_Comm_create_group over them only: ranks that are gone
+take no part).  At the end the lowest rank still in releases the spares
+nobody called.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, List, Optional, Tuple
+
+from mpi4py import MPI
+
+from .failures import failed_ranks
+
+__all__ = ["Spares", "CALL_IN", "RELEASE"]
+
+CALL_IN, RELEASE = 31, 32           # message tags on the parent duplicate
+GROW = 33                           # MPI_Comm_create_group's tag (+ the growth number)
+POLL = 0.005                        # seconds between a waiting spare's looks
+
+
+class Spares:
+    """The parent duplicate and the spares not called yet (the same on
+    every rank still in: they are taken in order, as agreed exclusions
+    free places)."""
+
+    def __init__(self, parent: MPI.Intracomm, count: int) -> None:
+        self.parent = parent
+        self.left: List[int] = list(range(parent.Get_size() - count, parent.Get_size()))
+        self.growths = 0
+
+    def grown(self, members: List[int], places: int, rank: int, info: Dict[str, Any]
+              ) -> Tuple[MPI.Intracomm, Tuple[int, ...]]:
+        """Collective over `members` (ranks of the parent, this rank's
+        `rank` among them) and the spares called in: call in up to
+        `places` spares (the lowest member sends each its call-in: the
+        members it joins and `info`) and build the grown communicator,
+        members first.  (it, the spares called in)"""
+        called, self.left = self.left[:places], self.left[places:]
+        everyone = list(members) + called
+        message = dict(info, members=everyone, growth=self.growths, left=self.left)
+        if rank == 0:
+            for spare in called:
+                self.parent.send(message, dest=spare, tag=CALL_IN)
+        return self._build(everyone), tuple(called)
+
+    def _build(self, everyone: List[int]) -> MPI.Intracomm:
+        group = self.parent.Get_group()
+        try:
+            chosen = group.Incl(everyone)
+        finally:
+            group.Free()
+        try:
+            comm = self.parent.Create_group(chosen, tag=GROW + self.growths)
+        finally:
+            chosen.Free()
+        self.growths += 1
+        return comm
+
+    def release(self) -> None:
+        """The lowest rank still in, at the end: every spare not called
+        goes home (Communicator.stand_by returns False there)."""
+        for spare in self.left:
+            self.parent.send(None, dest=spare, tag=RELEASE)
+        self.left = []
+
+    def stand_by(self, workers: int, bound: Optional[float] = None
+                 ) -> Optional[Dict[str, Any]]:
+        """On a spare: wait for a call-in (its message, once the grown
+        communicator is built: `message["comm"]`) or a release (None).
+        Also None when MPI reports every working rank failed, or after
+        `bound` seconds."""
+        began = time.monotonic()
+        status = MPI.Status()
+        while True:
+            if self.parent.iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
+                tag = status.Get_tag()
+                message = self.parent.recv(source=status.Get_source(), tag=tag)
+                if tag == RELEASE:
+                    return None
+                if tag == CALL_IN:
+                    self.growths, self.left = message["growth"], message["left"]
+                    message["comm"] = self._build(message["members"])
+                    return message
+            if len(failed_ranks(self.parent) & set(range(workers))) == workers:
+                return None
+            if bound is not None and time.monotonic() - began > bound:
+                return None
+            time.sleep(POLL)

@@ -1,0 +1,166 @@
+"""Hot spares: Communicator(elastic=True, spares=S) grows back after a loss
+(docs/elastic.md, "Growing back"; tests/programs/elastic_spares.py)."""
+
+import json
+import re
+import sys
+
+import pytest
+from mpi4py import MPI
+
+import mpilossy
+from mpilossy import MPILossyError, _core
+from mpilossy.control.failures import reports_failures
+from helpers import PROGRAMS, clean_subprocess_env, is_singleton, mpiexec, run_bounded
+
+
+def run_spares(ranks, channel, spares, scenario, calls, **env):
+    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), sys.executable,
+           str(PROGRAMS / "elastic_spares.py"), channel, str(spares), scenario, str(calls)]
+    proc = run_bounded(cmd, 120, clean_subprocess_env(**env))
+    lines = [json.loads(obj) for obj in re.findall(r"\{[^{}]*\}", proc.stdout)]
+    return {line["rank"]: line for line in lines}, proc.stdout + proc.stderr
+
+
+# (ranks, channel, spares, scenario, calls, the ranks in at the end, the
+# spares called in, in order); a stopped rank is woken at the end and must
+# be told it is out
+SCENARIOS = [
+    (4, "rma", 1, "exit:1@10", 30, [0, 2, 3], [3]),
+    (5, "ud", 2, "stop:0@8,2@20", 40, [1, 3, 4], [3, 4]),
+    (4, "rma", 1, "exit:1@5,2@15", 30, [0, 3], [3]),
+    (5, "rma", 1, "exit:3@6,1@6", 30, [0, 2, 4], [4]),
+]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ranks,channel,spares,scenario,calls,members,called", SCENARIOS)
+def test_a_spare_takes_a_lost_ranks_place(ranks, channel, spares, scenario, calls, members,
+                                          called):
+    """The survivors call spares in after the call that follows the
+    exclusion; every rank in at the end made every call, each block the
+    mean over the ranks its call records; the ranks and the newcomers
+    agree on the state sent at each growth; the spares are the last
+    members; with no spare left, the survivors go on smaller."""
+    if not is_singleton():
+        pytest.skip("starts its own mpiexec: runs at size 1")
+    if not reports_failures():
+        pytest.skip("this MPI does not report failed ranks")
+    if channel == "ud" and not _core.HAVE_DATAGRAM_AUTH:
+        pytest.skip("channel='ud' needs OpenSSL's libcrypto at build time")
+    lines, output = run_spares(ranks, channel, spares, scenario, calls)
+    lost = {int(part.split("@")[0]) for part in scenario.partition(":")[2].split(",")}
+    assert sorted(r for r in lines if r not in lost) == members, output
+    for r in members:
+        line = lines[r]
+        assert line["calls"] == calls and line["wrong"] == 0, line
+        assert line["members"] == members and line["size"] == len(members), line
+    # growths (call, spare), in order: every working rank saw them all, a
+    # spare those from its own on; each right after the call after which the
+    # last survivor saw the exclusion before it (one that saw it a call
+    # earlier answers the next call alone)
+    working = [r for r in members if not lines[r]["spare"]]
+    seen = {r: [(c, s) for c, joined in lines[r]["joined"] for s in joined] for r in members}
+    assert working and all(seen[r] == seen[working[0]] for r in working), seen
+    assert [s for _, s in seen[working[0]]] == called, seen
+    for r in members:
+        if lines[r]["spare"]:
+            mine = called.index(r)
+            assert seen[r] == seen[working[0]][mine:], seen
+    for call, _ in seen[working[0]]:
+        before = max(c for r in working for c, _ in lines[r]["excluded"] if c < call)
+        assert call == before + 1, lines
+    # the state sent at each growth: the same on every rank that took part
+    sent = {}
+    for r in members:
+        for call, total, deadlines, loss_rate in lines[r]["sent"]:
+            sent.setdefault(call, set()).add(json.dumps([total, deadlines, loss_rate]))
+    assert sent and all(len(totals) == 1 for totals in sent.values()), sent
+    if scenario.startswith("stop"):
+        for r in lost:
+            assert lines[r]["woken"].startswith("EvictedError"), lines[r]
+
+
+@pytest.mark.timeout(150)
+def test_a_spare_starts_from_the_learned_deadline_and_loss_rate():
+    """timeout="auto", redundancy="auto": a rank exits after the first
+    agreements; the spare called in starts from the survivors' learned
+    deadlines (below the 1 s cap, the same on every rank at the growth)
+    and agreed loss rate, not from the cap."""
+    if not is_singleton():
+        pytest.skip("starts its own mpiexec: runs at size 1")
+    if not reports_failures():
+        pytest.skip("this MPI does not report failed ranks")
+    lines, output = run_spares(4, "rma", 1, "exit:1@40", 60, SPARES_TIMEOUT="auto",
+                               SPARES_REDUNDANCY="auto")
+    assert sorted(lines) == [0, 2, 3], output
+    sent = [lines[r]["sent"] for r in (0, 2, 3)]
+    # (MPI reports the exit within milliseconds, a few 7 ms calls; evict_after=5
+    # bounds it; a rank that saw it a call earlier answers the next call alone, so
+    # the first call on the survivors' communicator follows the later one)
+    seen = [lines[r]["excluded"] for r in (0, 2)]
+    assert all(len(e) == 1 and e[0][1] == [1] and 40 <= e[0][0] <= 45 for e in seen), seen
+    excluded_after = max(e[0][0] for e in seen)
+    assert all(len(s) == 1 and s[0][0] == excluded_after + 1 for s in sent), sent
+    deadlines = [s[0][2] for s in sent]
+    assert deadlines[0] and all(d == deadlines[0] for d in deadlines), deadlines
+    assert all(t < 1.0 for _, t in deadlines[0]), deadlines
+    assert all(s[0][3] is not None and s[0][3] == sent[0][0][3] for s in sent), sent
+    assert all(lines[r]["calls"] == 60 and lines[r]["wrong"] == 0 for r in (0, 2, 3)), lines
+
+
+@pytest.mark.timeout(60)
+def test_unused_spares_are_released():
+    """Nobody lost: when the working ranks free the communicator, the
+    spare's stand_by() returns False."""
+    if not is_singleton():
+        pytest.skip("starts its own mpiexec: runs at size 1")
+    lines, output = run_spares(3, "rma", 1, "none:", 20)
+    assert lines[2] == {"rank": 2, "spare": True, "called": False}, output
+    assert lines[0]["calls"] == lines[1]["calls"] == 20 and not lines[0]["joined"], output
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+def test_spares_need_elastic_and_a_working_rank():
+    comm = MPI.COMM_WORLD
+    with pytest.raises(ValueError, match="elastic=True"):
+        mpilossy.Communicator(comm, timeout=0.5, spares=1)
+    with pytest.raises(ValueError, match="leaves no working rank"):
+        mpilossy.Communicator(comm, timeout=0.5, elastic=True, spares=comm.size)
+    with pytest.raises(ValueError, match="spares"):
+        mpilossy.Communicator(comm, timeout=0.5, elastic=True, spares=-1)
+
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_spare_stands_by_until_released():
+    """In the suite's own job: the last rank is a spare; it refuses
+    collectives and working-rank calls with clear errors, and stand_by()
+    returns False once the working ranks free the communicator."""
+    comm = MPI.COMM_WORLD
+    lc = mpilossy.Communicator(comm, timeout=0.5, elastic=True, spares=1)
+    assert lc.spare == (comm.rank == comm.size - 1)
+    if lc.spare:
+        assert lc.members == ()
+        with pytest.raises(MPILossyError, match="spare standing by"):
+            lc.allreduce(mpilossy_array())
+        with pytest.raises(ValueError, match="seconds > 0"):
+            lc.stand_by(timeout=-1.0)
+        assert lc.stand_by(timeout=30.0) is False
+        with pytest.raises(ValueError, match="not called in"):
+            lc.stand_by()
+    else:
+        assert lc.size == comm.size - 1 and lc.members == tuple(range(comm.size - 1))
+        with pytest.raises(ValueError, match="not called in"):
+            lc.stand_by()
+        x = mpilossy_array() + comm.rank
+        stats = lc.allreduce(x, op="avg")
+        assert stats.delivered < 1.0 or (x == (comm.size - 2) / 2 + 1).all(), stats
+    lc.free()
+    comm.Barrier()
+
+
+def mpilossy_array():
+    import numpy as np
+    return np.ones(64)
