@@ -96,6 +96,7 @@ class Communicator:
         self._bounded: Optional[reliable.BoundedComm] = None
         self._spares: Optional[Spares] = None
         self._standing = False              # a spare not called in yet
+        self._newcomer = False              # a spare called in
         # (a spare's on_exclusion and on_growth callbacks, until it is called in)
         self._early: Tuple[List[Callback], List[Callback]] = ([], [])
         self._serial = next(_serials)
@@ -148,12 +149,19 @@ class Communicator:
         yet (stand_by() waits for that)."""
         return self._standing
 
+    @property
+    def newcomer(self) -> bool:
+        """spares=k: this rank was a spare and an exclusion called it in
+        (mpilossy.torch's DistributedOptimizer built on it then receives
+        the survivors' parameters and optimizer state)."""
+        return self._newcomer
+
     def stand_by(self, timeout: Optional[float] = None) -> bool:
         """On a spare (spares=k: the last k ranks of `comm`): wait until the
-        survivors of an exclusion call this rank in (True: it is a member
-        from now on, the communicator's last rank(s); the survivors'
-        on_growth callbacks run at the same time, and whatever reliable
-        calls they make there, this rank makes after stand_by returns), or
+        survivors of an exclusion call this rank in at their grow() (True:
+        it is a member from now on, the communicator's last rank(s); the
+        reliable calls the survivors make after grow() to send it their
+        state, this rank makes after stand_by returns), or
         until the job's working ranks free the communicator without
         needing it, MPI reports them all failed, or `timeout` seconds pass
         (False: nothing to do; free() is a no-op)."""
@@ -177,15 +185,32 @@ class Communicator:
         state.warm(learned)
         self._elastic = elastic = Elastic(state, self._spares, joining=message)
         elastic.callbacks, elastic.growth_callbacks = self._early
+        self._newcomer = True
         _live.add(self)
         return True
+
+    def grow(self) -> Tuple[int, ...]:
+        """elastic=True with spares: collective over the ranks in, at a
+        point of the program where a newcomer can follow (the end of a
+        step: right after this, the survivors send it what it needs, with
+        reliable calls it makes after stand_by()).  Where exclusions freed
+        places and spares are left, the ranks agree and call spares in
+        (the on_growth callbacks run); returns the spares that joined
+        (ranks of the communicator this one was built on), () almost
+        always, at no cost then.  Every rank in must call it after the same
+        lossy calls, within elastic_wait seconds of the first."""
+        state = self._live()
+        if self._elastic is None:
+            return ()
+        self._state, excluded, joined = self._elastic.grow(state)
+        if excluded or joined:
+            self._elastic.notify(excluded, joined)
+        return joined
 
     def on_growth(self, callback: Callback) -> None:
         """elastic=True with spares: call `callback(joined, members)` (ranks
         of the communicator this one was built on) on every rank that was
-        in, right after spares joined, before the call after which they
-        joined returns: to send them the model and optimizer state (the
-        spares make the matching reliable calls after stand_by())."""
+        in, right after spares joined, before grow() returns."""
         if not callable(callback):
             raise TypeError("callback must be callable")
         if self._standing:
@@ -485,8 +510,8 @@ class Communicator:
         if elastic.owes():
             return elastic.answer_alone(request)
         self._state, stats = elastic.after_call(state, run(state, request))
-        if stats.excluded or stats.joined:
-            elastic.notify(stats.excluded, stats.joined)
+        if stats.excluded:
+            elastic.notify(stats.excluded)
         return stats
 
 

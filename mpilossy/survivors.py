@@ -6,11 +6,10 @@ with its agreements handed over; and the calls this rank then owes the
 survivors that reached the agreement after more calls, answered alone
 (call/alone.py) on the old state; the waits of reliable collectives,
 which a rank that hangs cannot block (wait(): docs/elastic.md); and with
-spares, the growth back: after the first lossy call once places are free
-(never in a reliable wait, where a spare called in would not make the
-collective the survivors make again), an agreement, and the switch to a
-state built on the survivors and the spares called in
-(control/spares.py)."""
+spares, the growth back at Communicator.grow(), where the user's program
+(or the torch wrapper's step) says a newcomer can follow: an agreement,
+and the switch to a state built on the survivors and the spares called
+in (control/spares.py)."""
 
 from __future__ import annotations
 
@@ -83,18 +82,24 @@ class Elastic:
         (else `state`).  The stats say whom this call excluded (then
         notify() them, once the survivors' state is in use)."""
         suspects = self.membership.after_call(stats.deadline_hit)
-        if suspects is None and not self._may_grow():
+        if suspects is None:
             return state, stats
-        fresh, excluded, joined = self._exclude(state, suspects or frozenset(), grow=True)
-        if excluded or joined:
-            stats = stats._replace(excluded=excluded, joined=joined)
-        return fresh, stats
+        fresh, excluded, _ = self._exclude(state, suspects, grow=False)
+        return fresh, stats._replace(excluded=excluded) if excluded else stats
 
     def _may_grow(self) -> bool:
         """Places to fill and spares to fill them: the same on every rank
-        still in (they follow from agreed exclusions), so every one starts
-        the growth's agreement after the same call."""
+        still in (they follow from agreed exclusions)."""
         return bool(self.places and self.spares is not None and self.spares.left)
+
+    def grow(self, state: State) -> Tuple[State, Tuple[int, ...], Tuple[int, ...]]:
+        """Communicator.grow(): where places are free and spares left, the
+        agreement (every rank still in gets there after the same calls:
+        one that owes calls has not yet) and the growth.  (the state, the
+        ranks excluded, the spares joined)"""
+        if not self._may_grow() or self.owes():
+            return state, (), ()
+        return self._exclude(state, frozenset(), grow=True)
 
     def wait(self, state: State, request: MPI.Request, closing: bool
              ) -> Optional[Tuple[State, Tuple[int, ...], bool]]:

@@ -58,9 +58,6 @@ class CollectiveStats(NamedTuple):
     excluded: Tuple[int, ...] = ()
     """elastic=True: the ranks (of the communicator the Communicator was
     built on) that the agreement after this call excluded."""
-    joined: Tuple[int, ...] = ()
-    """elastic=True with spares: the spares (ranks of the communicator the
-    Communicator was built on) called in after this call."""
     alone: bool = False
     """elastic=True: this rank answered the call alone, with its own data,
     to line up with survivors that reached the last agreement after more

@@ -73,6 +73,11 @@ CONFIRM = 0.5
 # others miss each other's heartbeats and evict themselves (tried:
 # evict_after=70).  Only the latest heartbeat matters to its receiver.
 UNREAD_BEATS = 4
+# Seconds more than `wait` a spare just called in may stay silent: after
+# stand_by() it builds its model and optimizer (PyTorch's first optimizer
+# took 3.5 s on a loaded core here), then makes the reliable calls the
+# others wait in for it.
+JOIN_GRACE = 30.0
 
 
 def check_elastic(timeout: Any) -> Optional[Exception]:
@@ -214,9 +219,16 @@ class Membership:
             raise EvictedError(self.evicted)
         suspects = set(self.gone) if waited else set()
         suspects.update(r for r in self.watched if seq - self.seen[r] >= self.evict_after)
-        if not suspects and not self.inbox[ROUND_1]:
+        if not suspects and not self._called():
             return None
         return frozenset(suspects)
+
+    def _called(self) -> bool:
+        """Another rank started an agreement that this rank joins now: any
+        but a growth (Communicator.grow) that names nobody, which this rank
+        joins at its own grow(), after the same calls."""
+        return any(not number & 2 or first
+                   for first, _, number in self.inbox[ROUND_1].values())
 
     def waiting(self, began: float) -> Optional[FrozenSet[int]]:
         """In a reliable wait that began at `began` (time.monotonic()), between
@@ -241,7 +253,7 @@ class Membership:
             raise EvictedError(self.evicted)
         suspects = set(self.gone)
         suspects.update(r for r in self.watched if now - max(self.heard[r], began) > self.wait)
-        if not suspects and not self.inbox[ROUND_1]:
+        if not suspects and not self._called():
             return None
         return frozenset(suspects)
 
@@ -381,3 +393,7 @@ class Membership:
         self.members = [m for r, m in enumerate(self.members) if r not in out] + list(joined)
         self.signals.bind(comm)
         self._bind(comm)
+        # (a newcomer sets up its model and optimizer before its first
+        # reliable call, and says nothing meanwhile)
+        for r in range(self.size - len(joined), self.size):
+            self.heard[r] = time.monotonic() + JOIN_GRACE

@@ -23,6 +23,14 @@ def lossy_communicator(communicator: Optional[Communicator]) -> Communicator:
     return communicator
 
 
+def spares_problem(lc: Communicator, what: str) -> Optional[Exception]:
+    """`what` cannot follow a communicator that grows back (spares=k)."""
+    if lc.config.spares:
+        return ValueError(f"{what} does not take spares in yet (Communicator(spares=k): "
+                          f"docs/elastic.md, 'Growing back'); DistributedOptimizer does")
+    return None
+
+
 _world: Optional[MPI.Intracomm] = None
 
 

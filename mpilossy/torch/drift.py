@@ -131,9 +131,10 @@ class DriftController:
                                          if isinstance(parameters, torch.nn.Module)
                                          else [t for _, t in named])
         # (collective: a bad argument on one rank raises on every rank)
+        self._agreed = (named, (broadcast_every, measure_every, root_rank,
+                                optimizer is not None, resync, synchronize is not None))
         check_tensors(self.comm, named, reducible=False, problem=problem, copied=True,
-                      extra=(broadcast_every, measure_every, root_rank, optimizer is not None,
-                             resync, synchronize is not None))
+                      extra=self._agreed[1])
         self.broadcast_every = broadcast_every
         self.measure_every = measure_every
         self.root_rank = root_rank
@@ -156,12 +157,24 @@ class DriftController:
         self.measure_seconds = 0.0
         """Total seconds spent measuring."""
 
-    def rebind(self, comm: MPI.Intracomm) -> None:
+    def check_again(self) -> None:
+        """Collective: the check its construction made (spares called in:
+        the newcomers' controllers make it at their construction)."""
+        named, extra = self._agreed
+        check_tensors(self.comm, named, reducible=False, copied=True, extra=extra)
+
+    @property
+    def tensors(self) -> List[torch.Tensor]:
+        """What it re-synchronises (a module's parameters and buffers)."""
+        return self._tensors
+
+    def rebind(self, comm: MPI.Intracomm, resync: bool = True) -> None:
         """Go on over `comm` (an elastic communicator's survivors, after an
-        exclusion); its rank 0 is the root from now on."""
+        exclusion; `resync`: at the end of this step); its rank 0 is the
+        root from now on."""
         self.comm = self._meter.comm = comm
         self.root_rank = 0
-        self._excluded = True
+        self._excluded = self._excluded or resync
 
     def step(self) -> DriftStep:
         """Count a training step; measure and re-synchronise when due."""

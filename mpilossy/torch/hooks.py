@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from .. import CollectiveStats, Communicator
 from .checks import check_tensors
-from .communicators import lossy_communicator, reliable_comm
+from .communicators import lossy_communicator, reliable_comm, spares_problem
 from .compression import Compression, compression_problem
 from .optimizer import check_settings
 from .stats import Recorder, StepStats
@@ -64,7 +64,8 @@ class AllreduceHookState:
         self.communicator = lossy_communicator(communicator)
         comm = reliable_comm(self.communicator)
         problem = (check_settings(op)
-                   or compression_problem(compression, False, self.communicator))
+                   or compression_problem(compression, False, self.communicator)
+                   or spares_problem(self.communicator, "The DDP hook"))
         if not isinstance(background, bool):
             problem = problem or TypeError("background must be a bool")
         named = [] if model is None else named_tensors(model.named_parameters())

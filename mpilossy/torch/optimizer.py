@@ -3,6 +3,7 @@ before every step, with no torch.distributed process group."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import weakref
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type, TypeVar, cast
@@ -13,6 +14,7 @@ from mpi4py import MPI
 
 from .. import Communicator
 from ..call.config import UNSET
+from .broadcast import bcast_tensors, broadcast_optimizer_state
 from .checks import check_tensors
 from .communicators import lossy_communicator, reliable_comm
 from .compression import Compression, compression_problem
@@ -50,6 +52,12 @@ class WrappedOptimizer(_OptimizerBase):
         return self._mpilossy.recorder.last
 
     @property
+    def steps(self) -> int:
+        """Steps taken so far (a spare called in: the survivors' count when
+        it joined, from which it goes on)."""
+        return self._mpilossy.recorder.steps
+
+    @property
     def drift_control(self) -> Optional[DriftController]:
         """The DriftController (if broadcast_every or measure_every was given)."""
         return self._mpilossy.drift
@@ -65,6 +73,8 @@ class WrappedOptimizer(_OptimizerBase):
 
 
 _classes: Dict[Tuple[type, type], type] = {}
+# newcomers (Communicator.newcomer) whose first DistributedOptimizer took the survivors' state
+_welcomed: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
 _W = TypeVar("_W", bound=WrappedOptimizer)
 
 
@@ -88,8 +98,8 @@ def wrap(optimizer: torch.optim.Optimizer, mixin: Type[_W], engine: Engine) -> _
 
 
 def follow_exclusions(engine: Engine) -> None:
-    """Communicator(elastic=True): rebind `engine` after each exclusion
-    (weakly: the communicator does not keep the optimizer alive)."""
+    """Communicator(elastic=True): rebind `engine` after each exclusion and
+    growth (weakly: the communicator does not keep the optimizer alive)."""
     if not engine.lc.elastic:
         return
     ref = weakref.ref(engine)
@@ -99,7 +109,13 @@ def follow_exclusions(engine: Engine) -> None:
         if alive is not None:
             alive.rebind()
 
+    def grown(joined: Tuple[int, ...], members: Tuple[int, ...]) -> None:
+        alive = ref()
+        if alive is not None:       # (no re-synchronisation: Engine.grow sends the state)
+            alive.rebind(resync=False)
+
     engine.lc.on_exclusion(react)
+    engine.lc.on_growth(grown)
 
 
 def already_wrapped(optimizer: Any) -> Optional[Exception]:
@@ -133,19 +149,53 @@ class Engine:
         self.ids: List[int] = [id(p) for p in params]      # the optimizer's parameters
         self.recorder = Recorder()
         self.feedback: Optional[ErrorFeedback] = None
+        self.agreed: Tuple[Any, Any] = ([], None)   # (named, extra): the construction's check
 
-    def rebind(self) -> None:
-        """After an elastic exclusion (Communicator.on_exclusion): the
-        reliable collectives go over the survivors' communicator."""
+    def rebind(self, resync: bool = True) -> None:
+        """After an elastic exclusion (Communicator.on_exclusion) or growth
+        (on_growth): the reliable collectives go over the new communicator;
+        `resync`: drift control re-synchronises at the end of this step."""
         comm = reliable_comm(self.lc)
         if self.drift is not None:
-            self.drift.rebind(comm)
+            self.drift.rebind(comm, resync)
         if self.feedback is not None:
             self.feedback.rebind(comm)
         deadline = getattr(self, "compute_deadline", None)
         if deadline is not None and deadline.comm is self.reliable:
             deadline.comm = comm
         self.reliable = comm
+
+    def grow(self, optimizer: torch.optim.Optimizer) -> None:
+        """spares=k, at the end of a step: Communicator.grow(); if spares
+        joined, the collectives a newcomer's construction makes (its
+        checks, made again here), then the state it needs (share())."""
+        if not self.lc.config.spares:
+            return
+        joined = self.lc.grow()
+        if not joined:
+            return
+        assert self.recorder.last is not None
+        self.recorder.last = dataclasses.replace(self.recorder.last, joined=joined)
+        named, extra = self.agreed
+        check_tensors(self.reliable, named, reducible=True, copied=True, extra=extra)
+        if self.drift is not None:
+            self.drift.check_again()
+        self.share(optimizer)
+
+    def share(self, optimizer: torch.optim.Optimizer) -> None:
+        """Collective over the ranks in and the newcomers: rank 0's step
+        counts, parameters (with drift control, what it re-synchronises:
+        a module's buffers too) and optimizer state."""
+        comm = self.reliable
+        counts = np.array([self.recorder.steps, self.drift.steps if self.drift else 0],
+                          dtype=np.int64)
+        comm.Bcast(counts, 0)
+        with torch.no_grad():
+            bcast_tensors(comm, self.drift.tensors if self.drift else self.params, 0)
+        broadcast_optimizer_state(optimizer, 0, comm=comm)
+        self.recorder.steps = int(counts[0])
+        if self.drift is not None:
+            self.drift.steps = int(counts[1])
 
     def finish(self) -> StepStats:
         """Close the step: drift control when due, then the statistics."""
@@ -267,6 +317,7 @@ class _DistributedOptimizer(WrappedOptimizer):
         engine.synchronized = False
         super().step(**kwargs)
         engine.finish()
+        engine.grow(self)
         return loss
 
 
@@ -323,8 +374,17 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
 
     Collective: checks on every rank that all ranks hold the same parameters
     (names, shapes, dtypes, CPU); a problem raises on every rank.  Extra
-    attributes: ``stats`` (StepStats of the last step), ``drift_control``,
-    ``communicator``, ``synchronize()``.
+    attributes: ``stats`` (StepStats of the last step), ``steps``,
+    ``drift_control``, ``communicator``, ``synchronize()``.
+
+    On a Communicator with spares (elastic=True, spares=k), step() ends
+    with Communicator.grow(): spares called in there (``stats.joined``)
+    receive rank 0's step count, parameters (with drift control, what it
+    re-synchronises) and optimizer state.  A spare builds its model and
+    optimizer the same way after stand_by() returned True and wraps them:
+    the wrapper takes that state over and ``steps`` says where to go on.
+    Not yet with tolerance, error_feedback, compute_deadline or
+    compression (refused).
     """
     lc = lossy_communicator(communicator)
     comm = reliable_comm(lc)
@@ -346,6 +406,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             and tolerance.redundancy_target is not None and lc.config.redundancy != "auto"):
         problem = ValueError("tolerance's redundancy_target needs a communicator built with "
                              "redundancy='auto'")
+    if problem is None and lc.config.spares and (tolerance is not None or error_feedback or
+                                                 compute_deadline is not None or compression):
+        problem = ValueError("with spares (Communicator(spares=k)), tolerance, error_feedback, "
+                             "compute_deadline and compression do not take newcomers in yet "
+                             "(docs/elastic.md, 'Growing back')")
     if problem is None and tolerance is not None and error_feedback:
         problem = ValueError("error_feedback and tolerance do not combine (a step re-sent "
                              "reliably would re-send without the residual)")
@@ -353,10 +418,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
         named = optimizer_parameters(optimizer, named_parameters)
     except (TypeError, ValueError) as exc:
         problem, named = problem or exc, []
-    check_tensors(comm, named, reducible=True, problem=problem, copied=True,
-                  extra=(op, bucket_bytes, broadcast_every, measure_every, broadcast_state,
-                         root_rank, repr(tolerance), resync, error_feedback,
-                         compute_deadline is not None, repr(compression)))
+    extra = (op, bucket_bytes, broadcast_every, measure_every, broadcast_state,
+             root_rank, repr(tolerance), resync, error_feedback,
+             compute_deadline is not None, repr(compression))
+    check_tensors(comm, named, reducible=True, problem=problem, copied=True, extra=extra)
     if compute_deadline is not None:
         fill_in(compute_deadline, comm, [p for _, p in named])
     drift = None
@@ -366,5 +431,11 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                                 optimizer=optimizer if broadcast_state else None, resync=resync)
     engine = _GradientAllreduce(lc, [p for _, p in named], op, bucket_bytes, drift, tolerance,
                                 error_feedback, compute_deadline, compression)
+    engine.agreed = (named, extra)
     follow_exclusions(engine)
+    if lc.newcomer and lc not in _welcomed:
+        # a spare called in: the survivors' step() made the same checks
+        # (Engine.welcome); now their state
+        _welcomed.add(lc)
+        engine.share(optimizer)
     return wrap(optimizer, _DistributedOptimizer, engine)

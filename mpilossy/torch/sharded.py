@@ -32,7 +32,7 @@ from .. import CollectiveStats, Communicator
 from . import recut
 from .broadcast import bcast_tensors
 from .checks import check_everywhere, check_tensors
-from .communicators import lossy_communicator, reliable_comm
+from .communicators import lossy_communicator, reliable_comm, spares_problem
 from .compression import Compression, compression_problem
 from .compute import ComputeDeadline, deadline_problem, fill_in, weigh
 from .drift import DriftController, every_problem
@@ -99,13 +99,14 @@ class _ShardedExchange(Engine):
                              if self.mirrored else self.shard_grads)
         self.shards = self._shards(self.groups, self.n_groups)
 
-    def rebind(self) -> None:
+    def rebind(self, resync: bool = True) -> None:
         """After an elastic exclusion: the chunks are cut again for the
         survivors at the end of this step (rebalance), and until then the
         step's remaining lossy calls are skipped, but for those the
         communicator answers alone (Communicator.behind: calls the other
-        survivors made before the exclusion, on the old chunks)."""
-        super().rebind()
+        survivors made before the exclusion, on the old chunks).  (Never
+        after growth: a communicator with spares is refused.)"""
+        super().rebind(resync)
         self.rebalance_due = True
 
     def rebalance(self) -> None:
@@ -453,7 +454,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
                or every_problem(resync_every=resync_every, measure_every=measure_every)
                or feedback_problem(lc, error_feedback)
                or deadline_problem(lc, op, compute_deadline, error_feedback)
-               or compression_problem(compression, error_feedback, lc))
+               or compression_problem(compression, error_feedback, lc)
+               or spares_problem(lc, "ShardedOptimizer"))
     if problem is None and missed not in MISSED:
         problem = ValueError(f"missed must be one of {MISSED}, got {missed!r}")
     try:

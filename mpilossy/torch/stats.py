@@ -44,6 +44,9 @@ class StepStats:
     tolerance: a tight phase, or more loss than the step could accept)."""
     excluded: Tuple[int, ...] = ()
     """Communicator(elastic=True): ranks excluded during this step."""
+    joined: Tuple[int, ...] = ()
+    """Communicator(elastic=True, spares=k): spares called in at the end of
+    this step (DistributedOptimizer sent them the model and its state)."""
     alone: int = 0
     """Communicator(elastic=True): calls this rank answered alone to line up
     with survivors that reached the exclusion's agreement later

@@ -234,6 +234,34 @@ def test_progress_choice(tmp_path):
     assert [line.split()[2] for line in lines] == [f"{n}/7" for n in range(1, 8)], lines
 
 
+@pytest.mark.skipif(not reports_failures(), reason="this MPI does not report failed ranks")
+def test_spares_a_spare_takes_the_killed_ranks_place(tmp_path):
+    """--spares 1 --kill-rank 1 --at-step 15 at 4 ranks: rank 1 exits, the
+    others exclude it, the spare (rank 3) takes its place with their model
+    and optimizer state, and the three finish the run with one model."""
+    out = tmp_path / "result.json"
+    done = run_bounded([mpiexec(), "-disable-auto-cleanup", "-n", "4", sys.executable, "-m",
+                        "mpilossy.examples.lm", *TINY, "--mode", "replicated", "--spares", "1",
+                        "--kill-rank", "1",
+                        "--at-step", "15", "--json", out], timeout=240,
+                       env=clean_subprocess_env(OMP_NUM_THREADS="1"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    assert "ranks [1] excluded; 3 went on, spares [3] among them" in done.stdout, done.stdout
+    r = json.loads(out.read_text())
+    assert r["members"] == [0, 2, 3] and r["ranks"] == 3, r
+    assert r["train_loss_last"] < r["train_loss_first"] - 0.5, r
+    ppl = r["val_perplexity_ranks"]
+    assert all(math.isfinite(p) and 1 < p < 100 for p in ppl), r
+    assert max(ppl) / min(ppl) < 1.01, r        # (drift control keeps one model)
+
+
+def test_spares_refuse_what_a_newcomer_cannot_take_over():
+    from mpilossy.examples.lm.train import Config, train
+    from mpi4py import MPI
+    with pytest.raises(ValueError, match="spares .* do not take: mode sharded"):
+        train(Config(spares=1, mode="sharded", steps=1), MPI.COMM_WORLD, progress=False)
+
+
 def test_timeout_argument():
     from mpilossy.examples.lm.__main__ import parser
     assert parser().parse_args([]).timeout == "auto"

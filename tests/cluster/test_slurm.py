@@ -242,6 +242,25 @@ def test_train_elastic_survives_a_rank_that_exits(slurm, tmp_path, launcher, kee
     assert r["members"] == [0, 1, 3] and math.isfinite(r["val_perplexity"]), r
 
 
+@pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
+def test_train_a_spare_takes_a_killed_ranks_place(slurm, tmp_path, launcher):
+    """SPARES=1: the last task waits as a hot spare; rank 2 exits before
+    step 5, the others exclude it (under srun: found silent, below) and
+    call the spare in, which finishes the run with them."""
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+    pytest.importorskip("tqdm", reason="tqdm is not installed")
+    env = dict(TRAIN_STEPS="10", TRAIN_TIMEOUT="0.2", TRAIN_ARGS=TINY + " --mode replicated "
+               "--kill-rank 2 --at-step 5", SPARES="1", LAUNCHER=launcher)
+    job, code, out, err = submit(slurm, tmp_path, "train.sbatch", **env)
+    assert code == 0, out + err
+    assert "--elastic" in out and "--spares 1" in out, out
+    summary = (tmp_path / f"mpilossy-train-{job}" / "summary.txt").read_text()
+    assert re.search(r"^elastic +ranks \[2\] excluded; 3 went on, spares \[3\] among them$",
+                     summary, re.M), summary
+    r = json.loads((tmp_path / f"mpilossy-train-{job}" / "result.json").read_text())
+    assert r["members"] == [0, 1, 3] and math.isfinite(r["val_perplexity"]), r
+
+
 def test_srun_reports_no_exit_and_lossy_calls_go_on_by_heartbeat(slurm, tmp_path):
     """Why an elastic job under srun finds an exit late (docs/elastic.md, "The
     launch"): under srun (PMI2) MPICH does not report a rank that exited,

@@ -37,8 +37,8 @@ SCENARIOS = [
 @pytest.mark.parametrize("ranks,channel,spares,scenario,calls,members,called", SCENARIOS)
 def test_a_spare_takes_a_lost_ranks_place(ranks, channel, spares, scenario, calls, members,
                                           called):
-    """The survivors call spares in after the call that follows the
-    exclusion; every rank in at the end made every call, each block the
+    """The survivors call spares in at the grow() after the call that
+    excluded a rank; every rank in at the end made every call, each block the
     mean over the ranks its call records; the ranks and the newcomers
     agree on the state sent at each growth; the spares are the last
     members; with no spare left, the survivors go on smaller."""
@@ -56,9 +56,9 @@ def test_a_spare_takes_a_lost_ranks_place(ranks, channel, spares, scenario, call
         assert line["calls"] == calls and line["wrong"] == 0, line
         assert line["members"] == members and line["size"] == len(members), line
     # growths (call, spare), in order: every working rank saw them all, a
-    # spare those from its own on; each right after the call after which the
-    # last survivor saw the exclusion before it (one that saw it a call
-    # earlier answers the next call alone)
+    # spare those from its own on; each at the grow() after the call after
+    # which the last survivor saw the exclusion before it (one that saw it
+    # a call earlier answers the next call alone before it grows)
     working = [r for r in members if not lines[r]["spare"]]
     seen = {r: [(c, s) for c, joined in lines[r]["joined"] for s in joined] for r in members}
     assert working and all(seen[r] == seen[working[0]] for r in working), seen
@@ -68,8 +68,8 @@ def test_a_spare_takes_a_lost_ranks_place(ranks, channel, spares, scenario, call
             mine = called.index(r)
             assert seen[r] == seen[working[0]][mine:], seen
     for call, _ in seen[working[0]]:
-        before = max(c for r in working for c, _ in lines[r]["excluded"] if c < call)
-        assert call == before + 1, lines
+        before = max(c for r in working for c, _ in lines[r]["excluded"] if c <= call)
+        assert call == before, lines
     # the state sent at each growth: the same on every rank that took part
     sent = {}
     for r in members:
@@ -101,7 +101,7 @@ def test_a_spare_starts_from_the_learned_deadline_and_loss_rate():
     seen = [lines[r]["excluded"] for r in (0, 2)]
     assert all(len(e) == 1 and e[0][1] == [1] and 40 <= e[0][0] <= 45 for e in seen), seen
     excluded_after = max(e[0][0] for e in seen)
-    assert all(len(s) == 1 and s[0][0] == excluded_after + 1 for s in sent), sent
+    assert all(len(s) == 1 and s[0][0] == excluded_after for s in sent), sent
     deadlines = [s[0][2] for s in sent]
     assert deadlines[0] and all(d == deadlines[0] for d in deadlines), deadlines
     assert all(t < 1.0 for _, t in deadlines[0]), deadlines

@@ -9,7 +9,7 @@ woken at the end: it must get EvictedError) for rank V before call C.
 Every working rank holds a "model" (a vector); each call is an all-reduce
 (direct, op avg, deadline 0.5 s) of (original rank + 1 + call / 1000); after each
 the model moves by the result ($SPARES_TIMEOUT: another deadline, e.g.
-auto; $SPARES_REDUNDANCY: e.g. auto).  After a call whose stats say spares
+auto; $SPARES_REDUNDANCY: e.g. auto), then lc.grow(); when it says spares
 joined, rank 0 broadcasts the call number and the model (lc.bcast); a
 spare called in makes the same broadcasts after stand_by() and goes on
 from the next call.  on_growth records each growth.
@@ -98,7 +98,7 @@ while state["call"] < calls:
                     rtol=0, atol=1e-9)):
                 state["wrong"] += 1
         model += out
-    if stats.joined:        # (after the call: its result is in the model sent)
+    if lc.grow():           # (at the end of the step: its result is in the model sent)
         send_state()
 
 lc.barrier()

@@ -138,6 +138,10 @@ def parser() -> argparse.ArgumentParser:
                     help="rank R exits before step --at-step (implies --elastic)")
     ap.add_argument("--at-step", type=int, default=d.kill_at, metavar="S",
                     help="the step before which --kill-rank exits")
+    ap.add_argument("--spares", type=int, default=d.spares, metavar="K",
+                    help="the last K ranks wait as hot spares; after a rank is lost one takes "
+                    "its place, with the others' model and optimizer state (implies "
+                    "--elastic; --mode replicated: docs/elastic.md, 'Growing back')")
     ap.add_argument("--json", help="write the results to this file (rank 0)")
     return ap
 
@@ -161,10 +165,16 @@ def main(argv: Optional[List[str]] = None) -> int:
                  layers=args.layers, heads=args.heads, lr=args.lr, warmup=args.warmup,
                  seed=args.seed, val_windows=args.val_windows,
                  measure_every=args.measure_every, threads=args.threads, device=args.device,
-                 elastic=args.elastic, kill_rank=args.kill_rank, kill_at=args.at_step)
+                 elastic=args.elastic, kill_rank=args.kill_rank, kill_at=args.at_step,
+                 spares=args.spares)
     comm = MPI.COMM_WORLD
     result = train(cfg, comm, progress=args.progress)
-    lost = len(result["members"]) < comm.size
+    if result.get("released"):      # (a spare nobody needed; a lost rank may hang Finalize)
+        sys.stdout.flush()
+        os._exit(0)
+    working = comm.size - cfg.spares
+    excluded = sorted(set(range(working)) - set(result["members"]))
+    joined = [r for r in result["members"] if r >= working]
     if comm.rank == result["members"][0]:
         r = result
         how = cfg.reduce if cfg.reduce == "mpi" else (
@@ -193,13 +203,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"(compute deadline {cfg.compute_deadline})")
         if "phase_aware" in r:
             print(f"phase-aware     {r['phase_aware']}")
-        if lost:
-            print(f"elastic         ranks {sorted(set(range(comm.size)) - set(result['members']))}"
-                  f" excluded; {len(result['members'])} went on")
+        if excluded:
+            print(f"elastic         ranks {excluded} excluded; {len(result['members'])} went on"
+                  f"{f', spares {joined} among them' if joined else ''}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=1)
-    if lost:        # (MPI_Finalize hangs after a rank is gone: docs/elastic.md)
+    if excluded or cfg.spares:      # (MPI_Finalize hangs after a rank is gone: docs/elastic.md)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)

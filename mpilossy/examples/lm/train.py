@@ -82,6 +82,8 @@ class Config:
                                       # (Communicator(elastic=True); docs/elastic.md)
     kill_rank: Optional[int] = None   # this rank exits (os._exit) before step kill_at:
     kill_at: int = 0                  # the scenario of --kill-rank R --at-step S (elastic)
+    spares: int = 0                   # the last `spares` ranks wait as hot spares and take
+                                      # lost ranks' places (elastic, replicated mode)
 
 
 # The deadline where the learned one would run the hierarchy: on fake 2 x 2
@@ -154,7 +156,8 @@ def lossy_communicator(cfg: Config, comm: MPI.Intracomm, elastic: bool) -> mpilo
                                  channel=cfg.channel,
                                  scaling="zero-fill" if plain else "unbiased",
                                  rotate=not pinned_reducers(cfg),
-                                 redundancy=redundancy(cfg), elastic=elastic, **target)
+                                 redundancy=redundancy(cfg), elastic=elastic,
+                                 spares=cfg.spares, **target)
 
 
 def check_fsdp(cfg: Config) -> None:
@@ -286,11 +289,20 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                          "has no phase-aware tolerance")
     if cfg.micro_batches < 1 or cfg.batch % cfg.micro_batches:
         raise ValueError(f"micro_batches must divide batch ({cfg.batch}), got {cfg.micro_batches}")
-    elastic = cfg.elastic or cfg.kill_rank is not None
+    elastic = cfg.elastic or cfg.kill_rank is not None or cfg.spares > 0
     if elastic and cfg.reduce != "mpilossy":
-        raise ValueError("elastic training (and --kill-rank) needs reduce='mpilossy'")
-    if cfg.kill_rank is not None and not 0 <= cfg.kill_rank < comm.size:
-        raise ValueError(f"kill_rank must be a rank (0..{comm.size - 1}), got {cfg.kill_rank}")
+        raise ValueError("elastic training (--kill-rank, --spares) needs reduce='mpilossy'")
+    refused = [name for name, on in (
+        ("mode " + cfg.mode, cfg.mode != "replicated"), ("phase_aware", cfg.phase_aware),
+        ("error_feedback", cfg.error_feedback), ("compression", cfg.compression != "none"),
+        ("compute_deadline", cfg.compute_deadline != "off")) if on]
+    if cfg.spares and refused:
+        raise ValueError(f"spares (a newcomer takes the replicated optimizer's state) do not "
+                         f"take: {', '.join(refused)}")
+    working = comm.size - max(cfg.spares, 0)
+    if cfg.kill_rank is not None and not 0 <= cfg.kill_rank < working:
+        raise ValueError(f"kill_rank must be a working rank (0..{working - 1}), "
+                         f"got {cfg.kill_rank}")
     slow_p, slow_factor = straggler(cfg.straggle)
     deadline = compute_deadline(cfg)
     if deadline is not None and cfg.reduce != "mpilossy":
@@ -310,6 +322,8 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     model = TinyGPT(corpus_mod.VOCAB, cfg.context, cfg.width, cfg.layers, cfg.heads).to(device)
     mt.broadcast_parameters(model, comm=comm)
     lc = lossy_communicator(cfg, comm, elastic) if cfg.reduce == "mpilossy" else None
+    if lc is not None and lc.spare and not lc.stand_by():
+        return {"released": True}       # (a spare nobody called in)
     # fsdp: the parameters become shards (DTensors) before the optimizer sees them
     fsdp = None
     if cfg.mode == "fsdp":
@@ -373,7 +387,8 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         is gone cannot block them), else MPI."""
         return lc.bounded_comm() if lc is not None and lc.elastic else comm
 
-    for step in range(cfg.steps):
+    # (a spare called in goes on from the step the others had reached)
+    for step in range(wrapped.steps if wrapped is not None else 0, cfg.steps):
         if step == cfg.kill_at and rank == cfg.kill_rank:
             bar.close()
             sys.stdout.flush()
