@@ -47,7 +47,7 @@ class CallResult(NamedTuple):
     min_contributors: int
     seq: int
     lost_blocks: Tuple[int, int, int, int]
-    timing: Tuple[float, float, float]
+    timing: Tuple[float, float, float, float]   # start, anchor, end, seen
     agreed: float
     contributors: Optional[Tuple[bytes, int, int, int, int]]
     rebuilt: int

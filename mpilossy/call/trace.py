@@ -31,7 +31,7 @@ class Trace:
         """One call: its CallResult and CallSpec."""
         if self._file is None:
             return
-        start, anchor, _end = result.timing
+        start, anchor = result.timing[:2]
         self._file.write("\t".join(map(str, (
             result.seq,
             f"{COLLECTIVE_NAMES[spec.collective]}/{ALGORITHM_NAMES[spec.algorithm]}",

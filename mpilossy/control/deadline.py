@@ -27,6 +27,10 @@ power of two):
   below 1 (the deadline never cuts below what calls that finished in time
   needed) nor above what reaches ``cap``; every rank computes it from the
   same agreed numbers, so it is the same everywhere;
+- the agreed percentile of a kind is at least what the patience (PATIENCE
+  of the deadline) needs to cover the lateness of peers that most calls
+  see (late_peers): a rank late into every call is waited for, a rare
+  straggler is cut;
 - until the first agreement, and for kinds never seen complete, the
   deadline is ``cap``.
 
@@ -84,6 +88,10 @@ from .agreement import LAG, PERIOD, Agreement, _lingering, finish, reap  # noqa:
 WINDOW = 64
 FACTOR = 4.0
 PERCENTILE = 95
+PATIENCE = 0.6          # of a deadline, the wait for peers not yet in the call (the core's)
+SKEW_PERCENTILE = 90    # lateness of peers that the deadline's patience covers...
+SKEW_MARGIN = 1.25      # ...with this margin
+ABSENT_SHARE = 0.5      # a peer missing more of the calls than this is behind, not straggling
 SETTLE_SHARE = 0.25     # of a deadline, at most, spent completing an agreement
 STEP_UP = 2.0           # largest growth of the scale per agreement
 STEP_DOWN = 0.75        # its shrinking per agreement while the cut is well below target
@@ -121,6 +129,25 @@ def next_scale(scale: float, cut: float, allowed: float, largest: float) -> floa
     return max(1.0, min(scale, largest))
 
 
+def late_peers(seen: Deque[float], absent: Tuple[int, int, float]) -> float:
+    """The wait for late peers that a deadline's patience should cover: the
+    SKEW_PERCENTILE of how long recent calls waited for their last peer
+    (`seen`), with a margin.  `absent`: (calls, calls with a peer never seen
+    in them, the longest of those) since the last agreement.  A peer absent
+    from most calls has fallen behind for good (every call loses it, and it
+    falls further behind while the others do not wait for it): the wait
+    covers the longest such call then, so that the patience grows (by about
+    2x an agreement) until the peer is seen.  Rarer absences are a
+    straggler's, or a rank catching up after one (a sleep past the deadline
+    misses the next few calls too): not counted, so that a straggler is cut,
+    not waited for.  0: nothing to cover."""
+    calls, missed, longest = absent
+    needed = float(np.percentile(list(seen), SKEW_PERCENTILE)) if seen else 0.0
+    if calls and missed > ABSENT_SHARE * calls:
+        needed = max(needed, longest)
+    return needed * SKEW_MARGIN
+
+
 class AutoDeadline:
     """The learned, agreed deadline of each kind of call on one communicator."""
 
@@ -138,6 +165,8 @@ class AutoDeadline:
         self.allowed = 1.0 - target     # share of the blocks the deadline may cut
         self.calls = 0
         self.durations: Dict[Key, deque] = {}
+        self.skews: Dict[Key, deque] = {}    # how long calls waited for their last peer
+        self.absent: Dict[Key, Tuple[int, int, float]] = {}   # this period's; see late_peers
         self.agreed: Dict[Key, float] = {}     # agreed 95th percentile per kind
         self.timeouts: Dict[Key, float] = {}
         self.scale = 1.0
@@ -186,6 +215,11 @@ class AutoDeadline:
         for key, durations in self.durations.items():
             if durations:
                 send[_slot(key)] = float(np.percentile(list(durations), PERCENTILE))
+        for key, skews in self.skews.items():
+            needed = late_peers(skews, self.absent.pop(key, (0, 0, 0.0)))
+            if needed:
+                # in the units of the stages' percentile (deadline = FACTOR * scale * it)
+                send[_slot(key)] = max(send[_slot(key)], needed / (PATIENCE * FACTOR))
         if self.cut_calls:
             send[_SLOTS + self.rank] = 1.0 + self.cut / self.cut_calls
         self.cut, self.cut_calls = 0.0, 0
@@ -247,17 +281,29 @@ class AutoDeadline:
         the deadline cut.  (A single rank has nothing to learn: it only
         copies.)"""
         if self.size > 1 and not result.err_kind:
-            start, anchor, end = result.timing
+            start, anchor, end, seen = result.timing
             if anchor >= 0:
                 _injected, late, gone, torn = result.lost_blocks
                 self.record(key, end - anchor, not (result.deadline_hit or gone or torn))
                 timeout = self.timeouts.get(key, self.cap)
+                if self.auto_call:
+                    self._skew(key, start, max(end, anchor), seen)
                 early = anchor - start <= EARLY_ANCHOR * timeout
                 # (a kind already at the cap cannot be lengthened: its cut
                 # would lengthen every other kind's deadline, to no avail)
                 if self.auto_call and early and result.read_blocks and timeout < self.cap:
                     self.cut += min(1.0, late / result.read_blocks)
                     self.cut_calls += 1
+
+    def _skew(self, key: Key, start: float, end: float, seen: float) -> None:
+        """Learn how late the last peer came into a call (late_peers)."""
+        calls, missed, longest = self.absent.get(key, (0, 0, 0.0))
+        if seen >= 0:
+            self.skews.setdefault(key, deque(maxlen=WINDOW)).append(seen - start)
+            self.absent[key] = (calls + 1, missed, longest)
+        else:
+            self.skews.setdefault(key, deque(maxlen=WINDOW))
+            self.absent[key] = (calls + 1, missed + 1, max(longest, end - start))
 
     def record(self, key: Key, duration: float, in_time: bool) -> None:
         """Report how long the stages of a call took, and whether it ended

@@ -448,15 +448,20 @@ cdef int run_streams(Algorithm alg, Channel chan, CallInfo* call, bint lossy,
     cdef double next_note_check = mpl_now() + NOTE_CHECK_INTERVAL
     cdef int idle = 0
     call.anchor = -1.0
+    call.seen = -1.0
     alg.start()
     while True:
         progressed = alg.produce()
         unresolved = 0
         now = mpl_now()
-        if call.anchor < 0 and not exact:
+        # (a peer seen after patience no longer moves the anchor, but how
+        # late it came is what the learned deadline needs to know)
+        if call.seen < 0 and not exact:
             if chan.entered() == alg.size:
-                call.anchor = now
-            elif now >= patience:
+                call.seen = now
+                if call.anchor < 0:
+                    call.anchor = now
+            elif call.anchor < 0 and now >= patience:
                 call.anchor = patience
         for i in range(alg.nstreams):
             s = &alg.streams[i]

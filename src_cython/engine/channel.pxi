@@ -120,6 +120,8 @@ cdef struct CallInfo:
     bint injected         # injected loss may drop records of this call
     double anchor         # when every peer was seen in this call (or patience
                           # ran out); < 0 until then
+    double seen           # when every peer was seen, also past patience; < 0:
+                          # not in this call (the learned deadline's skew)
     int nstages
     double* stage_end     # fraction of the budget at which each stage gives up
     # The engine's settings, the communicator's (MPILOSSY_SPIN, _EARLY_CLOSE):

@@ -14,7 +14,7 @@ CallResult = namedtuple("CallResult", [
     "err_kind", "err_rank", "err_msg",        # ERR_NONE (0) when the call succeeded
     "delivered", "elapsed", "deadline_hit", "fallback", "min_contributors", "seq",
     "lost_blocks",                            # (injected, late, gone, torn)
-    "timing",                                 # (start, anchor, end), monotonic clock
+    "timing",                                 # (start, anchor, end, seen), monotonic clock
     "agreed",
     "contributors",                           # direct / all-gather: the core's bitmaps
     "rebuilt",                                # blocks rebuilt from parity (redundancy)
@@ -341,13 +341,14 @@ cdef class Core:
                 err_kind=self.err.kind, err_rank=self.err.rank,
                 err_msg=self.err.msg.decode(errors="replace"), delivered=0.0,
                 elapsed=finished - t0, deadline_hit=False, fallback=0.0, min_contributors=0,
-                seq=call.seq, lost_blocks=(0, 0, 0, 0), timing=(call.start, -1.0, finished),
+                seq=call.seq, lost_blocks=(0, 0, 0, 0), timing=(call.start, -1.0, finished, -1.0),
                 agreed=0.0, contributors=None, rebuilt=0, read_blocks=0)
         if alg is None:
             return CallResult(
                 err_kind=ERR_NONE, err_rank=-1, err_msg="", delivered=1.0,
                 elapsed=finished - t0, deadline_hit=False, fallback=0.0, min_contributors=1,
-                seq=call.seq, lost_blocks=(0, 0, 0, 0), timing=(call.start, call.start, finished),
+                seq=call.seq, lost_blocks=(0, 0, 0, 0),
+                timing=(call.start, call.start, finished, call.start),
                 agreed=1.0, contributors=None, rebuilt=0, read_blocks=0)
         return CallResult(
             err_kind=ERR_NONE, err_rank=-1, err_msg="", delivered=alg.delivered(),
@@ -355,7 +356,7 @@ cdef class Core:
             fallback=alg.fallback_elems / <double>alg.result_elems if alg.result_elems else 0.0,
             min_contributors=alg.min_count, seq=call.seq,
             lost_blocks=(alg.lost_injected, alg.lost_late, alg.lost_gone, alg.lost_torn),
-            timing=(call.start, call.anchor, finished), agreed=alg.agreed(),
+            timing=(call.start, call.anchor, finished, call.seen), agreed=alg.agreed(),
             contributors=(<Chunked>alg).contributors()
             if alg is self.direct or alg is self.gather else None,
             rebuilt=alg.rebuilt_blocks, read_blocks=read_blocks,

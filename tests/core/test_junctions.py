@@ -270,9 +270,10 @@ def test_a_kind_cut_at_the_cap_leaves_the_other_kinds_alone(comm):
     a, b = (0, 0, 20), (0, 0, 10)
     cut = _core.CallResult(err_kind=0, err_rank=-1, err_msg="", delivered=0.5, elapsed=0.2,
                            deadline_hit=True, fallback=0.0, min_contributors=1, seq=0,
-                           lost_blocks=(0, 50, 0, 0), timing=(0.0, 0.0, 0.2), agreed=0.5,
+                           lost_blocks=(0, 50, 0, 0), timing=(0.0, 0.0, 0.2, 0.0), agreed=0.5,
                            contributors=None, rebuilt=0, read_blocks=100)
-    quick = cut._replace(deadline_hit=False, lost_blocks=(0, 0, 0, 0), timing=(0.0, 0.0, 0.002))
+    quick = cut._replace(deadline_hit=False, lost_blocks=(0, 0, 0, 0),
+                         timing=(0.0, 0.0, 0.002, 0.0))
     try:
         for _ in range(12 * deadline.PERIOD):
             auto.tick(True)

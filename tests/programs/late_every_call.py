@@ -1,0 +1,48 @@
+"""timeout="auto" with a rank that comes late into every call: rank 1 sleeps
+DELAY before each call after ALIGNED calls lined up by a barrier (which
+taught the deadlines calls without skew), no barrier after.  Prints one JSON
+line from rank 0: per rank, the mean delivered over the last LAST calls and
+the deadline in force at the end (the hierarchy's: the stage across nodes).
+Used by tests/control/test_late_peers.py and for docs/deadlines.md."""
+
+import argparse
+import json
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpilossy
+
+p = argparse.ArgumentParser()
+p.add_argument("--algorithm", default="direct")
+p.add_argument("--channel", default="rma")
+p.add_argument("--aligned", type=int, default=80)
+p.add_argument("--late", type=int, default=170)
+p.add_argument("--last", type=int, default=60)
+p.add_argument("--delay", type=float, default=0.02)
+args = p.parse_args()
+
+comm = MPI.COMM_WORLD
+x = np.full(1 << 18, float(comm.rank + 1), np.float32)
+out = np.empty_like(x)
+delivered, exact = [], []
+with mpilossy.Communicator(comm, timeout="auto", channel=args.channel) as lc:
+    for call in range(args.aligned + args.late):
+        if call < args.aligned:
+            comm.Barrier()
+        elif comm.rank == 1:
+            time.sleep(args.delay)
+        stats = lc.allreduce(x, out, algorithm=args.algorithm, op="avg")
+        delivered.append(stats.delivered)
+        exact.append(bool(np.all(out == (comm.size + 1) / 2)))
+    state = lc._state
+    inner = getattr(state, "hierarchy", None)
+    hierarchical = args.algorithm == "hierarchical" and inner is not None
+    auto = inner.inter.auto if hierarchical and inner.inter is not None else state.auto
+    deadline = max(auto.snapshot().values(), default=None)
+rows = comm.gather({"delivered": float(np.mean(delivered[-args.last:])),
+                    "exact": float(np.mean(exact[-args.last:])), "deadline": deadline,
+                    "cap": auto.cap}, root=0)
+if comm.rank == 0:
+    print(json.dumps({"algorithm": args.algorithm, "channel": args.channel, "ranks": rows}))
