@@ -350,7 +350,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--loss", default=os.environ.get("MPILOSSY_LOSS") or None,
                    help="loss model, MPILOSSY_LOSS syntax (default: $MPILOSSY_LOSS)")
     p.add_argument("--scenario", default=None,
-                   help="tail latency: 'straggler:rank=R,delay=S,prob=P' or "
+                   help="tail latency: 'straggler:rank=R,delay=S,prob=P' (',aligned=0': "
+                        "no barrier between calls) or "
                         "'microburst:p_good_to_bad=A,p_bad_to_good=B,rto=S', applied to "
                         "MPI_Allreduce and mpilossy alike, or 'link': the network's own drops "
                         "(scripts/lossy_link.py)")

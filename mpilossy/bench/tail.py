@@ -50,7 +50,8 @@ class TailRow:
 
 
 def parse_scenario(text: str) -> Dict[str, Any]:
-    """'straggler:rank=3,delay=0.02,prob=0.05',
+    """'straggler:rank=3,delay=0.02,prob=0.05' (',aligned=0': no barrier
+    between calls, see _free_running),
     'microburst:p_good_to_bad=0.01,p_bad_to_good=0.2,rto=0.005', or 'link'
     (nothing injected or emulated: the network itself drops, as in
     scripts/lossy_link.py)."""
@@ -63,6 +64,7 @@ def parse_scenario(text: str) -> Dict[str, Any]:
         params.setdefault("rank", -1)
         params.setdefault("delay", 0.02)
         params.setdefault("prob", 0.05)
+        params.setdefault("aligned", 1)
     elif kind == "microburst":
         params.setdefault("p_good_to_bad", 0.01)
         params.setdefault("p_bad_to_good", 0.2)
@@ -144,40 +146,16 @@ def _tail(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, s: Dict[s
           straggler: int, size: int, algorithm: str, channel: str) -> TailRow:
     dtype = np.dtype(cfg.dtype)
     send = small_ints(max(size // dtype.itemsize, 0), comm.rank, dtype)
-    recv, mpi_recv = np.empty_like(send), np.empty_like(send)
-    rng = np.random.default_rng(int(s["seed"]))          # the same draws on every rank
-    mine: List[float] = []
-    mpi_mine: List[float] = []
-    delivered: List[float] = []
-    timeouts: List[Optional[float]] = []
-    with _aligner(comm, s) as align:
-        for it in range(cfg.warmup + cfg.iters):
-            late = s["kind"] == "straggler" and rng.random() < s["prob"]
-            align()
-            if late and comm.rank == straggler:
-                time.sleep(s["delay"])
-            t0 = time.perf_counter()
-            stats = lc.allreduce(send, recv, op=cfg.op, algorithm=algorithm)
-            t_lossy = time.perf_counter() - t0
-            burst = comm.allreduce(stats.lost_blocks[0] > 0, op=MPI.LOR) \
-                if s["kind"] == "microburst" else False
-            align()
-            if late and comm.rank == straggler:
-                time.sleep(s["delay"])
-            t0 = time.perf_counter()
-            comm.Allreduce(send, mpi_recv)
-            if burst:
-                time.sleep(s["rto"])
-            t_mpi = time.perf_counter() - t0
-            if it >= cfg.warmup:
-                mine.append(t_lossy)
-                mpi_mine.append(t_mpi)
-                delivered.append(stats.delivered)
-                timeouts.append(stats.timeout)
-    times = every_call(comm, mine)
-    mpi_times = every_call(comm, mpi_mine)
+    calls = _Calls(send, np.empty_like(send), np.empty_like(send))
+    if s["kind"] == "straggler" and not s["aligned"]:
+        _free_running(comm, lc, cfg, s, straggler, algorithm, calls)
+    else:
+        _aligned(comm, lc, cfg, s, straggler, algorithm, calls)
+    times = every_call(comm, calls.mine)
+    mpi_times = every_call(comm, calls.mpi_mine)
     p99, mpi_p99 = percentile(times, 99), percentile(mpi_times, 99)
-    name = (f"straggler(rank={straggler},delay={s['delay']},prob={s['prob']})"
+    name = (f"straggler(rank={straggler},delay={s['delay']},prob={s['prob']}"
+            f"{'' if s['aligned'] else ',free'})"
             if s["kind"] == "straggler" else
             f"microburst(gb={s['p_good_to_bad']},bg={s['p_bad_to_good']},rto={s['rto']})"
             if s["kind"] == "microburst" else "link")
@@ -187,9 +165,81 @@ def _tail(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, s: Dict[s
         mpi_p50_us=percentile(mpi_times, 50), mpi_p99_us=mpi_p99,
         mpi_max_us=float(mpi_times.max()), p50_us=percentile(times, 50),
         p99_us=p99, max_us=float(times.max()), p99_ratio=mpi_p99 / p99 if p99 else math.nan,
-        delivered=mean_over_ranks(comm, float(np.mean(delivered))),
-        lossy_timeouts=[t for t in timeouts if t is not None][-1:],
+        delivered=mean_over_ranks(comm, float(np.mean(calls.delivered))),
+        lossy_timeouts=[t for t in calls.timeouts if t is not None][-1:],
         times_us=times.tolist(), mpi_times_us=mpi_times.tolist())
+
+
+@dataclass
+class _Calls:
+    """One row's calls: the buffers, and what each rank measured."""
+    send: np.ndarray
+    recv: np.ndarray
+    mpi_recv: np.ndarray
+    mine: List[float] = field(default_factory=list)        # seconds inside each lossy call
+    mpi_mine: List[float] = field(default_factory=list)    # ...each MPI_Allreduce
+    delivered: List[float] = field(default_factory=list)
+    timeouts: List[Optional[float]] = field(default_factory=list)
+
+    def lossy(self, lc: mpilossy.Communicator, cfg: BenchConfig, algorithm: str) -> Any:
+        return lc.allreduce(self.send, self.recv, op=cfg.op, algorithm=algorithm)
+
+    def keep(self, took: float, mpi_took: Optional[float], stats: Any) -> None:
+        if stats is not None:
+            self.mine.append(took)
+            self.delivered.append(stats.delivered)
+            self.timeouts.append(stats.timeout)
+        if mpi_took is not None:
+            self.mpi_mine.append(mpi_took)
+
+
+def _aligned(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig, s: Dict[str, Any],
+             straggler: int, algorithm: str, calls: _Calls) -> None:
+    """Each call lined up on its own (_aligner), the lossy one and MPI's in
+    turn, the disturbance before each."""
+    rng = np.random.default_rng(int(s["seed"]))          # the same draws on every rank
+    with _aligner(comm, s) as align:
+        for it in range(cfg.warmup + cfg.iters):
+            late = s["kind"] == "straggler" and rng.random() < s["prob"]
+            align()
+            if late and comm.rank == straggler:
+                time.sleep(s["delay"])
+            t0 = time.perf_counter()
+            stats = calls.lossy(lc, cfg, algorithm)
+            t_lossy = time.perf_counter() - t0
+            burst = comm.allreduce(stats.lost_blocks[0] > 0, op=MPI.LOR) \
+                if s["kind"] == "microburst" else False
+            align()
+            if late and comm.rank == straggler:
+                time.sleep(s["delay"])
+            t0 = time.perf_counter()
+            comm.Allreduce(calls.send, calls.mpi_recv)
+            if burst:
+                time.sleep(s["rto"])
+            t_mpi = time.perf_counter() - t0
+            if it >= cfg.warmup:
+                calls.keep(t_lossy, t_mpi, stats)
+
+
+def _free_running(comm: MPI.Comm, lc: mpilossy.Communicator, cfg: BenchConfig,
+                  s: Dict[str, Any], straggler: int, algorithm: str, calls: _Calls) -> None:
+    """The calls back to back with nothing between them, as in a training
+    loop: the straggler's sleeps are not absorbed by a barrier, and a rank
+    that falls behind stays behind unless its peers wait for it.  All the
+    lossy calls, then all of MPI's, the same draws."""
+    for lossy in (True, False):
+        rng = np.random.default_rng(int(s["seed"]))
+        comm.Barrier()
+        for it in range(cfg.warmup + cfg.iters):
+            if rng.random() < s["prob"] and comm.rank == straggler:
+                time.sleep(s["delay"])
+            t0 = time.perf_counter()
+            stats = calls.lossy(lc, cfg, algorithm) if lossy else None
+            if not lossy:
+                comm.Allreduce(calls.send, calls.mpi_recv)
+            took = time.perf_counter() - t0
+            if it >= cfg.warmup:
+                calls.keep(took, None if lossy else took, stats)
 
 
 def format_tail(rows: Sequence[TailRow], comm: MPI.Comm, cfg: BenchConfig) -> str:

@@ -137,6 +137,19 @@ def test_tail_scenario(tmp_path):
     assert tail["delivered"] < 1.0
 
 
+def test_tail_scenario_free_running(tmp_path):
+    """aligned=0: no barrier between calls, MPI's and mpilossy's alike (the
+    same draws).  MPI still waits out every sleep; a 5 ms deadline cuts the
+    straggler instead."""
+    _, doc = bench(tmp_path, "allreduce", "--sizes", "4K", "-n", "20", "-w", "2",
+                   "-t", "0.005", "--scenario", "straggler:delay=0.02,prob=0.2,seed=3,aligned=0")
+    (tail,) = doc["tail"]
+    assert tail["scenario"].endswith(",free)"), tail["scenario"]
+    assert len(tail["times_us"]) == len(tail["mpi_times_us"]) == 2 * 20
+    assert tail["mpi_max_us"] >= 0.9 * 20_000
+    assert tail["delivered"] < 1.0 and tail["p99_us"] < tail["mpi_p99_us"], tail
+
+
 def test_link_scenario_touches_nothing(tmp_path):
     """--scenario link neither injects nor emulates: on this lossless link
     every contribution arrives and MPI is charged no timeout."""
