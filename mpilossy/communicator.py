@@ -8,7 +8,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union, cast
+from typing import Any, Callable, Dict, Optional, Tuple, Union, cast
 
 import numpy as np
 from mpi4py import MPI
@@ -21,13 +21,11 @@ from .call.request import Request
 from .call.stats import ALGORITHM_NAMES, COLLECTIVE_NAMES, AllreduceStats, CollectiveStats
 from . import reliable
 from .control.agreement import linger
-from .control.elastic import check_elastic
-from .control.spares import Spares
 from .dispatch import run
 from .errors import EvictedError, MPILossyError
 from .hierarchy import NodeLayout
 from .state import State
-from .survivors import Callback, Elastic
+from .survivors import Callback, Elastic, SpareSeat
 
 __all__ = ["Communicator", "CollectiveStats", "AllreduceStats", "allreduce",
            "reduce_scatter", "allgather", "default_communicator"]
@@ -94,19 +92,15 @@ class Communicator:
         self._state: Optional[State] = None
         self._elastic: Optional[Elastic] = None
         self._bounded: Optional[reliable.BoundedComm] = None
-        self._spares: Optional[Spares] = None
-        self._standing = False              # a spare not called in yet
-        self._newcomer = False              # a spare called in
-        # (a spare's on_exclusion and on_growth callbacks, until it is called in)
-        self._early: Tuple[List[Callback], List[Callback]] = ([], [])
+        self._seat: Optional[SpareSeat] = None      # spares=k
         self._serial = next(_serials)
         config, env = agree(comm, arguments)
         environment.configure_logging(env, comm.Get_rank())
         environment.warn_from_environment(env, MPI.COMM_WORLD.Get_rank(), tuple(
             name for name in ("loss", "timeout") if arguments[name] is UNSET))
-        self._config = config
         if config.spares:
-            comm = self._set_spares_aside(comm, config)
+            self._seat = SpareSeat(comm, config)
+            comm = cast(MPI.Intracomm, self._seat.workers)
             if comm == MPI.COMM_NULL:
                 return
         # (an elastic communicator builds no hierarchy: docs/elastic.md)
@@ -118,7 +112,7 @@ class Communicator:
                 comm.Free()
         if config.elastic:
             try:
-                self._elastic = Elastic(state, self._spares)
+                self._elastic = Elastic(state, self._seat.spares if self._seat else None)
             except BaseException:
                 self.free()
                 raise
@@ -127,34 +121,19 @@ class Communicator:
                              "block_bytes=%d", state.size, state.channel, config.timeout,
                              list(config.loss) or None, config.block_bytes)
 
-    def _set_spares_aside(self, comm: MPI.Intracomm, config: Config) -> MPI.Intracomm:
-        """spares=k (collective over `comm`): the working ranks' communicator
-        (the others but the last k), or COMM_NULL on a spare."""
-        size = comm.Get_size()
-        if not config.elastic or check_elastic(config.timeout) is not None:
-            raise ValueError("spares= needs elastic=True and a deadline: spares replace ranks "
-                             "that an elastic communicator excluded")
-        if config.spares >= size:
-            raise ValueError(f"spares={config.spares} leaves no working rank of {size}")
-        self._spares = Spares(comm.Dup(), config.spares)
-        working = comm.Get_rank() < size - config.spares
-        workers = comm.Split(0 if working else MPI.UNDEFINED, comm.Get_rank())
-        self._standing = not working
-        return cast(MPI.Intracomm, workers)
-
     # -- elastic=True -------------------------------------------------------------
     @property
     def spare(self) -> bool:
         """spares=k: this rank is a spare that no exclusion has called in
         yet (stand_by() waits for that)."""
-        return self._standing
+        return self._seat is not None and self._seat.standing
 
     @property
     def newcomer(self) -> bool:
         """spares=k: this rank was a spare and an exclusion called it in
         (mpilossy.torch's DistributedOptimizer built on it then receives
         the survivors' parameters and optimizer state)."""
-        return self._newcomer
+        return self._seat is not None and self._seat.newcomer
 
     def stand_by(self, timeout: Optional[float] = None) -> bool:
         """On a spare (spares=k: the last k ranks of `comm`): wait until the
@@ -165,27 +144,16 @@ class Communicator:
         until the job's working ranks free the communicator without
         needing it, MPI reports them all failed, or `timeout` seconds pass
         (False: nothing to do; free() is a no-op)."""
-        if not self._standing or self._spares is None:
+        if self._seat is None or not self._seat.standing:
             raise ValueError("stand_by() is for a spare rank not called in yet "
                              "(Communicator(..., spares=k): the last k ranks)")
         if timeout is not None and not (isinstance(timeout, (int, float))
                                         and not isinstance(timeout, bool) and timeout > 0):
             raise ValueError(f"timeout must be None or seconds > 0, not {timeout!r}")
-        parent = self._spares.parent
-        message = self._spares.stand_by(parent.Get_size() - self._config.spares, timeout)
-        self._standing = False
-        if message is None:
+        called = self._seat.stand_by(self._serial, timeout)
+        if called is None:
             return False
-        grown = message["comm"]
-        try:
-            learned = grown.bcast(None, root=0)     # (the survivors' learned deadline, ...)
-            self._state = state = State.open(grown, self._config, self._serial, layout=True)
-        finally:
-            grown.Free()
-        state.warm(learned)
-        self._elastic = elastic = Elastic(state, self._spares, joining=message)
-        elastic.callbacks, elastic.growth_callbacks = self._early
-        self._newcomer = True
+        self._state, self._elastic = called
         _live.add(self)
         return True
 
@@ -213,8 +181,8 @@ class Communicator:
         in, right after spares joined, before grow() returns."""
         if not callable(callback):
             raise TypeError("callback must be callable")
-        if self._standing:
-            self._early[1].append(callback)
+        if self._seat is not None and self._seat.standing:
+            self._seat.early[1].append(callback)
         elif self._elastic is None:
             raise ValueError("on_growth() needs a communicator built with elastic=True")
         else:
@@ -227,7 +195,7 @@ class Communicator:
     def members(self) -> Tuple[int, ...]:
         """The ranks (in the communicator this Communicator was built on)
         still in: all of them unless elastic=True excluded some."""
-        if self._standing:
+        if self.spare:
             return ()
         if self._elastic is None:
             return tuple(range(self.size))
@@ -249,8 +217,8 @@ class Communicator:
         to re-shard, log or checkpoint."""
         if not callable(callback):
             raise TypeError("callback must be callable")
-        if self._standing:
-            self._early[0].append(callback)
+        if self._seat is not None and self._seat.standing:
+            self._seat.early[0].append(callback)
             return
         if self._elastic is None:
             raise ValueError("on_exclusion() needs a communicator built with elastic=True")
@@ -350,8 +318,8 @@ class Communicator:
         if self._elastic is not None and self._state is not None and not self._elastic.evicted:
             try:
                 self.barrier()
-                if self._spares is not None and self._state.rank == 0:
-                    self._spares.release()      # (every rank still in is done)
+                if self._seat is not None and self._state.rank == 0:
+                    self._seat.spares.release()     # (every rank still in is done)
             except EvictedError:
                 pass
         state, self._state = self._state, None
@@ -385,7 +353,7 @@ class Communicator:
         if self._elastic is not None and self._elastic.evicted:
             raise EvictedError(self._elastic.evicted)
         if self._state is None:
-            if self._standing:
+            if self.spare:
                 raise MPILossyError("this rank is a spare standing by: stand_by() returns "
                                     "once the survivors of an exclusion call it in")
             raise MPILossyError("this mpilossy.Communicator was freed")

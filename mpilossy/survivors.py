@@ -21,13 +21,14 @@ from mpi4py import MPI
 from .call import environment
 from .call.request import Request
 from .call.stats import CollectiveStats
+from .call.config import Config
 from .control.elastic import POLL, Membership, check_elastic
 from .control.failures import survivors
 from .control.spares import Spares
 from .dispatch import alone
 from .state import State
 
-__all__ = ["Elastic", "Callback"]
+__all__ = ["Elastic", "SpareSeat", "Callback"]
 
 Callback = Callable[[Tuple[int, ...], Tuple[int, ...]], None]
 
@@ -225,3 +226,46 @@ class Elastic:
     def close(self) -> None:
         self.membership.close()
 
+
+class SpareSeat:
+    """spares=k, on one rank: set aside at construction (the last k ranks of
+    the communicator are spares), then on a spare the wait to be called in
+    (control/spares.py's Spares), with the callbacks registered meanwhile."""
+
+    def __init__(self, comm: MPI.Intracomm, config: Config) -> None:
+        """Collective over `comm`; `workers` is the working ranks'
+        communicator (COMM_NULL on a spare), for the caller to free."""
+        size = comm.Get_size()
+        if not config.elastic or check_elastic(config.timeout) is not None:
+            raise ValueError("spares= needs elastic=True and a deadline: spares replace ranks "
+                             "that an elastic communicator excluded")
+        if config.spares >= size:
+            raise ValueError(f"spares={config.spares} leaves no working rank of {size}")
+        self.config = config        # (a spare's, until stand_by() opens its state)
+        self.spares = Spares(comm.Dup(), config.spares)
+        self.standing = comm.Get_rank() >= size - config.spares   # not called in yet
+        self.newcomer = False                                       # called in
+        # (on_exclusion's and on_growth's callbacks, until it is called in)
+        self.early: Tuple[List[Callback], List[Callback]] = ([], [])
+        self.workers = comm.Split(MPI.UNDEFINED if self.standing else 0, comm.Get_rank())
+
+    def stand_by(self, serial: int, timeout: Optional[float]) -> Optional[Tuple[State, Elastic]]:
+        """Wait until the survivors call this spare in (Communicator.stand_by):
+        its state on the grown communicator, warmed with what the survivors
+        learned, and its membership; None if it was not needed."""
+        parent = self.spares.parent
+        message = self.spares.stand_by(parent.Get_size() - self.config.spares, timeout)
+        self.standing = False
+        if message is None:
+            return None
+        grown = message["comm"]
+        try:
+            learned = grown.bcast(None, root=0)     # (the survivors' learned deadline, ...)
+            state = State.open(grown, self.config, serial, layout=True)
+        finally:
+            grown.Free()
+        state.warm(learned)
+        elastic = Elastic(state, self.spares, joining=message)
+        elastic.callbacks, elastic.growth_callbacks = self.early
+        self.newcomer = True
+        return state, elastic
