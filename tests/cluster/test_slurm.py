@@ -229,17 +229,9 @@ def test_train_elastic_survives_a_rank_that_exits(slurm, tmp_path, launcher, kee
     find rank 2 silent in the barrier before the next step, a bounded wait,
     and exclude it after elastic_wait (before the waits were bounded, that
     job hung until its time limit)."""
-    pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
-    pytest.importorskip("tqdm", reason="tqdm is not installed")
-    env = dict(TRAIN_STEPS="10", TRAIN_TIMEOUT="0.2", TRAIN_ARGS=TINY + " --kill-rank 2 "
-               "--at-step 5", ELASTIC="1", LAUNCHER=launcher)
-    job, code, out, err = submit(slurm, tmp_path, "train.sbatch", **env)
-    assert code == 0, out + err
+    out, summary = _train_losing_rank_2(slurm, tmp_path, "", ELASTIC="1", LAUNCHER=launcher)
     assert keeps in out and "--elastic" in out, out
-    summary = (tmp_path / f"mpilossy-train-{job}" / "summary.txt").read_text()
     assert re.search(r"^elastic +ranks \[2\] excluded; 3 went on$", summary, re.M), summary
-    r = json.loads((tmp_path / f"mpilossy-train-{job}" / "result.json").read_text())
-    assert r["members"] == [0, 1, 3] and math.isfinite(r["val_perplexity"]), r
 
 
 @pytest.mark.parametrize("launcher", ["mpiexec", "srun"])
@@ -247,18 +239,28 @@ def test_train_a_spare_takes_a_killed_ranks_place(slurm, tmp_path, launcher):
     """SPARES=1: the last task waits as a hot spare; rank 2 exits before
     step 5, the others exclude it (under srun: found silent, below) and
     call the spare in, which finishes the run with them."""
-    pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
-    pytest.importorskip("tqdm", reason="tqdm is not installed")
-    env = dict(TRAIN_STEPS="10", TRAIN_TIMEOUT="0.2", TRAIN_ARGS=TINY + " --mode replicated "
-               "--kill-rank 2 --at-step 5", SPARES="1", LAUNCHER=launcher)
-    job, code, out, err = submit(slurm, tmp_path, "train.sbatch", **env)
-    assert code == 0, out + err
+    out, summary = _train_losing_rank_2(slurm, tmp_path, " --mode replicated", SPARES="1",
+                                        LAUNCHER=launcher)
     assert "--elastic" in out and "--spares 1" in out, out
-    summary = (tmp_path / f"mpilossy-train-{job}" / "summary.txt").read_text()
     assert re.search(r"^elastic +ranks \[2\] excluded; 3 went on, spares \[3\] among them$",
                      summary, re.M), summary
-    r = json.loads((tmp_path / f"mpilossy-train-{job}" / "result.json").read_text())
+
+
+def _train_losing_rank_2(slurm, tmp_path, args: str, **env: str):
+    """train.sbatch, 10 tiny steps with a 0.2 s deadline, rank 2 exiting
+    before step 5 (TRAIN_ARGS gets `args` too): the job ends with exit code
+    0 and ranks 0, 1, 3 in, with a finite perplexity.  (job output, its
+    summary.txt)"""
+    pytest.importorskip("torch", reason="PyTorch is not installed (pip install torch)")
+    pytest.importorskip("tqdm", reason="tqdm is not installed")
+    job, code, out, err = submit(slurm, tmp_path, "train.sbatch", TRAIN_STEPS="10",
+                                 TRAIN_TIMEOUT="0.2",
+                                 TRAIN_ARGS=TINY + args + " --kill-rank 2 --at-step 5", **env)
+    assert code == 0, out + err
+    folder = tmp_path / f"mpilossy-train-{job}"
+    r = json.loads((folder / "result.json").read_text())
     assert r["members"] == [0, 1, 3] and math.isfinite(r["val_perplexity"]), r
+    return out, (folder / "summary.txt").read_text()
 
 
 def test_srun_reports_no_exit_and_lossy_calls_go_on_by_heartbeat(slurm, tmp_path):
