@@ -173,6 +173,7 @@ class AutoDeadline:
         self.cut = 0.0              # this period's cut shares, summed over its calls
         self.cut_calls = 0
         self.auto_call = False      # whether the current call uses the auto deadline
+        self.last_key: Any = None   # the kind of the latest call that asked its deadline
         self.pending: Deque[Agreement] = deque()
         self.started = 0            # agreements started (one per PERIOD calls)
 
@@ -271,7 +272,13 @@ class AutoDeadline:
 
     def timeout(self, key: Key) -> float:
         """The deadline of this call, of this kind."""
+        self.last_key = key
         return self.timeouts.setdefault(key, self.cap)
+
+    def may_grow(self) -> bool:
+        """The current call uses the learned deadline, and it is below the
+        cap: a peer late into every call may yet be waited for (late_peers)."""
+        return self.auto_call and self.timeouts.get(self.last_key, self.cap) < self.cap
 
     def observe(self, key: Key, result: Any) -> None:
         """Learn from a call that ended (the core's CallResult) in which every

@@ -130,6 +130,7 @@ class Membership:
         self.calls = 0                          # calls made on `comm`
         self.watched = neighbours(self.rank, self.size, self.span)
         self.seen = [0] * self.size             # the last call each neighbour finished
+        self.moved = [0] * self.size            # this rank's call count when `seen` last grew
         self.heard = [0.0] * self.size          # when each neighbour's last heartbeat came
         self.next_beat = 0.0                    # (in a reliable wait: the next heartbeat's time)
         self.last_beat = time.monotonic()       # when this rank last sent its heartbeat
@@ -179,7 +180,9 @@ class Membership:
             elif signal.epoch != self.epoch or not 0 <= signal.sender < self.size:
                 continue                        # (an earlier agreement's late message)
             elif signal.tag == BEAT:
-                self.seen[signal.sender] = max(self.seen[signal.sender], signal.number)
+                if signal.number > self.seen[signal.sender]:
+                    self.seen[signal.sender] = signal.number
+                    self.moved[signal.sender] = self.calls
                 self.heard[signal.sender] = time.monotonic()
                 read = max(signal.first, default=0)
                 unread = self.unread[signal.sender]
@@ -193,11 +196,17 @@ class Membership:
                                                          signal.number)
 
     # -- after every call -----------------------------------------------------
-    def after_call(self, waited: bool) -> Optional[FrozenSet[int]]:
+    def after_call(self, waited: bool, patient: bool = False) -> Optional[FrozenSet[int]]:
         """Count a call and send its heartbeat; then None (almost always), or the ranks
         this rank suspects, possibly none, when an agreement is to run
         (it suspects someone, or another rank started one).  Raises
         EvictedError if the others excluded this rank.
+
+        `patient`: the learned deadline may still grow to wait for a rank
+        late into every call (control/deadline.py: late_peers); a neighbour
+        `evict_after` calls behind is then suspected only once it has
+        finished no call in this rank's last `evict_after` (hung, stopped),
+        not while it is merely slower and the deadline is catching up.
 
         `waited`: the call ended at its deadline.  A rank MPI reports failed
         counts only then: one that exited just after a call it took part in
@@ -218,7 +227,8 @@ class Membership:
         if self.evicted:
             raise EvictedError(self.evicted)
         suspects = set(self.gone) if waited else set()
-        suspects.update(r for r in self.watched if seq - self.seen[r] >= self.evict_after)
+        suspects.update(r for r in self.watched if seq - self.seen[r] >= self.evict_after
+                        and not (patient and seq - self.moved[r] < self.evict_after))
         if not suspects and not self._called():
             return None
         return frozenset(suspects)

@@ -133,6 +133,39 @@ def test_heartbeats_go_to_the_neighbours_only(comm, across_nodes):
         membership.close()
 
 
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.parametrize("patient", [False, True])
+def test_a_slow_rank_is_suspected_only_when_patience_ends(comm, patient):
+    """The last rank finishes one call for every three of the others' (late
+    into every call, the learned deadline still short): it falls behind by
+    more than evict_after=6.  Impatient (a fixed deadline, or the learned
+    one at its cap), the others suspect it; patient, not while it finishes
+    calls; once it finishes none for evict_after of theirs, they do."""
+    slow = comm.size - 1
+    membership = Membership(comm.Dup(), list(range(comm.size)), 6, 10.0)
+    found = []
+    try:
+        for step in range(60):
+            finishes = comm.rank != slow or (step < 40 and step % 3 == 0)
+            if finishes:
+                suspects = membership.after_call(False, patient)
+                if suspects is not None:
+                    found.append((step, sorted(suspects)))
+            comm.Barrier()
+            time.sleep(0.002)       # (the heartbeats of this step are in)
+            membership._drain()
+    finally:
+        membership.close()
+    if comm.rank == slow or slow not in membership.watched:
+        return
+    steps = [step for step, suspects in found if slow in suspects]
+    if not patient:
+        assert steps and steps[0] < 20, found
+    else:
+        # suspected once it stopped at step 39: 6 calls later (and not before)
+        assert steps and 40 <= steps[0] <= 47, found
+
+
 @needs_failures
 @pytest.mark.parametrize("channel, victim", [("rma", 2), ("ud", 0)])
 def test_a_stopped_rank_is_excluded_through_its_neighbours(channel, victim):

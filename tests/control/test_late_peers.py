@@ -42,3 +42,24 @@ def test_a_rank_late_into_every_call_is_waited_for(algorithm, channel):
         assert row["delivered"] >= 0.95, (rank, report)
         assert deadline.PATIENCE * row["deadline"] >= 0.02, (rank, report)
         assert row["deadline"] < 0.5 * row["cap"], (rank, report)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("algorithm", ["direct", "hierarchical"])
+def test_an_elastic_communicator_waits_for_a_late_rank_too(algorithm):
+    """The same late rank with elastic=True.  Before: it fell `evict_after`
+    calls behind before the learned deadline had grown to wait for it, and
+    the others excluded it (EvictedError on rank 1).  Now a rank that still
+    finishes calls is not suspected while the learned deadline can grow
+    (control/elastic.py: after_call's `patient`): nobody is excluded, and
+    every rank keeps >= 0.95 over the last 60 calls."""
+    if not is_singleton():
+        pytest.skip("starts its own mpiexec: runs at size 1")
+    proc = run_mpi_script("late_every_call.py", 4, "--algorithm", algorithm, "--elastic",
+                          timeout=120, MPIR_CVAR_NUM_CLIQUES="2")
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    report = last_report(proc.stdout, proc.stderr)
+    for rank, row in enumerate(report["ranks"]):
+        assert row["excluded"] == [], (rank, report)
+        assert row["delivered"] >= 0.95, (rank, report)
+        assert deadline.PATIENCE * row["deadline"] >= 0.02, (rank, report)

@@ -60,8 +60,8 @@ me = comm.rank
 if me == during and kind == "late":
     original_after_call = elastic.Membership.after_call
 
-    def after_call_one_late(self, waited):
-        found = original_after_call(self, waited)
+    def after_call_one_late(self, waited, patient=False):
+        found = original_after_call(self, waited, patient)
         return None if self.calls == min(leaves.values()) + 1 else found   # (call C, from 1)
 
     elastic.Membership.after_call = after_call_one_late

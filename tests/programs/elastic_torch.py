@@ -90,8 +90,8 @@ if late and me == int(late):
     from mpilossy.control import elastic
     original_after_call = elastic.Membership.after_call
 
-    def after_call_one_late(self, waited):
-        found = original_after_call(self, waited)
+    def after_call_one_late(self, waited, patient=False):
+        found = original_after_call(self, waited, patient)
         return None if self.calls == 2 * at + 1 else found     # (step `at`'s first call)
 
     elastic.Membership.after_call = after_call_one_late

@@ -21,13 +21,16 @@ p.add_argument("--aligned", type=int, default=80)
 p.add_argument("--late", type=int, default=170)
 p.add_argument("--last", type=int, default=60)
 p.add_argument("--delay", type=float, default=0.02)
+p.add_argument("--elastic", action="store_true")
 args = p.parse_args()
 
 comm = MPI.COMM_WORLD
 x = np.full(1 << 18, float(comm.rank + 1), np.float32)
 out = np.empty_like(x)
 delivered, exact = [], []
-with mpilossy.Communicator(comm, timeout="auto", channel=args.channel) as lc:
+excluded = []
+with mpilossy.Communicator(comm, timeout="auto", channel=args.channel,
+                           elastic=args.elastic) as lc:
     for call in range(args.aligned + args.late):
         if call < args.aligned:
             comm.Barrier()
@@ -35,6 +38,7 @@ with mpilossy.Communicator(comm, timeout="auto", channel=args.channel) as lc:
             time.sleep(args.delay)
         stats = lc.allreduce(x, out, algorithm=args.algorithm, op="avg")
         delivered.append(stats.delivered)
+        excluded += stats.excluded
         exact.append(bool(np.all(out == (comm.size + 1) / 2)))
     state = lc._state
     inner = getattr(state, "hierarchy", None)
@@ -43,6 +47,6 @@ with mpilossy.Communicator(comm, timeout="auto", channel=args.channel) as lc:
     deadline = max(auto.snapshot().values(), default=None)
 rows = comm.gather({"delivered": float(np.mean(delivered[-args.last:])),
                     "exact": float(np.mean(exact[-args.last:])), "deadline": deadline,
-                    "cap": auto.cap}, root=0)
+                    "cap": auto.cap, "excluded": excluded}, root=0)
 if comm.rank == 0:
     print(json.dumps({"algorithm": args.algorithm, "channel": args.channel, "ranks": rows}))
