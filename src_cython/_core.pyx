@@ -90,6 +90,8 @@ HAVE_LIBFABRIC = bool(MPL_HAVE_LIBFABRIC)
 HAVE_DATAGRAM_AUTH = bool(MPL_HAVE_MAC)    # OpenSSL: channel="ud" needs it too
 HAVE_ISAL = bool(MPL_HAVE_ISAL)            # erasure codes with m >= 2
 MAC_KEY_BYTES = MPL_MAC_KEY_BYTES
+# Share of a call's deadline spent waiting for peers not yet in it (channel.pxi)
+PATIENCE = 1.0 - BUDGET
 
 
 def datagram_providers() -> list:

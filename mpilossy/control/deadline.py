@@ -83,12 +83,12 @@ from typing import Any, Deque, Dict, Tuple
 import numpy as np
 from mpi4py import MPI
 
+from .._core import PATIENCE     # of a deadline, the wait for peers not yet in the call
 from .agreement import LAG, PERIOD, Agreement, _lingering, finish, reap  # noqa: F401
 
 WINDOW = 64
 FACTOR = 4.0
 PERCENTILE = 95
-PATIENCE = 0.6          # of a deadline, the wait for peers not yet in the call (the core's)
 SKEW_PERCENTILE = 90    # lateness of peers that the deadline's patience covers...
 SKEW_MARGIN = 1.25      # ...with this margin
 ABSENT_SHARE = 0.5      # a peer missing more of the calls than this is behind, not straggling
@@ -216,8 +216,8 @@ class AutoDeadline:
         for key, durations in self.durations.items():
             if durations:
                 send[_slot(key)] = float(np.percentile(list(durations), PERCENTILE))
-        for key, skews in self.skews.items():
-            needed = late_peers(skews, self.absent.pop(key, (0, 0, 0.0)))
+        for key in set(self.skews) | set(self.absent):
+            needed = late_peers(self.skews.get(key, deque()), self.absent.pop(key, (0, 0, 0.0)))
             if needed:
                 # in the units of the stages' percentile (deadline = FACTOR * scale * it)
                 send[_slot(key)] = max(send[_slot(key)], needed / (PATIENCE * FACTOR))
@@ -309,7 +309,6 @@ class AutoDeadline:
             self.skews.setdefault(key, deque(maxlen=WINDOW)).append(seen - start)
             self.absent[key] = (calls + 1, missed, longest)
         else:
-            self.skews.setdefault(key, deque(maxlen=WINDOW))
             self.absent[key] = (calls + 1, missed + 1, max(longest, end - start))
 
     def record(self, key: Key, duration: float, in_time: bool) -> None:
