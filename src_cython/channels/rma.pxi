@@ -28,7 +28,6 @@ cdef class RmaChannel(RmaWindow):
     cdef unsigned char* consumed_from
     cdef MPI_Request probe_req        # progress(): a get of a peer's status word
     cdef uint64_t probe_word
-    cdef uint64_t* left_clean         # per peer: a call it left without failing it
     cdef unsigned char* seen          # peers known to be in this call
     cdef int nseen
     cdef int seen_next                # network path: next peer whose status to get
@@ -52,14 +51,12 @@ cdef class RmaChannel(RmaWindow):
         self.ends_when = <double*>calloc(<Py_ssize_t>size * self.nslots_max, sizeof(double))
         self.ends_req = MPI_REQUEST_NULL
         self.consumed_from = <unsigned char*>calloc(size, 1)
-        self.left_clean = <uint64_t*>calloc(size, sizeof(uint64_t))
         self.seen = <unsigned char*>calloc(size, 1)
         self.seen_req = MPI_REQUEST_NULL
         self.probe_req = MPI_REQUEST_NULL
         self.done_out = <uint64_t*>calloc(size, sizeof(uint64_t))
         self.done_req = <MPI_Request*>malloc(size * sizeof(MPI_Request))
-        if not (self.consumed_from and self.left_clean and self.seen and self.done_out
-                and self.done_req
+        if not (self.consumed_from and self.seen and self.done_out and self.done_req
                 and self.ends_seen and self.ends_when):
             raise MemoryError()
         for p in range(size):
@@ -81,7 +78,6 @@ cdef class RmaChannel(RmaWindow):
 
     def __dealloc__(self):
         free(self.consumed_from)
-        free(self.left_clean)
         free(self.seen)
         free_getbuffers(self.seen_gb)
         free_getbuffers(self.ends_gb)
@@ -281,8 +277,7 @@ cdef class RmaChannel(RmaWindow):
         nothing, so only the producer's status is believed.)"""
         cdef uint64_t cur = self.call.seq
         cdef uint64_t seq = mpl_load_acquire(&st.seq)    # before err_seq: see fail()
-        cdef uint64_t err_seq = mpl_load_acquire(&st.err_seq)
-        if err_seq == cur:
+        if mpl_load_acquire(&st.err_seq) == cur:
             self.error.kind = st.err_kind
             self.error.rank = st.err_rank
             memcpy(self.error.msg, st.err_msg, MPL_MSG_LEN)
@@ -298,19 +293,10 @@ cdef class RmaChannel(RmaWindow):
         if seq > cur:
             if seq == cur + 1 and self.disagreed_before(peer, st, seq):
                 return POLL_FAIL
-            # Past this call with its latest failure before it: it did not
-            # fail this one (fail() publishes err_seq before the status that
-            # moves on).  Only a live status on the node is ordered so; a
-            # copy got over the network may be torn.
-            if err_seq < cur and <const char*>st == self.peer_base[peer]:
-                self.left_clean[peer] = cur
             return POLL_READY
         if 0 < seq < cur and self.late_and_otherwise(peer, st, seq):
             return POLL_FAIL
         return POLL_WAIT
-
-    cdef bint left_cleanly(self, CallInfo* call, int peer) noexcept nogil:
-        return self.left_clean[peer] == call.seq
 
     cdef bint late_and_otherwise(self, int peer, const mpl_status_t* st,
                                  uint64_t seq) noexcept nogil:

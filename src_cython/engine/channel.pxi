@@ -431,11 +431,6 @@ cdef class Channel:
             return False
         return self.outcomes.failed_elsewhere(call, err)
 
-    cdef bint left_cleanly(self, CallInfo* call, int peer) noexcept nogil:
-        """Is `peer` known to have left `call` without failing it (so that no
-        note of a failure is coming)?  False when the channel cannot tell."""
-        return False
-
     cdef bint told_failure(self, CallInfo* call, Stream* s, ErrorInfo* err,
                            int wait) noexcept nogil:
         """The producer of `s` left `call` before this rank read all of it.
@@ -454,10 +449,7 @@ cdef class Channel:
         now = mpl_now()
         if wait == NOTE_WAIT_EXACT:
             seconds = NOTE_WAIT
-        elif (wait == NOTE_WAIT_ONCE and self.gone_waited != call.seq
-                and not self.left_cleanly(call, s.peer)):
-            # (a rank behind its peers catches up through calls that they
-            # all left cleanly: no wait there, or it never catches up)
+        elif wait == NOTE_WAIT_ONCE and self.gone_waited != call.seq:
             self.gone_waited = call.seq
             seconds = min(NOTE_WAIT_LOSSY, call.start + call.timeout - now)
         cdef double limit = now + seconds
