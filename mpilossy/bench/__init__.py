@@ -7,6 +7,7 @@ mpi4py, same buffers, same ranks, interleaved iterations), and the figures
 that matter are the ratios: absolute times on a shared machine are not stable.
 """
 
-from .allreduce import BenchConfig, Row, run_allreduce_bench
+from .allreduce import run_allreduce_bench
+from .spec import BenchConfig, Row
 
 __all__ = ["BenchConfig", "Row", "run_allreduce_bench"]

@@ -14,8 +14,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from dataclasses import asdict, dataclass, field
-from typing import (TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple)
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -27,9 +27,8 @@ from mpilossy.call.dtypes import BFLOAT16
 from .harness import (BATCH, Contender, Timeout, bandwidth, every_call, max_over_ranks,
                       mean_over_ranks, parse_size, parse_sizes, parse_timeout, percentile, say,
                       size_range, time_contenders, write_json)
-
-if TYPE_CHECKING:
-    from .tail import TailRow
+from .spec import BenchConfig, Row, small_ints
+from .tail import TailRow, format_tail, run_tail_bench
 
 __all__ = ["BenchConfig", "Row", "Data", "Check", "Timeout", "bus_factor", "small_ints", "init",
            "contenders", "run_allreduce_bench", "payload_bytes", "format_table", "document",
@@ -41,61 +40,9 @@ TYPE_NAMES = {"float16": "half", "float32": "float", "float64": "double",
 HALF = (np.dtype(np.float16), BFLOAT16)
 
 
-@dataclass
-class BenchConfig:
-    sizes: Sequence[int]
-    dtype: str = "float32"
-    op: str = "sum"
-    algorithms: Sequence[str] = ("ring",)
-    channels: Sequence[str] = ("rma",)
-    timeout: Timeout = None
-    loss: Optional[str] = None
-    iters: int = 20
-    warmup: int = 5
-    block_bytes: Optional[int] = None
-    weighted: bool = False        # op="avg" with weight = rank + 1
-    compression: Optional[str] = None   # "int8" or "int4": low-bit payloads
-    topk: Optional[float] = None  # aligned Top-K at this density (mpilossy.compression)
-    redundancy: Optional[Tuple[int, int]] = None  # (k, m); also measured without, side by side
-
-
-@dataclass
-class Row:
-    size: int                    # bytes
-    count: int                   # elements
-    type: str
-    redop: str
-    algorithm: str
-    channel: str
-    time_us: float               # mean over iterations of the slowest rank
-    algbw: float                 # GB/s
-    busbw: float                 # GB/s
-    wrong: int                   # elements off the exact result (rank 0)
-    mpi_time_us: float
-    mpi_busbw: float
-    ratio: float                 # mpi time / lossy time (>1: lossy faster)
-    delivered: float             # mean over iterations and ranks
-    max_err: float               # largest |result - exact| / max|exact|, any rank, any iteration
-    p50_us: float
-    p99_us: float
-    mpi_p99_us: float
-    times_us: List[float] = field(default_factory=list, repr=False)
-    mpi_times_us: List[float] = field(default_factory=list, repr=False)
-    datagrams: float = 0.0       # sent per call and rank (channel ud), mean over ranks
-    payload: int = 0             # bytes of the vector as it travels (direct; compressed)
-    rebuilt: float = 0.0         # blocks rebuilt from parity per call and rank (redundancy)
-    plain_time_us: float = 0.0   # redundancy: the same calls with redundancy=None
-    plain_delivered: float = 0.0
-
-
 def bus_factor(nranks: int) -> float:
     """nccl-tests' getBw for all-reduce: busbw = algbw * 2 (n - 1) / n."""
     return 2.0 * (nranks - 1) / nranks if nranks > 1 else 1.0
-
-
-def small_ints(count: int, rank: int, dtype: np.dtype, salt: int = 0) -> np.ndarray:
-    """Small integers: exact sums in every dtype, so #wrong is exact."""
-    return ((np.arange(count, dtype=np.int64) * 7 + 3 * rank + salt) % 23).astype(dtype)
 
 
 # -- what the harness runs: init, run, check -------------------------------------
@@ -384,13 +331,12 @@ def run(args: argparse.Namespace) -> int:
                       warmup=args.warmup, block_bytes=args.block_bytes,
                       weighted=args.weighted, compression=args.compression, topk=args.topk,
                       redundancy=args.redundancy)
-    from . import tail as tail_latency      # (imported here: tail.py imports this module)
     rows = run_allreduce_bench(comm, cfg) if not args.scenario else []
-    tail = tail_latency.run_tail_bench(comm, cfg, args.scenario) if args.scenario else []
+    tail = run_tail_bench(comm, cfg, args.scenario) if args.scenario else []
     if rows:
         say(comm, format_table(rows, comm, cfg))
     if tail:
-        say(comm, tail_latency.format_tail(tail, comm, cfg))
+        say(comm, format_tail(tail, comm, cfg))
     if comm.rank == 0:
         write_json(args.json, document(rows, comm, cfg, tail))
         if args.plot:

@@ -30,7 +30,7 @@ from mpi4py import MPI
 import mpilossy
 from mpilossy.call.device import Staging, describe
 
-from .allreduce import small_ints
+from .spec import small_ints
 from .harness import (BATCH, Contender, max_over_ranks, mean_over_ranks, parse_size, parse_sizes,
                       parse_timeout, say, time_contenders, write_json)
 

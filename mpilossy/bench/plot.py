@@ -13,7 +13,7 @@ from .harness import figure, save_figure
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from .allreduce import Row
+    from .spec import Row
     from .tail import TailRow
 
 

@@ -25,7 +25,7 @@ from mpi4py import MPI
 
 import mpilossy
 
-from .allreduce import BenchConfig, small_ints
+from .spec import BenchConfig, small_ints
 from .harness import every_call, mean_over_ranks, percentile
 
 

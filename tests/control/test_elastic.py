@@ -136,7 +136,7 @@ def test_heartbeats_go_to_the_neighbours_only(comm, across_nodes):
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.parametrize("patient", [False, True])
 def test_a_slow_rank_is_suspected_only_when_patience_ends(comm, patient):
-    """The last rank finishes one call for every three of the others' (late
+    """The last rank finishes one call for every two of the others' (late
     into every call, the learned deadline still short): it falls behind by
     more than evict_after=6.  Impatient (a fixed deadline, or the learned
     one at its cap), the others suspect it; patient, not while it finishes
@@ -146,7 +146,7 @@ def test_a_slow_rank_is_suspected_only_when_patience_ends(comm, patient):
     found = []
     try:
         for step in range(60):
-            finishes = comm.rank != slow or (step < 40 and step % 3 == 0)
+            finishes = comm.rank != slow or (step < 40 and step % 2 == 0)
             if finishes:
                 suspects = membership.after_call(False, patient)
                 if suspects is not None:
@@ -162,7 +162,7 @@ def test_a_slow_rank_is_suspected_only_when_patience_ends(comm, patient):
     if not patient:
         assert steps and steps[0] < 20, found
     else:
-        # suspected once it stopped at step 39: 6 calls later (and not before)
+        # suspected once it stopped after step 38: 6 calls later (and not before)
         assert steps and 40 <= steps[0] <= 47, found
 
 
