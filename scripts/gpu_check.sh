@@ -16,7 +16,8 @@
 #              (direct, ring, tree, 1-64 MiB): CPU ratios on 16 cores
 #     train    the example (python -m mpilossy.examples.lm --device $DEVICE) on a
 #              model of about 25M parameters, at $TRAIN_RANKS ranks, each seed of
-#              $SEEDS with each loss of $TRAIN_LOSSES in turn (paired runs)
+#              $SEEDS with each loss of $TRAIN_LOSSES in turn (paired runs), and
+#              over MPI_Allreduce (TRAIN_BASELINE=1, the default)
 #
 # Everything goes to $OUT (default build/gpu-check): check.log (all output),
 # tests.log, device.json, cpu16.json and train.json.  Exit status: the first
@@ -37,6 +38,7 @@ TEST_K=${TEST_K:-gpu or device or pipeline}
 TRAIN_RANKS=${TRAIN_RANKS:-4}
 SEEDS=${SEEDS:-0,1,2}
 TRAIN_LOSSES=${TRAIN_LOSSES:-0,0.1}
+TRAIN_BASELINE=${TRAIN_BASELINE:-1}  # also each seed over MPI_Allreduce (--reduce mpi)
 TRAIN_ARGS=${TRAIN_ARGS:---width 512 --layers 8 --heads 8 --lr 1e-3 --steps 200 --eval-every 50}
 # Bounds, so that one stuck stage leaves time to the others in a short lease:
 # seconds per benchmark run, per test size (tests/run.py --timeout) and per test.
@@ -172,8 +174,20 @@ stage_train() {
             step timeout "$STAGE_TIMEOUT" "$mpiexec" -n "$TRAIN_RANKS" "$PYTHON" -m mpilossy.examples.lm \
                 --device "$DEVICE" --seed "$seed" --loss "$loss" --progress lines "${extra[@]}" \
                 --json "$OUT/train-$i.json"
+            if [ $? = 124 ]; then       # one run past its bound: the others would be too
+                say "a run took over $STAGE_TIMEOUT s: the remaining runs are skipped"
+                merge "$OUT/train.json" "${parts[@]}"
+                return
+            fi
             parts+=("$OUT/train-$i.json")
         done
+        if [ "$TRAIN_BASELINE" = 1 ]; then       # the same seed over MPI_Allreduce (lossless)
+            i=$((i + 1))
+            step timeout "$STAGE_TIMEOUT" "$mpiexec" -n "$TRAIN_RANKS" "$PYTHON" -m mpilossy.examples.lm \
+                --device "$DEVICE" --seed "$seed" --reduce mpi --progress lines "${extra[@]}" \
+                --json "$OUT/train-$i.json"
+            parts+=("$OUT/train-$i.json")
+        fi
     done
     merge "$OUT/train.json" "${parts[@]}"
 }

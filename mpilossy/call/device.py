@@ -19,10 +19,12 @@ from __future__ import annotations
 
 from typing import Any, List, NamedTuple, Optional, Tuple, Union
 
+import sys
+
 import numpy as np
 
 from . import pipeline
-from .dtypes import DTYPE_CODES, SUPPORTED
+from .dtypes import BFLOAT16, DTYPE_CODES, SUPPORTED
 
 __all__ = ["DeviceBuffer", "PipelinedBuffers", "StagedBuffers", "Staging", "backend", "describe", "is_device",
            "mpi_cuda_aware"]
@@ -56,9 +58,26 @@ class DeviceBuffer(NamedTuple):
         return self._replace(ptr=self.ptr + first * self.dtype.itemsize, shape=(stop - first,))
 
 
+def _torch_cuda_bfloat16(obj: Any) -> Optional[DeviceBuffer]:
+    """A CUDA bfloat16 tensor of PyTorch, described from the tensor itself:
+    its __cuda_array_interface__ raises (no typestr names bfloat16), and
+    CuPy's DLPack import has no bfloat16.  None for anything else."""
+    torch = sys.modules.get("torch")            # (never imported here)
+    if (torch is None or not isinstance(obj, torch.Tensor) or obj.dtype != torch.bfloat16
+            or not obj.is_cuda):
+        return None
+    # The copies go on the tensor's device's current stream, as PyTorch's
+    # interface would name it for any other dtype.
+    stream = int(torch.cuda.current_stream(obj.device).cuda_stream)
+    return DeviceBuffer(int(obj.data_ptr()), tuple(obj.shape), BFLOAT16, False,
+                        obj.is_contiguous(), stream, obj)
+
+
 def is_device(obj: Any) -> bool:
     if type(obj) is np.ndarray:        # the common case, checked first: it is per call
         return False
+    if _torch_cuda_bfloat16(obj) is not None:
+        return True
     if hasattr(obj, "__cuda_array_interface__"):
         return True
     device = getattr(obj, "__dlpack_device__", None)
@@ -86,6 +105,9 @@ def _c_contiguous(shape: Tuple[int, ...], strides: Optional[Tuple[int, ...]],
 def describe(obj: Any, name: str) -> DeviceBuffer:
     """Describe a device array (is_device(obj) is true).  DLPack-only
     exporters go through CuPy.  Raises TypeError or BufferError."""
+    bfloat16 = _torch_cuda_bfloat16(obj)
+    if bfloat16 is not None:
+        return bfloat16
     if not hasattr(obj, "__cuda_array_interface__"):
         try:
             import cupy

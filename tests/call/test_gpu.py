@@ -116,6 +116,33 @@ def test_gpu_torch_cuda_tensor_and_dlpack_exporter(comm, lc, cupy):
     np.testing.assert_array_equal(other.cpu().numpy(), want)
 
 
+@pytest.mark.mpi
+@pytest.mark.parametrize("algorithm", ["direct", "ring", "tree"])
+@pytest.mark.parametrize("op", ["sum", "avg"])
+def test_gpu_bfloat16_cuda_tensor_equals_the_host_result(comm, lc, cupy, algorithm, op):
+    """CUDA bfloat16 tensors (no __cuda_array_interface__ for that dtype):
+    staged as bfloat16, summed in float32 and rounded once, as on the host
+    (tests/core/test_bfloat16.py).  Small integers: their sums are exact."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    import ml_dtypes
+    bf16 = np.dtype(ml_dtypes.bfloat16)
+    x = small_ints(100_003, comm.rank, np.float32)
+    total = mpi_sum(comm, x)
+    want = (total * np.float32(1.0 / comm.size) if op == "avg" else total).astype(bf16)
+    send = torch.from_numpy(x).to(device="cuda", dtype=torch.bfloat16)
+    recv = torch.full_like(send, -1.0)
+    stats = lc.allreduce(send, recv, op=op, algorithm=algorithm)
+    got = recv.float().cpu().numpy().astype(bf16)
+    np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
+    np.testing.assert_array_equal(send.float().cpu().numpy(), x)      # sendbuf untouched
+    assert stats.delivered == 1.0
+    inplace = torch.from_numpy(x).to(device="cuda", dtype=torch.bfloat16)
+    lc.allreduce(inplace, op=op, algorithm=algorithm)
+    assert torch.equal(inplace, recv)
+
+
 BAD = {
     "strided": (lambda cp, x: cp.asarray(np.repeat(x, 2))[::2], BufferError, "contiguous"),
     "dtype": (lambda cp, x: cp.asarray(x.astype(np.uint8)), TypeError, "dtype"),
