@@ -9,6 +9,9 @@ from mpi4py import MPI
 
 import mpilossy
 
+# JUnit files per rank and each test's start and outcome, for tests/run.py.
+pytest_plugins = ["run_plugin"]
+
 
 def pytest_report_header(config):
     comm = MPI.COMM_WORLD
@@ -25,10 +28,6 @@ def pytest_configure(config):
         from helpers import imported_from
         if not imported_from(pkg):
             raise pytest.UsageError(f"mpilossy was imported from {mpilossy.__file__}, not {pkg}")
-    # One JUnit file per rank: --junitxml=DIR/rank-{rank}.xml
-    xmlpath = getattr(config.option, "xmlpath", None)
-    if xmlpath and "{rank}" in xmlpath:
-        config.option.xmlpath = xmlpath.replace("{rank}", str(MPI.COMM_WORLD.rank))
 
 
 @pytest.fixture

@@ -12,6 +12,14 @@ the cores whenever they need them.
 Each size is bounded by --timeout seconds (and every single test by
 pytest-timeout), so a deadlock fails fast; a size past its bound is
 interrupted first, so that pytest still reports what failed.
+
+A test past its own bound ends its whole session (pytest-timeout's thread
+method exits the process; a crash does too), which would lose every result
+after it.  So each session keeps a ledger (tests/run_plugin.py, --ledger):
+when one ends without its JUnit file, the tests that finished are counted
+from the ledger, and a new session starts after them.  The test that was
+running gets one more try, said in the report; if it ends a session again,
+it counts as failed.
 """
 
 from __future__ import annotations
@@ -25,8 +33,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import threading
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Callable, List, Optional, Tuple
 
 HERE = Path(__file__).resolve().parent
 
@@ -68,12 +78,104 @@ def finish(proc: subprocess.Popen, deadline: float) -> object:
         return "timeout"
 
 
+def ledger_outcomes(path: Path) -> Tuple[dict, Optional[str]]:
+    """({test id: passed/failed/skipped} of the tests that finished, the test
+    that was running when the session ended, or None)."""
+    phases: dict = {}
+    finished, running = [], None
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    for line in lines:
+        fields = line.split("\t")
+        if fields[0] == "start" and len(fields) == 2:
+            running = fields[1]
+        elif fields[0] == "end" and len(fields) == 2:
+            finished.append(fields[1])
+            running = None
+        elif len(fields) == 3:
+            phases.setdefault(fields[2], []).append(fields[1])
+    outcomes = {}
+    for test in finished:
+        seen = phases.get(test, [])
+        outcomes[test] = ("failed" if "failed" in seen else
+                          "skipped" if "skipped" in seen else "passed")
+    return outcomes, running
+
+
+class Session:
+    """One pytest session of a size (`command(junit, ledger, done)` makes
+    its command line), resumed after it ends without a JUnit file."""
+
+    ATTEMPTS = 4
+
+    def __init__(self, tag: str, command: Callable[[str, Path, Path], List[str]], out: Path,
+                 log: object, nice: bool) -> None:
+        self.tag, self.command, self.out, self.log, self.nice = tag, command, out, log, nice
+        self.counts: Optional[dict] = None
+        self.code: object = None
+        self.notes: List[str] = []
+        self.junit: List[Path] = []
+
+    def first_command(self) -> List[str]:
+        return self.command(str(self.out / f"{self.tag}-1-{{rank}}.xml"),
+                            self.out / f"{self.tag}-ledger-1.tsv", self.out / f"{self.tag}-done.txt")
+
+    def run(self, deadline: float) -> None:
+        done = self.out / f"{self.tag}-done.txt"
+        done.write_text("")
+        carried = {"passed": 0, "failed": 0, "skipped": 0}
+        retried: set = set()
+        for attempt in range(1, self.ATTEMPTS + 1):
+            junit = self.out / f"{self.tag}-{attempt}-0.xml"
+            ledger = self.out / f"{self.tag}-ledger-{attempt}.tsv"
+            cmd = self.command(str(self.out / f"{self.tag}-{attempt}-{{rank}}.xml"), ledger, done)
+            self.code = self.start(cmd, deadline)
+            if junit.exists():
+                self.junit.append(junit)
+                c = count(junit)
+                self.counts = {"passed": carried["passed"] + c["passed"],
+                               "failed": carried["failed"] + c["failures"] + c["errors"],
+                               "skipped": carried["skipped"] + c["skipped"]}
+                return
+            outcomes, running = ledger_outcomes(ledger)
+            for outcome in outcomes.values():
+                carried[outcome] += 1
+            finished = list(outcomes)
+            if running is None or self.code == "timeout" or time.monotonic() >= deadline:
+                self.notes.append(f"session {attempt} ended (exit {self.code}) with no test "
+                                  "running, or past the size's bound: not resumed")
+                self.counts = None
+                return
+            if running in retried:
+                carried["failed"] += 1
+                finished.append(running)
+                self.notes.append(f"{running} ended its session again (exit {self.code}): "
+                                  "counted as failed")
+            else:
+                retried.add(running)
+                self.notes.append(f"{running} ended session {attempt} (exit {self.code}: past "
+                                  "its per-test bound, or a crash); resumed there, that test "
+                                  "tried once more")
+            with open(done, "a") as fh:
+                fh.writelines(test + "\n" for test in finished)
+        self.notes.append(f"{self.ATTEMPTS} sessions ended early: not resumed again")
+
+    def start(self, cmd: List[str], deadline: float) -> object:
+        if isinstance(self.log, Path):      # stdout and stderr to the file
+            with open(self.log, "a") as sink:
+                # the builds: CPU left over by the timing-sensitive tests only
+                proc = subprocess.Popen(cmd, cwd=self.out, stdout=sink, stderr=subprocess.STDOUT,
+                                        preexec_fn=(lambda: os.nice(19)) if self.nice else None)
+                return finish(proc, deadline)
+        return finish(subprocess.Popen(cmd, cwd=self.out, stdout=self.log), deadline)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="1,2,3,4")
-    parser.add_argument("--timeout", type=float, default=1800,
+    parser.add_argument("--timeout", type=float, default=2400,
                         help="seconds per size: a deadlock guard (every test has its own bound)")
     parser.add_argument("--per-test", type=float, default=180, help="seconds per test")
+    parser.add_argument("--path", default=str(HERE), help="the tests to run (default: all)")
     args, pytest_args = parser.parse_known_args()
     mpiexec = shutil.which("mpiexec", path=os.path.dirname(sys.executable)) or "mpiexec"
     # Import once before any mpiexec: an editable install rebuilds on import,
@@ -84,58 +186,57 @@ def main() -> int:
     for size in [int(s) for s in args.sizes.split(",")]:
         out = Path(tempfile.mkdtemp(prefix=f"mpilossy-tests-{size}-"))
 
-        def pytest(tag: str, marks: str) -> list:
-            return [sys.executable, "-m", "pytest", "--with-mpi", "-q", "-p", "no:cacheprovider",
-                    "-m", marks, f"--timeout={args.per_test}", "--timeout-method=thread",
-                    f"--junitxml={out}/{tag}-{{rank}}.xml", str(HERE), *pytest_args]
+        def pytest(marks: str, launcher: Tuple[str, ...] = ()) -> Callable:
+            def command(junit: str, ledger: Path, done: Path) -> List[str]:
+                return [*launcher, sys.executable, "-m", "pytest", "--with-mpi", "-q",
+                        "-p", "no:cacheprovider", "-m", marks, f"--timeout={args.per_test}",
+                        "--timeout-method=thread", f"--junitxml={junit}", "--ledger", str(ledger),
+                        "--ledger-done", str(done), args.path, *pytest_args]
+            return command
 
-        # (tag, command, where its output goes); each in the folder `out`,
-        # which also takes whatever the tests leave behind.
+        # Each session runs in the folder `out`, which also takes whatever
+        # the tests leave behind.
         if size == 1:
-            runs = [("rank", pytest("rank", "not builds"), None),
-                    ("builds", pytest("builds", "builds"), out / "builds.log")]
+            sessions = [Session("rank", pytest("not builds"), out, None, False),
+                        Session("builds", pytest("builds"), out, out / "builds.log", True)]
         else:
             # MPI tests only: the others ran at size 1 (deselected, not skipped)
-            runs = [("rank", [mpiexec, "-n", str(size), "-outfile-pattern", str(out / "out.%r"),
-                              "-errfile-pattern", str(out / "out.%r"), *pytest("rank", "mpi")],
-                     subprocess.DEVNULL)]
-        for tag, cmd, _ in runs:
-            print(f"== {size} rank(s): {shlex.join(map(str, cmd))}", flush=True)
+            launcher = (mpiexec, "-n", str(size), "-outfile-pattern", str(out / "out.%r"),
+                        "-errfile-pattern", str(out / "out.%r"))
+            sessions = [Session("rank", pytest("mpi", launcher), out, subprocess.DEVNULL, False)]
+        for session in sessions:
+            print(f"== {size} rank(s): {shlex.join(map(str, session.first_command()))}", flush=True)
         began = time.monotonic()
-        procs = []
-        for tag, cmd, log in runs:
-            if isinstance(log, Path):       # stdout and stderr to the file
-                with open(log, "w") as sink:
-                    # the builds: CPU left over by the timing-sensitive tests only
-                    procs.append(subprocess.Popen(cmd, cwd=out, stdout=sink,
-                                                  stderr=subprocess.STDOUT,
-                                                  preexec_fn=lambda: os.nice(19)))
-            else:
-                procs.append(subprocess.Popen(cmd, cwd=out, stdout=log))
-        codes = [finish(proc, began + args.timeout) for proc in procs]
+        threads = [threading.Thread(target=session.run, args=(began + args.timeout,))
+                   for session in sessions]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
         took = time.monotonic() - began
         # pytest's 5 is "no tests selected": fine for the builds run under -k.
-        codes[1:] = [0 if c == 5 else c for c in codes[1:]]
+        codes = [sessions[0].code] + [0 if s.code == 5 else s.code for s in sessions[1:]]
         code = next((c for c in codes if c != 0), 0)
         if (out / "builds.log").exists():
             print("== 1 rank(s), the tests marked `builds` (run beside the others):")
             print((out / "builds.log").read_text(errors="replace"), end="", flush=True)
-        counts = [count(xml) for xml in (out / f"{tag}-0.xml" for tag, _, _ in runs)
-                  if xml.exists()]
-        if len(counts) == len(runs):
+        for session in sessions:
+            for note in session.notes:
+                print(f"== {size} rank(s), {session.tag}: {note}", flush=True)
+        counts = [s.counts for s in sessions if s.counts is not None]
+        if len(counts) == len(sessions):
             c = {key: sum(one[key] for one in counts) for key in counts[0]}
-            total["passed"] += c["passed"]
-            total["failed"] += c["failures"] + c["errors"]
-            total["skipped"] += c["skipped"]
-            line = (f"{c['passed']} passed, {c['failures'] + c['errors']} failed, "
-                    f"{c['skipped']} skipped")
+            for key in total:
+                total[key] += c[key]
+            line = f"{c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped"
+            if c["failed"] and code == 0:
+                code = 1            # (a test counted failed from a ledger)
         else:
             line = "no results"
         print(f"== {size} rank(s): {line} in {took:.0f} s (exit {code})", flush=True)
-        for xml in (out / f"{tag}-0.xml" for tag, _, _ in runs):
-            if xml.exists():
-                for why, n in sorted(skip_reasons(xml).items(), key=lambda kv: -kv[1]):
-                    print(f"   skipped {n:4d}: {why}", flush=True)
+        for xml in (junit for s in sessions for junit in s.junit):
+            for why, n in sorted(skip_reasons(xml).items(), key=lambda kv: -kv[1]):
+                print(f"   skipped {n:4d}: {why}", flush=True)
         if code != 0:
             failed_sizes.append(size)
             if size > 1:
