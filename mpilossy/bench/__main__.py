@@ -14,7 +14,7 @@ from typing import Dict, List, Optional, Sequence
 PROG = "python -m mpilossy.bench"
 DEFAULT = "allreduce"
 
-# command: what it measures (the module mpilossy.bench.<command> does it)
+# command: what it measures (the module mpilossy.bench.<command>, '-' as '_', does it)
 COMMANDS: Dict[str, str] = {
     "allreduce": "lossy all-reduce against MPI_Allreduce, nccl-tests style (the default)",
     "crossover": "where the tree stops beating the ring, lossless (algorithm='auto')",
@@ -23,6 +23,7 @@ COMMANDS: Dict[str, str] = {
     "delivery": "the contributions each algorithm keeps under loss, at several rank counts",
     "torch": "training under loss: drift (optimizer wrappers), overlap (DDP hook)",
     "device": "GPU buffers: staged mpilossy against mpi4py with host staging and Gloo",
+    "device-node": "a node's stages on device memory (CUDA IPC) against host staging",
     "group": "group averaging (GroupAverager, Moshpit) against a full lossy all-reduce",
     "node": "the hierarchy's stages within a node against MPI's reduce-scatter + allgather",
     "elastic": "what elastic=True's heartbeat costs: elastic against plain calls, and MPI",
@@ -42,7 +43,7 @@ def build_parser(command: Optional[str] = None) -> argparse.ArgumentParser:
         if name != command:
             sub.add_parser(name, help=summary)
             continue
-        module = importlib.import_module(f"mpilossy.bench.{name}")
+        module = importlib.import_module(f"mpilossy.bench.{name.replace('-', '_')}")
         p = sub.add_parser(name, help=summary, description=module.__doc__,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
         module.add_arguments(p)

@@ -111,6 +111,22 @@ def gloo_allreduce(bufs: Buffers, send: Any) -> Optional[Callable[[], None]]:
     return call
 
 
+def staging_copies(send: Any, recv: Any) -> Callable[[], None]:
+    """The copies of one staged call, alone: `send` to pinned host memory
+    and back into `recv`, on send's stream, waited for."""
+    staging = Staging()
+    dsend, drecv = describe(send, "sendbuf"), describe(recv, "recvbuf")
+    pinned = staging.host(0, dsend)
+    back = staging.backend
+    stream = back.stream_of(dsend)
+
+    def copies() -> None:
+        back.to_host(pinned, dsend, stream)
+        back.to_device(drecv, pinned, stream)
+        back.synchronize(stream)
+    return copies
+
+
 def measure(comm: MPI.Comm, bufs: Buffers, lc: mpilossy.Communicator,
             whole: mpilossy.Communicator, loss: str, algorithm: str, size: int,
             args: argparse.Namespace) -> DeviceRow:
@@ -134,16 +150,7 @@ def measure(comm: MPI.Comm, bufs: Buffers, lc: mpilossy.Communicator,
     if bufs.xp is np:               # (host buffers: the host call is the call itself)
         contenders.append(Contender("mpi", lambda: comm.Allreduce(host_send, host_recv)))
     else:
-        staging = Staging()
-        dsend, drecv = describe(send, "sendbuf"), describe(recv, "recvbuf")
-        pinned = staging.host(0, dsend)
-        back = staging.backend
-        stream = back.stream_of(dsend)
-
-        def copies() -> None:
-            back.to_host(pinned, dsend, stream)
-            back.to_device(drecv, pinned, stream)
-            back.synchronize(stream)
+        copies = staging_copies(send, recv)
 
         def mpi_staged() -> None:
             staged = bufs.xp.asnumpy(send)

@@ -234,3 +234,50 @@ def test_gpu_ddp_hook_on_cuda_equals_ddp_default(comm, lc, cupy):
     finally:
         if created:
             mt.destroy_process_group()
+
+
+# -- the node's stages on device memory (mpilossy/hierarchy/device_node.py) -----
+CAPACITY = 16 << 20
+
+
+@pytest.fixture
+def node_stages(comm, cupy):
+    from mpi4py import MPI
+    from mpilossy.hierarchy.device_node import DeviceNodeStages
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+    stages = DeviceNodeStages(node, CAPACITY)
+    yield node, stages
+    stages.close()
+    node.Free()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("count", [0, 3, 1_000_003])     # fewer elements than ranks, uneven
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.int32])
+def test_gpu_node_stages_through_ipc_equal_mpi(node_stages, cupy, count, dtype):
+    node, stages = node_stages
+    for call in range(3):                       # the buffers are reused call after call
+        x = small_ints(count, node.rank + call, dtype)
+        out = cupy.full(count, -1, dtype=dtype)
+        send = cupy.asarray(x)
+        stages.allreduce(send, out)
+        np.testing.assert_array_equal(cupy.asnumpy(out), mpi_sum(node, x))
+        np.testing.assert_array_equal(cupy.asnumpy(send), x)        # untouched
+    inplace = cupy.asarray(x)
+    stages.allreduce(inplace, inplace)
+    np.testing.assert_array_equal(cupy.asnumpy(inplace), mpi_sum(node, x))
+
+
+@pytest.mark.mpi
+def test_gpu_node_stages_refuse_what_does_not_fit(node_stages, cupy):
+    node, stages = node_stages
+    with pytest.raises(ValueError, match="do not fit"):
+        stages.reduce_scatter(cupy.zeros(CAPACITY // 4 + 1, dtype=cupy.float32))
+    with pytest.raises(TypeError, match="CuPy arrays"):
+        stages.reduce_scatter(np.zeros(4, np.float32))
+    with pytest.raises(BufferError, match="contiguous"):
+        stages.reduce_scatter(cupy.zeros(8, dtype=cupy.float32)[::2])
+    x = small_ints(1000, node.rank, np.float32)                 # still works after
+    out = cupy.empty(1000, dtype=cupy.float32)
+    stages.allreduce(cupy.asarray(x), out)
+    np.testing.assert_array_equal(cupy.asnumpy(out), mpi_sum(node, x))
