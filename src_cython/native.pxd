@@ -167,6 +167,6 @@ cdef extern from "codecs/mpilossy_fec.h" nogil:
     const char* mpl_fec_check(int k, int m)
     int mpl_fec_init(mpl_fec_t *c, int k, int m)
     void mpl_fec_encode(const mpl_fec_t *c, unsigned char *const *data,
-                        unsigned char **parity, size_t len)
+                        unsigned char **parity, size_t len, int kk)
     int mpl_fec_decode(const mpl_fec_t *c, unsigned char **blocks,
-                       const unsigned char *present, size_t len)
+                       const unsigned char *present, size_t len, int kk)

@@ -89,6 +89,11 @@ from .agreement import LAG, PERIOD, Agreement, _lingering, finish, reap  # noqa:
 WINDOW = 64
 FACTOR = 4.0
 PERCENTILE = 95
+
+# np.percentile's first use imports numpy.ma (20-60 ms on a loaded machine):
+# paid here, at import, not inside the call that starts the first agreement
+# (it made every rank's 16th call the slowest of a run).
+np.percentile(np.zeros(1), PERCENTILE)
 SKEW_PERCENTILE = 90    # lateness of peers that the deadline's patience covers...
 SKEW_MARGIN = 1.25      # ...with this margin
 ABSENT_SHARE = 0.5      # a peer missing more of the calls than this is behind, not straggling

@@ -387,18 +387,8 @@ cdef class Direct(Chunked):
         self.add_up(self.location(block, self.target), nsrc, n,
                     self.final_scale(self.count[block] + nsrc - 1, self.weights.taken_wsum)
                     if self.target_final else 1.0)
-        if c.fec_k:
-            # The engine keeps what arrives for rebuilding the rest of its
-            # group; these blocks bypass it.  Copy first, then confirm (as
-            # settle does): a producer two calls ahead may rewrite the record
-            # at any time, and only a copy taken before the confirmation is
-            # known to be what was summed.  (The rows are marked in hand at
-            # commit, after the confirmation.)
-            for i in range(self.ntaken):
-                other.data = self.sources[2 + i]
-                other.count = 1
-                other.nbytes = <uint32_t>pay_contribution_bytes(self.call, n)
-                fec_keep(c, &self.streams[self.taken[i]], block, &other)
+        # (With redundancy these records stay where they are, ROW_IN_PLACE:
+        # read in place, they are read again if a rebuild needs them.)
         for i in range(self.ntaken):            # read in place: still what it was?
             if not self.chan.confirm(&self.streams[self.taken[i]], block):
                 return False
@@ -443,7 +433,7 @@ cdef class Direct(Chunked):
                 t = &self.streams[self.taken[i]]
                 t.done[block] = 1
                 if self.call.fec_k:
-                    t.have[fec_row(self.call, block)] = 1
+                    fec_taken(self.call, t, block, True)
                 bits[t.peer >> 6] |= 1ull << (t.peer & 63)
             self.pending[block] -= self.ntaken
             self.contribution_done(block)

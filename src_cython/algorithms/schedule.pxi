@@ -261,13 +261,14 @@ cdef int settle(Algorithm alg, Channel chan, CallInfo* call, Stream* s, int bloc
     """Resolve `block` of `s` by what the poll said (WAIT is not passed here).
     0, or 1 when the call fails (err set and announced)."""
     cdef bint rebuilt = call.fec_k and s.rebuilt[block]
+    cdef bint in_place = call.fec_k and not rebuilt and chan.random_access(s)
     if verdict == POLL_READY:
-        if call.fec_k and not rebuilt:
+        if call.fec_k and not rebuilt and not in_place:
             fec_keep(call, s, block, inc)       # (confirmed below with the take)
         if alg.take(s, block, inc) and (rebuilt or chan.confirm(s, block)):
             alg.commit(s, block, inc)
             if call.fec_k:
-                s.have[fec_row(call, block)] = 1
+                fec_taken(call, s, block, in_place)
                 alg.rebuilt_blocks += rebuilt
         else:
             alg.lost_torn += 1

@@ -1,17 +1,19 @@
 # Redundancy: erasure-coded streams (docs/redundancy.md).
 #
 # With redundancy=(k, m) the nblocks data records of a slot form groups of k
-# (the last group padded with empty blocks), and once the last block of a
-# group is published, m parity records of it follow to the same readers:
+# (the last group padded with empty blocks, which are zero: they are neither
+# stored nor coded, mpilossy_fec.h), and once the last block of a group is
+# published, m parity records of it follow to the same readers:
 # records nblocks + g*m + j of the slot.  A row of the code is a record's
 # payload padded to block_bytes plus an 8-byte trailer with its contributor
 # count and length, so that a rebuilt block has both (record_bytes is
 # block_bytes + 8; the channel carries parity like data, sealed on the
 # datagram channel).
 #
-# A reader keeps a copy of every row that arrives.  A data block missing at
-# a stream's cursor is rebuilt as soon as any k rows of its group are in
-# hand, and is then taken like a block that arrived.  Nothing else changes:
+# A reader keeps a copy of every row that arrives (a data record read in
+# place, only once a rebuild needs it: ROW_IN_PLACE, engine/channel.pxi).
+# A data block missing at a stream's cursor is rebuilt as soon as any k rows
+# of its group are in hand, and is then taken like a block that arrived.  Nothing else changes:
 # a block not rebuilt by its stage deadline is lost, as it was.
 
 cdef inline Py_ssize_t fec_row(const CallInfo* c, int block) noexcept nogil:
@@ -54,6 +56,11 @@ cdef inline void fec_keep(const CallInfo* c, Stream* s, int block, const Incomin
         fec_pad(c, fec_row_memory(c, s, fec_row(c, block)), inc.data, inc.count, inc.nbytes)
 
 
+cdef inline int fec_filled(const CallInfo* c, int group) noexcept nogil:
+    """Data blocks in `group` (k but in the last group)."""
+    return min(c.fec_k, c.nblocks - group * c.fec_k)
+
+
 cdef inline void fec_incoming(const CallInfo* c, Stream* s, int block, Incoming* inc) noexcept nogil:
     """A rebuilt block, as the algorithm takes it."""
     cdef const char* row = fec_row_memory(c, s, fec_row(c, block))
@@ -62,6 +69,31 @@ cdef inline void fec_incoming(const CallInfo* c, Stream* s, int block, Incoming*
     inc.data = row
     inc.count = trailer[0]
     inc.nbytes = trailer[1]
+
+
+cdef inline void fec_taken(const CallInfo* c, Stream* s, int block, bint in_place) noexcept nogil:
+    """Data block `block` of `s` was taken: its row is in hand, kept or
+    (`in_place`) to be read again when a rebuild needs it."""
+    cdef Py_ssize_t row = fec_row(c, block)
+    if not s.have[row]:
+        s.have[row] = ROW_IN_PLACE if in_place else ROW_KEPT
+
+
+cdef bint fec_read_row(Channel chan, CallInfo* c, Stream* s, int b, Py_ssize_t row) noexcept nogil:
+    """Read record `b` of `s` into its row, where the channel reads records
+    in any order; True if it is there, well formed and confirmed."""
+    cdef Incoming inc
+    if chan.poll(s, b, &inc) != POLL_READY:
+        return False
+    if b < c.nblocks:
+        if inc.nbytes > <uint32_t>c.block_bytes:
+            return False
+        fec_keep(c, s, b, &inc)
+    else:
+        if inc.nbytes != <uint32_t>c.record_bytes or inc.count != 0:
+            return False
+        memcpy(fec_row_memory(c, s, row), inc.data, c.record_bytes)
+    return chan.confirm(s, b)
 
 
 cdef bint fec_rebuild(Algorithm alg, Channel chan, CallInfo* c, Stream* s, int group,
@@ -75,7 +107,6 @@ cdef bint fec_rebuild(Algorithm alg, Channel chan, CallInfo* c, Stream* s, int g
     cdef bint look = chan.random_access(s)
     cdef unsigned char* rows[MPL_FEC_MAX_K + MPL_FEC_MAX_M]
     cdef uint32_t trailer[2]
-    cdef Incoming inc
     for i in range(n):
         if s.have[base + i]:
             got += 1
@@ -84,30 +115,29 @@ cdef bint fec_rebuild(Algorithm alg, Channel chan, CallInfo* c, Stream* s, int g
         lost += i < k
         if not look or s.drop[b] or s.done[b] or b == polled:
             continue        # (a data block resolved without its row was lost or torn)
-        if chan.poll(s, b, &inc) != POLL_READY:
-            continue
-        if i < k:
-            if inc.nbytes > <uint32_t>c.block_bytes:
-                continue
-            fec_keep(c, s, b, &inc)
-        else:
-            if inc.nbytes != <uint32_t>c.record_bytes or inc.count != 0:
-                continue
-            memcpy(fec_row_memory(c, s, base + i), inc.data, c.record_bytes)
-        if chan.confirm(s, b):
-            s.have[base + i] = 1
+        if fec_read_row(chan, c, s, b, base + i):
+            s.have[base + i] = ROW_KEPT
             got += 1
             lost -= i < k
     if got < k or lost == 0:
         return False
+    for i in range(k):      # the rows taken in place are needed now
+        if s.have[base + i] == ROW_IN_PLACE:
+            s.have[base + i] = ROW_KEPT
+            if not fec_read_row(chan, c, s, fec_record(c, group, i), base + i):
+                s.have[base + i] = 0        # (rewritten since: a producer calls ahead)
+                got -= 1
+    if got < k:
+        return False
     for i in range(n):
         rows[i] = <unsigned char*>fec_row_memory(c, s, base + i)
-    if mpl_fec_decode(&alg.code, rows, s.have + base, <size_t>c.record_bytes) <= 0:
+    if mpl_fec_decode(&alg.code, rows, s.have + base, <size_t>c.record_bytes,
+                      fec_filled(c, group)) <= 0:
         return False
     for i in range(k):
         if s.have[base + i]:
             continue
-        s.have[base + i] = 1
+        s.have[base + i] = ROW_KEPT
         b = fec_record(c, group, i)
         if s.done[b]:
             continue
@@ -168,7 +198,7 @@ cdef int fec_take_parity(Channel chan, CallInfo* c, Stream* s, int block) noexce
     if inc.nbytes == <uint32_t>c.record_bytes and inc.count == 0:
         memcpy(fec_row_memory(c, s, row), inc.data, c.record_bytes)
         if chan.confirm(s, block):
-            s.have[row] = 1
+            s.have[row] = ROW_KEPT
     return POLL_READY
 
 
@@ -199,37 +229,48 @@ cdef int fec_bind(Algorithm alg) except -1:
         memset(s.have, 0, rows)
         memset(s.rebuilt, 0, c.nblocks)
         for r in range(rows - n + k - pad, rows - n + k):
-            s.have[r] = 1
-            memset(fec_row_memory(c, s, r), 0, c.record_bytes)
+            s.have[r] = ROW_KEPT    # (zero padding: in hand, never read)
     return 0
 
 
 cdef void fec_published(Algorithm alg, int slot, int block, uint32_t count, uint32_t nbytes,
                         const int* dests, int ndests) noexcept nogil:
     """Data block (slot, block) went out: once its group is complete, encode
-    the group and publish its parity to the same readers."""
+    the group and publish its parity to the same readers.  A row is coded in
+    two parts, its payload (block_bytes) and its trailer (8 bytes), so that
+    a full block is coded where it was published, not copied first; only a
+    short block is padded into a row of its own."""
     cdef CallInfo* c = alg.call
     cdef int k = c.fec_k, m = c.fec_m, group = block // k, i, b
+    cdef int filled = fec_filled(c, group)
     cdef int* done = &alg.group_published[slot * c.ngroups + group]
     cdef uint32_t* was = &alg.published_as[(<Py_ssize_t>slot * c.nblocks + block) * 2]
+    cdef uint32_t trailers[2 * MPL_FEC_MAX_K]
     cdef unsigned char* data[MPL_FEC_MAX_K]
     cdef unsigned char* parity[MPL_FEC_MAX_M]
     was[0] = count
     was[1] = nbytes
     done[0] += 1
-    if done[0] != min(k, c.nblocks - group * k):
+    if done[0] != filled:
         return
-    for i in range(k):
+    for i in range(filled):
         b = group * k + i
-        data[i] = <unsigned char*>alg.encoding + <Py_ssize_t>i * c.record_bytes
-        if b < c.nblocks:
-            was = &alg.published_as[(<Py_ssize_t>slot * c.nblocks + b) * 2]
-            fec_pad(c, <char*>data[i], alg.chan.mine(slot, b), was[0], was[1])
+        was = &alg.published_as[(<Py_ssize_t>slot * c.nblocks + b) * 2]
+        trailers[2 * i] = was[0]
+        trailers[2 * i + 1] = was[1]
+        if was[1] == <uint32_t>c.block_bytes:
+            data[i] = <unsigned char*>alg.chan.mine(slot, b)
         else:
-            memset(data[i], 0, c.record_bytes)
+            data[i] = <unsigned char*>alg.encoding + <Py_ssize_t>i * c.record_bytes
+            fec_pad(c, <char*>data[i], alg.chan.mine(slot, b), was[0], was[1])
     for i in range(m):
         parity[i] = <unsigned char*>alg.chan.claim(slot, c.nblocks + group * m + i)
-    mpl_fec_encode(&alg.code, data, parity, <size_t>c.record_bytes)
+    mpl_fec_encode(&alg.code, data, parity, <size_t>c.block_bytes, filled)
+    for i in range(filled):
+        data[i] = <unsigned char*>&trailers[2 * i]
+    for i in range(m):
+        parity[i] += c.block_bytes
+    mpl_fec_encode(&alg.code, data, parity, 8, filled)
     for i in range(m):
         alg.chan.publish(slot, c.nblocks + group * m + i, 0, <uint32_t>c.record_bytes,
                      dests, ndests)

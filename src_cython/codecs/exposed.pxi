@@ -116,13 +116,15 @@ cdef Py_ssize_t fec_rows(object buf, Py_buffer* view, int rows, bint writable) e
     return view.len // rows
 
 
-def fec_kernel(str name, blocks, int k, int m, present=None) -> int:
+def fec_kernel(str name, blocks, int k, int m, present=None, int filled=0) -> int:
     """The erasure-code kernels on a buffer of k + m equal blocks (data rows,
     then parity rows), outside the GIL.  'encode': write the parity rows
     from the data rows; returns m.  'decode': rebuild the data rows that
     `present` (k + m bytes, 0: lost) marks lost, from those present;
-    returns how many were rebuilt.  Raises ValueError for a code this build
-    does not have and for a group with fewer than k rows present."""
+    returns how many were rebuilt.  `filled` (1..k, 0: k): the group's data
+    rows, the others zero and never read (a stream's last group).  Raises
+    ValueError for a code this build does not have and for a group with
+    fewer than `filled` rows present."""
     cdef mpl_fec_t code
     cdef Py_buffer vb, vp
     cdef unsigned char* rows[MPL_FEC_MAX_K + MPL_FEC_MAX_M]
@@ -131,13 +133,16 @@ def fec_kernel(str name, blocks, int k, int m, present=None) -> int:
     cdef int which = {"encode": 0, "decode": 1}[name]
     if mpl_fec_init(&code, k, m):
         raise ValueError(f"redundancy=({k}, {m}): {fec_check(k, m)}")
+    if not 0 <= filled <= k:
+        raise ValueError(f"filled must be in 0..{k}, not {filled}")
+    filled = filled or k
     length = fec_rows(blocks, &vb, k + m, True)
     try:
         for i in range(k + m):
             rows[i] = <unsigned char*>vb.buf + i * length
         if which == 0:
             with nogil:
-                mpl_fec_encode(&code, rows, rows + k, <size_t>length)
+                mpl_fec_encode(&code, rows, rows + k, <size_t>length, filled)
             return m
         if present is None:
             raise ValueError("decode needs `present`")
@@ -146,11 +151,12 @@ def fec_kernel(str name, blocks, int k, int m, present=None) -> int:
             if vp.len != k + m:
                 raise ValueError(f"present must have k + m = {k + m} bytes")
             with nogil:
-                got = mpl_fec_decode(&code, rows, <const unsigned char*>vp.buf, <size_t>length)
+                got = mpl_fec_decode(&code, rows, <const unsigned char*>vp.buf, <size_t>length,
+                                     filled)
         finally:
             PyBuffer_Release(&vp)
         if got < 0:
-            raise ValueError(f"fewer than k = {k} of the {k + m} blocks are present")
+            raise ValueError(f"fewer than {filled} of the group's {filled + m} blocks are present")
         return got
     finally:
         PyBuffer_Release(&vb)

@@ -9,7 +9,10 @@
  *
  * Blocks of a group are `len` bytes each (a shorter last block is padded
  * with zeros by the caller).  Data blocks are rows 0..k-1 of the code,
- * parity blocks rows k..k+m-1. */
+ * parity blocks rows k..k+m-1.  A group may hold only its first `kk` <= k
+ * data blocks (the last group of a stream): the others are zero, so they
+ * add nothing to a parity row and are neither stored nor read; the parity
+ * is the same as that of the group padded with zero blocks. */
 #ifndef MPILOSSY_FEC_H
 #define MPILOSSY_FEC_H
 
@@ -97,32 +100,52 @@ static int mpl_fec_init(mpl_fec_t *c, int k, int m)
     return 0;
 }
 
-/* parity[0..m-1] from data[0..k-1], `len` bytes each. */
+#if MPL_HAVE_ISAL
+/* Tables of the code's parity rows restricted to data columns 0..kk-1. */
+static void mpl_fec_tables(const mpl_fec_t *c, int kk, unsigned char *tables)
+{
+    unsigned char sub[MPL_FEC_MAX_M * MPL_FEC_MAX_K];
+    int p, j;
+    for (p = 0; p < c->m; p++)
+        for (j = 0; j < kk; j++)
+            sub[p * kk + j] = c->matrix[(c->k + p) * c->k + j];
+    ec_init_tables(kk, c->m, sub, tables);
+}
+#endif
+
+/* parity[0..m-1] from data[0..kk-1] (1 <= kk <= k), `len` bytes each. */
 static void mpl_fec_encode(const mpl_fec_t *c, unsigned char *const *data,
-                           unsigned char **parity, size_t len)
+                           unsigned char **parity, size_t len, int kk)
 {
     if (c->m == 1) {
-        mpl_fec_xor(parity[0], data, c->k, len);
+        mpl_fec_xor(parity[0], data, kk, len);
         return;
     }
 #if MPL_HAVE_ISAL
-    ec_encode_data((int)len, c->k, c->m, (unsigned char *)c->tables,
-                   (unsigned char **)data, parity);
+    if (kk == c->k) {
+        ec_encode_data((int)len, c->k, c->m, (unsigned char *)c->tables,
+                       (unsigned char **)data, parity);
+    } else {
+        unsigned char tables[32 * MPL_FEC_MAX_K * MPL_FEC_MAX_M];
+        mpl_fec_tables(c, kk, tables);
+        ec_encode_data((int)len, kk, c->m, tables, (unsigned char **)data, parity);
+    }
 #endif
 }
 
-/* Rebuild the lost data blocks of a group.  blocks[0..k+m-1]: every row's
+/* Rebuild the lost data blocks of a group of kk data blocks (1 <= kk <= k;
+ * rows kk..k-1 are zero and never read).  blocks[0..k+m-1]: every row's
  * memory; present[i]: row i arrived.  The rows of lost data blocks are
  * written; nothing else is.  Returns how many data blocks were rebuilt (0
- * when none was lost), or -1 when fewer than k rows arrived. */
+ * when none was lost), or -1 when fewer than kk rows arrived. */
 static int mpl_fec_decode(const mpl_fec_t *c, unsigned char **blocks,
-                          const unsigned char *present, size_t len)
+                          const unsigned char *present, size_t len, int kk)
 {
     int k = c->k, m = c->m, n = k + m, lost[MPL_FEC_MAX_M], nlost = 0, have = 0, i;
     unsigned char *rows[MPL_FEC_MAX_K];
     for (i = 0; i < n; i++)
-        have += present[i] != 0;
-    for (i = 0; i < k; i++)
+        have += present[i] != 0 && (i < kk || i >= k);
+    for (i = 0; i < kk; i++)
         if (!present[i]) {
             if (nlost == m)
                 return -1;
@@ -130,15 +153,15 @@ static int mpl_fec_decode(const mpl_fec_t *c, unsigned char **blocks,
         }
     if (!nlost)
         return 0;
-    if (have < k)
+    if (have < kk)
         return -1;
     if (m == 1) {
-        /* the parity XOR the k - 1 others: the one lost */
+        /* the parity XOR the kk - 1 others: the one lost */
         int r = 0;
         for (i = 0; i < n; i++)
-            if (present[i])
+            if (present[i] && (i < kk || i >= k))
                 rows[r++] = blocks[i];
-        mpl_fec_xor(blocks[lost[0]], rows, k, len);
+        mpl_fec_xor(blocks[lost[0]], rows, kk, len);
         return 1;
     }
 #if MPL_HAVE_ISAL
@@ -154,7 +177,7 @@ static int mpl_fec_decode(const mpl_fec_t *c, unsigned char **blocks,
         unsigned char tables[32 * MPL_FEC_MAX_K * MPL_FEC_MAX_M];
         unsigned char *out[MPL_FEC_MAX_M];
         int parity[MPL_FEC_MAX_M], np = 0, r = 0, j, p, col;
-        for (i = 0; i < k; i++)
+        for (i = 0; i < kk; i++)
             if (present[i])
                 rows[r++] = blocks[i];
         for (i = k; i < n && np < nlost; i++)
@@ -170,20 +193,20 @@ static int mpl_fec_decode(const mpl_fec_t *c, unsigned char **blocks,
         for (j = 0; j < nlost; j++) {
             const unsigned char *arow = ainv + j * nlost;
             col = 0;
-            for (i = 0; i < k; i++) {
+            for (i = 0; i < kk; i++) {
                 unsigned char sum = 0;
                 if (!present[i])
                     continue;
                 for (p = 0; p < nlost; p++)
                     sum ^= gf_mul(arow[p], c->matrix[parity[p] * k + i]);
-                want[j * k + col++] = sum;
+                want[j * kk + col++] = sum;
             }
             for (p = 0; p < nlost; p++)
-                want[j * k + col++] = arow[p];
+                want[j * kk + col++] = arow[p];
             out[j] = blocks[lost[j]];
         }
-        ec_init_tables(k, nlost, want, tables);
-        ec_encode_data((int)len, k, nlost, tables, rows, out);
+        ec_init_tables(kk, nlost, want, tables);
+        ec_encode_data((int)len, kk, nlost, tables, rows, out);
         return nlost;
     }
 #else

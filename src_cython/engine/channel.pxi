@@ -169,9 +169,20 @@ cdef struct Stream:
     double miss_at        # when the header get of the last "not there" was issued
     # Redundancy (engine, coding.pxi): the stream's groups, row by row.
     char* rows            # ngroups * (fec_k + fec_m) rows of record_bytes
-    unsigned char* have   # per row: in hand (arrived and kept, rebuilt, or padding)
+    unsigned char* have   # per row: ROW_KEPT (arrived and kept, rebuilt, or padding),
+                          # ROW_IN_PLACE, or 0
     unsigned char* rebuilt    # per data block: its row holds it, rebuilt
     Py_ssize_t rows_cap, have_cap, rebuilt_cap
+
+
+# A row of a stream's group (Stream.have): a data record that arrived on a
+# channel that reads in place (random_access) is not copied into its row
+# when it is taken, only when a rebuild of its group needs it (it is read
+# again then; most groups lose nothing, and the copy doubled the memory
+# traffic of a call).  Any other row in hand is kept in its row.
+cdef enum:
+    ROW_KEPT = 1
+    ROW_IN_PLACE = 2
 
 
 # Deadlines.  `start + timeout` is the hard cap of a call.  Inside it, stage

@@ -85,7 +85,7 @@ def test_more_losses_than_parity_are_refused_and_leave_the_group_alone(k, m):
     before = g.copy()
     present = np.ones(k + m, np.uint8)
     present[:m + 1] = 0
-    with pytest.raises(ValueError, match="fewer than k"):
+    with pytest.raises(ValueError, match=f"fewer than {k} of the group"):
         _core.fec_kernel("decode", g, k, m, present)
     np.testing.assert_array_equal(g, before)
 
@@ -153,3 +153,39 @@ def test_bad_buffers_are_refused():
         _core.fec_kernel("decode", np.zeros(12, np.uint8), 2, 1, np.ones(2, np.uint8))
     with pytest.raises(ValueError, match="needs `present`"):
         _core.fec_kernel("decode", np.zeros(12, np.uint8), 2, 1)
+
+
+@pytest.mark.parametrize("k,m,filled", [(8, 1, 1), (8, 1, 5), (32, 1, 3), (8, 2, 1), (8, 2, 3),
+                                        (16, 4, 7), (64, 8, 9)])
+def test_a_short_last_group_codes_as_if_padded_with_zeros_and_never_reads_the_padding(k, m,
+                                                                                     filled):
+    """A stream's last group holds `filled` < k blocks: its parity is the
+    zero-padded group's, and rebuilding never reads the padding rows (the
+    core stores nothing there)."""
+    if _core.fec_check(k, m) is not None:
+        pytest.skip(_core.fec_check(k, m))
+    length = 263
+    padded = group_of(k, m, length, seed=k + filled)
+    rows = padded.reshape(k + m, length)
+    rows[filled:k] = 0
+    _core.fec_kernel("encode", padded, k, m)
+    short = padded.copy()
+    srows = short.reshape(k + m, length)
+    srows[filled:] = 0x3C                       # garbage in the padding and the parity rows
+    assert _core.fec_kernel("encode", short, k, m, filled=filled) == m
+    np.testing.assert_array_equal(srows[k:], rows[k:])
+    for nlost in range(1, min(m, filled) + 1):
+        lost = list(range(0, filled, max(1, filled // nlost)))[:nlost]
+        present = np.ones(k + m, np.uint8)
+        present[lost] = 0
+        srows[lost] = 0x77
+        assert _core.fec_kernel("decode", short, k, m, present, filled=filled) == nlost
+        np.testing.assert_array_equal(srows[:filled], rows[:filled])
+        np.testing.assert_array_equal(srows[filled:k], 0x3C)   # padding left alone
+    present = np.ones(k + m, np.uint8)
+    present[:min(m, filled)] = 0
+    present[k:k + m] = 0                        # every parity row lost too
+    with pytest.raises(ValueError, match=f"fewer than {filled} of the group"):
+        _core.fec_kernel("decode", short, k, m, present, filled=filled)
+    with pytest.raises(ValueError, match="filled must be"):
+        _core.fec_kernel("encode", short, k, m, filled=k + 1)
