@@ -113,19 +113,19 @@ def xor(*rows: bytes) -> bytes:
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("torn_peer", [1, 2])
-def test_fused_contribution_is_kept_as_confirmed(torn_peer):
+def test_a_row_rewritten_after_its_block_was_taken_never_feeds_a_rebuild(torn_peer):
     """Rank 0 of 3 reduces chunk 0 with redundancy (2, 1): while it takes
     one peer's block, it sums the other peer's block too (fused, read in
-    place) and keeps a copy of it as a row of its group, for rebuilding.
-    The channel confirms that block, and right after its check the
-    producer (two calls ahead) rewrites it.  The next block of that group is
-    dropped and rebuilt from the row and the parity: it must be the
-    contribution that was sent, and the reduced chunk the exact sum.  Failed
-    when the row was copied after the confirmation (the torn payload went
-    into the row; the rebuilt block passed the trailer check and was summed
-    as delivered).  Both peers take the torn role: rank 0 reads peer 2's
-    stream first and fuses peer 1's blocks into it, and the test must not
-    depend on which stream the engine reads first."""
+    place), leaving that block's row where it is (ROW_IN_PLACE) until a
+    rebuild needs it.  The channel confirms that block, and right after its
+    check the producer (two calls ahead) rewrites it.  The next block of
+    that group is dropped: a rebuild would read the row again, find it
+    rewritten, and must not use it, so that block is lost (never rebuilt
+    from the rewritten bytes, which once passed the trailer check and were
+    summed as delivered), and every other block is the exact sum.  Both
+    peers take the torn role: rank 0 reads peer 2's stream first and fuses
+    peer 1's blocks into it, and the test must not depend on which stream
+    the engine reads first."""
     size, nblocks, elems, torn_block = 3, 4, 4, 2
     rank = _testing.DirectRank(size, _core.DTYPE_F64, size * nblocks * elems, elems * 8,
                                fec_k=2, fec_m=1)
@@ -145,13 +145,20 @@ def test_fused_contribution_is_kept_as_confirmed(torn_peer):
             rank.put(peer, 0, nblocks + g, 0, xor(*rows))
     rank.tear(torn_peer, 0, torn_block, np.full(elems, -1e6).tobytes())
     send = np.concatenate([contrib[0], np.zeros((size - 1) * nblocks * elems)])
-    out = rank.run(send.tobytes(), drops=[(torn_peer, 0, torn_block + 1)])
+    dropped = torn_block + 1
+    out = rank.run(send.tobytes(), drops=[(torn_peer, 0, dropped)])
     assert not out["failed"], out["error"]
     assert out["tears"] == 1, "the torn record was never confirmed: the test proves nothing"
-    assert out["rebuilt"] == 1
-    assert out["lost"][0] == 0 and out["lost"][3] == 0, out["lost"]   # (injected, torn)
-    reduced = np.frombuffer(out["recv"], np.float64)[:nblocks * elems]
-    np.testing.assert_array_equal(reduced, sum(contrib))
+    assert out["rebuilt"] == 0
+    # (injected, late, gone, torn; gone: the other chunks' stage-2 records, never put)
+    assert out["lost"][0] == 1 and out["lost"][3] == 0, out["lost"]
+    reduced = np.frombuffer(out["recv"], np.float64)[:nblocks * elems].reshape(nblocks, elems)
+    exact = sum(contrib).reshape(nblocks, elems)
+    kept = [b for b in range(nblocks) if b != dropped]
+    np.testing.assert_array_equal(reduced[kept], exact[kept])
+    # the dropped block: the two contributions left, scaled without bias (3 / 2)
+    others = (contrib[0] + contrib[3 - torn_peer]).reshape(nblocks, elems)[dropped]
+    np.testing.assert_allclose(reduced[dropped], others * size / 2, rtol=1e-15)
 
 
 # -- integers saturate when rescaled -------------------------------------------
