@@ -182,6 +182,9 @@ print(json.dumps({"rank": me, "calls": calls, "wrong": wrong, "exclusions": excl
       flush=True)
 if kind == "stop":
     for victim in leaves:
-        os.kill(pids[victim], signal.SIGCONT)
+        try:    # (every survivor wakes it: one that comes later may find it gone)
+            os.kill(pids[victim], signal.SIGCONT)
+        except ProcessLookupError:
+            pass
     time.sleep(3.0)     # (the woken rank's call reads this rank's windows)
 os._exit(0)

@@ -110,6 +110,9 @@ report["free"] = round(time.perf_counter() - began, 3)
 report["exclusions"] = seen
 print(json.dumps(report), flush=True)
 if how == "stop":
-    os.kill(pids[victim], signal.SIGCONT)
+    try:        # (every survivor wakes it: one that comes later finds it gone)
+        os.kill(pids[victim], signal.SIGCONT)
+    except ProcessLookupError:
+        pass
     time.sleep(3.0)     # (the woken rank is told it is out by a survivor's signals)
 os._exit(0)
