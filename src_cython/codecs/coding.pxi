@@ -13,8 +13,9 @@
 # A reader keeps a copy of every row that arrives (a data record read in
 # place, only once a rebuild needs it: ROW_IN_PLACE, engine/channel.pxi).
 # A data block missing at a stream's cursor is rebuilt as soon as any k rows
-# of its group are in hand, and is then taken like a block that arrived.  Nothing else changes:
-# a block not rebuilt by its stage deadline is lost, as it was.
+# of its group are in hand, and is then taken like a block that arrived.
+# Nothing else changes: a block not rebuilt by its stage deadline is lost,
+# as it was.
 
 cdef inline Py_ssize_t fec_row(const CallInfo* c, int block) noexcept nogil:
     """Row of a slot's record `block` (data or parity) among its groups' rows."""
