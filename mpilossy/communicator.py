@@ -143,19 +143,52 @@ class Communicator:
         state, this rank makes after stand_by returns), or
         until the job's working ranks free the communicator without
         needing it, MPI reports them all failed, or `timeout` seconds pass
-        (False: nothing to do; free() is a no-op)."""
-        if self._seat is None or not self._seat.standing:
-            raise ValueError("stand_by() is for a spare rank not called in yet "
-                             "(Communicator(..., spares=k): the last k ranks)")
+        (False: nothing to do; free() is a no-op).
+
+        On a rank that the others excluded (its calls raised EvictedError:
+        it hung, then woke), the same after it offered itself to the ranks
+        still in: they take it in as a spare, once they agreed on its offer,
+        at a grow() where a place is free (docs/elastic.md, "Coming
+        back")."""
+        excluded = (self._seat is not None and self._elastic is not None
+                    and self._elastic.evicted is not None)
+        if self._seat is None or not (self._seat.standing or excluded):
+            raise ValueError("stand_by() is for a spare rank not called in yet, or a rank "
+                             "the others excluded (Communicator(..., spares=k))")
         if timeout is not None and not (isinstance(timeout, (int, float))
                                         and not isinstance(timeout, bool) and timeout > 0):
             raise ValueError(f"timeout must be None or seconds > 0, not {timeout!r}")
+        if excluded:
+            self._come_back()
         called = self._seat.stand_by(self._serial, timeout)
         if called is None:
             return False
         self._state, self._elastic = called
         _live.add(self)
         return True
+
+    def _come_back(self) -> None:
+        """An excluded rank that woke: leave its old state (without a
+        collective: the others went on without it) and stand by as a spare,
+        offered to the ranks that were in with it."""
+        assert self._seat is not None and self._elastic is not None
+        members = list(self._elastic.membership.members)
+        # (the callbacks stay: they belong to this Communicator, not to one membership)
+        self._seat.early = (self._elastic.callbacks, self._elastic.growth_callbacks)
+        state, self._state = self._state, None
+        self._elastic.close()
+        self._elastic = None
+        _live.discard(self)
+        if state is not None:
+            state.abandon()
+        self._seat.come_back(members)
+
+    @property
+    def arrivals(self) -> int:
+        """spares=k: how many times exclusions called this rank in (a spare,
+        or a rank that came back after it was excluded); 0 on a rank in from
+        the start that never left."""
+        return 0 if self._seat is None else self._seat.arrivals
 
     def grow(self) -> Tuple[int, ...]:
         """elastic=True with spares: collective over the ranks in, at a
@@ -319,7 +352,8 @@ class Communicator:
             try:
                 self.barrier()
                 if self._seat is not None and self._state.rank == 0:
-                    self._seat.spares.release()     # (every rank still in is done)
+                    # (every rank still in is done)
+                    self._seat.spares.release(self._elastic.membership.members)
             except EvictedError:
                 pass
         state, self._state = self._state, None

@@ -9,19 +9,24 @@ which a rank that hangs cannot block (wait(): docs/elastic.md); and with
 spares, the growth back at Communicator.grow(), where the user's program
 (or the torch wrapper's step) says a newcomer can follow: an agreement,
 and the switch to a state built on the survivors and the spares called
-in (control/spares.py)."""
+in (control/spares.py); while a place is free and no spare is left, the
+offers of excluded ranks that woke, agreed at grow() (one nonblocking
+MPI_Iallreduce on a duplicate of the survivors' communicator, started at
+one grow() and read at the next) before they are called in."""
 
 from __future__ import annotations
 
 import time
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
 
+import numpy as np
 from mpi4py import MPI
 
 from .call import environment
 from .call.request import Request
 from .call.stats import CollectiveStats
 from .call.config import Config
+from .control.agreement import Agreement, linger
 from .control.elastic import POLL, Membership, check_elastic
 from .control.failures import survivors
 from .control.spares import Spares
@@ -37,10 +42,13 @@ class Elastic:
     """The membership of one elastic Communicator and what follows from it."""
 
     def __init__(self, state: State, spares: Optional[Spares] = None,
-                 joining: Optional[Dict[str, Any]] = None) -> None:
+                 joining: Optional[Dict[str, Any]] = None,
+                 offers: Optional[MPI.Intracomm] = None) -> None:
         """Collective over the state's communicator (the deadline is checked
         on every rank first; the other settings were agreed in Config).
-        `joining`: on a spare called in, its call-in (control/spares.py)."""
+        `joining`: on a spare called in, its call-in (control/spares.py),
+        and `offers`, the duplicate of the grown communicator that agrees
+        on offers (made by every rank in at the growth: Elastic._grow)."""
         if joining is None:             # (a spare's settings were checked with everyone's)
             problem = check_elastic(state.config.timeout)
             errors = [(r, e) for r, e in enumerate(
@@ -60,6 +68,10 @@ class Elastic:
         self.before: Optional[State] = None     # the state they belong to
         self.spares = spares
         self.places = 0                     # ranks excluded and not replaced yet
+        # (spares: agreeing on the offers of excluded ranks that woke; the agreement
+        # in flight, started at one grow() and read at the next)
+        self.offer_comm = offers
+        self.offering: Optional[Agreement] = None
         if joining is not None:
             self.membership.epoch = joining["epoch"]
             self.membership.reliable_done = joining["reliable_done"]
@@ -98,9 +110,49 @@ class Elastic:
         agreement (every rank still in gets there after the same calls:
         one that owes calls has not yet) and the growth.  (the state, the
         ranks excluded, the spares joined)"""
-        if not self._may_grow() or self.owes():
+        if self.owes():
+            return state, (), ()
+        if self.places and self.spares is not None and not self.spares.left:
+            state, excluded = self._take_offers(state)
+            if excluded:
+                return state, excluded, ()
+        if not self._may_grow():
             return state, (), ()
         return self._exclude(state, frozenset(), grow=True)
+
+    def _take_offers(self, state: State) -> Tuple[State, Tuple[int, ...]]:
+        """A place is free and no spare left: read the agreement on offers
+        started at the last grow() (the offers every rank in had heard
+        then, the same result everywhere) and take them as spares, or
+        start one.  (the state, the ranks excluded meanwhile: the
+        agreement abandoned with the old state)"""
+        assert self.spares is not None and self.offer_comm is not None
+        pending = self.offering
+        if pending is not None:
+            outcome = self.wait(state, pending.request, closing=False)
+            if outcome is not None:
+                fresh, excluded, _ = outcome
+                return fresh, excluded
+            self.offering = None
+            members = self.membership.members
+            taken = self.spares.enlist(np.flatnonzero(pending.recv).tolist(), members)
+            if taken:
+                environment.log.warning("ranks %s offered to come back: spares now %s",
+                                        taken, self.spares.left)
+                return state, ()
+        send = np.zeros(self.spares.parent.Get_size(), dtype=np.uint8)
+        send[sorted(self.spares.heard())] = 1
+        recv = np.zeros_like(send)
+        self.offering = Agreement(self.offer_comm.Iallreduce(send, recv, op=MPI.MAX),
+                                  send, recv, 0)
+        return state, ()
+
+    def _drop_offers(self) -> None:
+        """At a switch: the agreement on offers in flight belongs to the old
+        communicator (a peer may still complete it: kept until it does)."""
+        if self.offering is not None:
+            linger(*self.offering[:3])
+            self.offering = None
 
     def wait(self, state: State, request: MPI.Request, closing: bool
              ) -> Optional[Tuple[State, Tuple[int, ...], bool]]:
@@ -197,9 +249,11 @@ class Elastic:
                     across_nodes=not membership.signals.reliable, places=self.places)
         grown, joined = self.spares.grown(
             kept, places, kept.index(membership.members[membership.rank]), info)
+        self._drop_offers()
         try:
             learned = grown.bcast(state.learned(), root=0)     # (to the spares: rank 0's)
             fresh = State.open(grown, state.config, state.serial, layout=True)
+            self.offer_comm = grown.Dup()       # (the spares make theirs: SpareSeat.stand_by)
         finally:
             grown.Free()
         fresh.warm(learned)
@@ -214,8 +268,11 @@ class Elastic:
         freed (freeing is collective over ranks that are gone): its
         agreements in flight are handed over to complete later."""
         rest = survivors(state.comm, out)
+        self._drop_offers()
         try:
             fresh = State.open(rest, state.config, state.serial, layout=True)
+            if self.spares is not None:
+                self.offer_comm = rest.Dup()
         finally:
             rest.Free()
         fresh.warm(state.learned())         # (agreed: the same on every survivor)
@@ -245,6 +302,7 @@ class SpareSeat:
         self.spares = Spares(comm.Dup(), config.spares)
         self.standing = comm.Get_rank() >= size - config.spares   # not called in yet
         self.newcomer = False                                       # called in
+        self.arrivals = 0                                           # times called in
         # (on_exclusion's and on_growth's callbacks, until it is called in)
         self.early: Tuple[List[Callback], List[Callback]] = ([], [])
         self.workers = comm.Split(MPI.UNDEFINED if self.standing else 0, comm.Get_rank())
@@ -262,10 +320,21 @@ class SpareSeat:
         try:
             learned = grown.bcast(None, root=0)     # (the survivors' learned deadline, ...)
             state = State.open(grown, self.config, serial, layout=True)
+            offers = grown.Dup()                    # (as the survivors: Elastic._grow)
         finally:
             grown.Free()
         state.warm(learned)
-        elastic = Elastic(state, self.spares, joining=message)
+        elastic = Elastic(state, self.spares, joining=message, offers=offers)
         elastic.callbacks, elastic.growth_callbacks = self.early
+        self.early = ([], [])
         self.newcomer = True
+        self.arrivals += 1
         return state, elastic
+
+    def come_back(self, members: List[int]) -> None:
+        """On a rank the others excluded (it hung) that woke: stand by as
+        a spare again, offered to `members`, the ranks (of the parent) in
+        with it when it was excluded."""
+        me = self.spares.parent.Get_rank()
+        self.spares.offer([m for m in members if m != me])
+        self.standing, self.newcomer = True, False

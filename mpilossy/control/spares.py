@@ -12,20 +12,28 @@ construction; then the survivors and the spares called in build the grown
 communicator (MPI_Comm_create_group over them only: ranks that are gone
 take no part).  At the end the lowest rank still in releases the spares
 nobody called.
+
+A rank that the others excluded while it hung, and that woke, can come
+back the same way (Communicator.stand_by on an excluded rank): it offers
+itself to the ranks that were in with it (an ENLIST message), and the
+ranks still in agree on the offers they heard (Elastic.grow: one
+nonblocking MPI_Iallreduce per grow() while a place is free) before they
+take offered ranks in as spares, in the order of their ranks.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from mpi4py import MPI
 
 from .failures import failed_ranks
 
-__all__ = ["Spares", "CALL_IN", "RELEASE"]
+__all__ = ["Spares", "CALL_IN", "RELEASE", "ENLIST"]
 
 CALL_IN, RELEASE = 31, 32           # message tags on the parent duplicate
+ENLIST = 34                         # an excluded rank that woke offers itself as a spare
 GROW = 33                           # MPI_Comm_create_group's tag (+ the growth number)
 POLL = 0.005                        # seconds between a waiting spare's looks
 
@@ -39,6 +47,8 @@ class Spares:
         self.parent = parent
         self.left: List[int] = list(range(parent.Get_size() - count, parent.Get_size()))
         self.growths = 0
+        self.offers: Set[int] = set()   # ranks heard offering themselves, not agreed yet
+        self._sends: List[MPI.Request] = []
 
     def grown(self, members: List[int], places: int, rank: int, info: Dict[str, Any]
               ) -> Tuple[MPI.Intracomm, Tuple[int, ...]]:
@@ -68,12 +78,40 @@ class Spares:
         self.growths += 1
         return comm
 
-    def release(self) -> None:
+    def release(self, members: Iterable[int]) -> None:
         """The lowest rank still in, at the end: every spare not called
-        goes home (Communicator.stand_by returns False there)."""
-        for spare in self.left:
-            self.parent.send(None, dest=spare, tag=RELEASE)
+        goes home (Communicator.stand_by returns False there), and so does
+        every rank out of `members` that MPI does not report failed (one
+        excluded while it hung may wake and offer itself later)."""
+        out = set(range(self.parent.Get_size())) - set(members) - failed_ranks(self.parent)
+        for rank in sorted(out | set(self.left)):
+            self.parent.send(None, dest=rank, tag=RELEASE)
         self.left = []
+
+    def offer(self, to: Iterable[int]) -> None:
+        """On an excluded rank that woke: offer itself as a spare to `to`
+        (ranks of the parent that were in with it), without waiting."""
+        gone = failed_ranks(self.parent)
+        self._sends += [self.parent.isend(None, dest=r, tag=ENLIST) for r in to if r not in gone]
+
+    def heard(self) -> Set[int]:
+        """The offers that reached this rank so far (not agreed yet)."""
+        status = MPI.Status()
+        while self.parent.iprobe(MPI.ANY_SOURCE, ENLIST, status):
+            source = status.Get_source()
+            self.parent.recv(source=source, tag=ENLIST)
+            self.offers.add(source)
+        return set(self.offers)
+
+    def enlist(self, agreed: Iterable[int], members: Iterable[int]) -> List[int]:
+        """Take the `agreed` offers (the same on every rank still in) as
+        spares, after those left, in the order of their ranks; returns
+        them.  Offers from ranks in `members` are stale."""
+        agreed = set(agreed)
+        self.offers -= agreed
+        new = sorted(agreed - set(members) - set(self.left))
+        self.left += new
+        return new
 
     def stand_by(self, workers: int, bound: Optional[float] = None
                  ) -> Optional[Dict[str, Any]]:
@@ -87,6 +125,9 @@ class Spares:
             if self.parent.iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                 tag = status.Get_tag()
                 message = self.parent.recv(source=status.Get_source(), tag=tag)
+                if tag == ENLIST:           # (for when this rank is in again)
+                    self.offers.add(status.Get_source())
+                    continue
                 if tag == RELEASE:
                     return None
                 if tag == CALL_IN:

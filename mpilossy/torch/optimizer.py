@@ -73,8 +73,9 @@ class WrappedOptimizer(_OptimizerBase):
 
 
 _classes: Dict[Tuple[type, type], type] = {}
-# newcomers (Communicator.newcomer) whose first DistributedOptimizer took the survivors' state
-_welcomed: "weakref.WeakSet[Communicator]" = weakref.WeakSet()
+# newcomers (Communicator.newcomer): the arrival whose first DistributedOptimizer took the
+# survivors' state (a rank that comes back after an exclusion arrives again)
+_welcomed: "weakref.WeakKeyDictionary[Communicator, int]" = weakref.WeakKeyDictionary()
 _W = TypeVar("_W", bound=WrappedOptimizer)
 
 
@@ -433,9 +434,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                                 error_feedback, compute_deadline, compression)
     engine.agreed = (named, extra)
     follow_exclusions(engine)
-    if lc.newcomer and lc not in _welcomed:
+    if lc.newcomer and _welcomed.get(lc, 0) < lc.arrivals:
         # a spare called in: the survivors' step() made the same checks
         # (Engine.welcome); now their state
-        _welcomed.add(lc)
+        _welcomed[lc] = lc.arrivals
         engine.share(optimizer)
     return wrap(optimizer, _DistributedOptimizer, engine)

@@ -255,6 +255,33 @@ def test_spares_a_spare_takes_the_killed_ranks_place(tmp_path):
     assert max(ppl) / min(ppl) < 1.01, r        # (drift control keeps one model)
 
 
+@pytest.mark.skipif(not reports_failures(), reason="this MPI does not report failed ranks")
+def test_soak_stopped_ranks_come_back_and_an_exit_is_replaced(tmp_path):
+    """--soak 30 at 4 working ranks and a spare, 120 steps: three failures,
+    in turn, the third an exit; a stopped rank wakes, is told it is out and
+    comes back as the next spare, taking the next lost rank's place.  The
+    run ends at full size with one model, every failure's place filled."""
+    out = tmp_path / "result.json"
+    done = run_bounded([mpiexec(), "-disable-auto-cleanup", "-n", "5", sys.executable, "-m",
+                        "mpilossy.examples.lm", *TINY, "--steps", "120", "--mode", "replicated",
+                        "--spares", "1", "--soak", "30", "--soak-hang", "2",
+                        "--soak-exits", "1", "--elastic-wait", "1", "--json", out],
+                       timeout=240, env=clean_subprocess_env(OMP_NUM_THREADS="1"), cwd=tmp_path)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    r = json.loads(out.read_text())
+    soak = r["soak"]
+    assert soak["failures"] == 3 and soak["exits"] == 1, soak
+    # back at four ranks within 3 steps of each failure, and at the end; among
+    # them a rank that was excluded and came back (not the pre-launched spare, 4)
+    assert r["ranks"] == 4 and len(set(r["members"])) == 4, r
+    assert all(back is not None and back <= 3 for _, _, back in soak["costs"]["each"]), soak
+    assert any(a >= 1 for m, a in zip(r["members"], soak["arrivals"]) if m != 4), r
+    assert r["train_loss_last"] < r["train_loss_first"] - 0.5, r
+    ppl = r["val_perplexity_ranks"]
+    assert all(math.isfinite(p) and 1 < p < 100 for p in ppl), r
+    assert max(ppl) / min(ppl) < 1.01, r        # (one model: the newcomers took it over)
+
+
 def test_spares_refuse_what_a_newcomer_cannot_take_over():
     from mpilossy.examples.lm.train import Config, train
     from mpi4py import MPI

@@ -14,6 +14,17 @@ from mpilossy.control.failures import reports_failures
 from helpers import PROGRAMS, clean_subprocess_env, is_singleton, mpiexec, run_bounded
 
 
+def skip_unless_own_job(channel):
+    """The scenario tests start their own mpiexec (at size 1) and need failures
+    reported; "ud" needs the datagram channel's authentication."""
+    if not is_singleton():
+        pytest.skip("starts its own mpiexec: runs at size 1")
+    if not reports_failures():
+        pytest.skip("this MPI does not report failed ranks")
+    if channel == "ud" and not _core.HAVE_DATAGRAM_AUTH:
+        pytest.skip("channel='ud' needs OpenSSL's libcrypto at build time")
+
+
 def run_spares(ranks, channel, spares, scenario, calls, **env):
     cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), sys.executable,
            str(PROGRAMS / "elastic_spares.py"), channel, str(spares), scenario, str(calls)]
@@ -42,12 +53,7 @@ def test_a_spare_takes_a_lost_ranks_place(ranks, channel, spares, scenario, call
     mean over the ranks its call records; the ranks and the newcomers
     agree on the state sent at each growth; the spares are the last
     members; with no spare left, the survivors go on smaller."""
-    if not is_singleton():
-        pytest.skip("starts its own mpiexec: runs at size 1")
-    if not reports_failures():
-        pytest.skip("this MPI does not report failed ranks")
-    if channel == "ud" and not _core.HAVE_DATAGRAM_AUTH:
-        pytest.skip("channel='ud' needs OpenSSL's libcrypto at build time")
+    skip_unless_own_job(channel)
     lines, output = run_spares(ranks, channel, spares, scenario, calls)
     lost = {int(part.split("@")[0]) for part in scenario.partition(":")[2].split(",")}
     assert sorted(r for r in lines if r not in lost) == members, output
@@ -79,6 +85,56 @@ def test_a_spare_takes_a_lost_ranks_place(ranks, channel, spares, scenario, call
     if scenario.startswith("stop"):
         for r in lost:
             assert lines[r]["woken"].startswith("EvictedError"), lines[r]
+
+
+# (ranks, channel, spares, stops V@C, calls, members at the end, ranks called in,
+# in order, the rank released at the end)
+COMEBACKS = [
+    (4, "rma", 1, "1@10,2@50,1@90", 120, [0, 3, 2], [3, 1, 2], 1),
+    (5, "ud", 1, "0@10,2@50,0@90", 120, [1, 3, 4, 2], [4, 0, 2], 0),
+]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ranks,channel,spares,stops,calls,members,called,released", COMEBACKS)
+def test_an_excluded_rank_that_wakes_comes_back(ranks, channel, spares, stops, calls, members,
+                                                called, released):
+    """A rank stops for 3 s, is excluded (the spare takes its place), wakes,
+    gets EvictedError and stands by again; at the next loss the survivors
+    agree on its offer and call it back in; it is excluded again later
+    (the root too, on ud), and the rank it replaced comes back in its
+    place.  Every block of every call on every rank is the mean over the
+    ranks it records; the state sent at each growth is the same on every
+    rank; the rank out at the end is released."""
+    skip_unless_own_job(channel)
+    cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), sys.executable,
+           str(PROGRAMS / "elastic_comeback.py"), channel, str(spares), stops, str(calls), "3"]
+    proc = run_bounded(cmd, 120, clean_subprocess_env())
+    output = proc.stdout + proc.stderr
+    lines = {line["rank"]: line for line in
+             (json.loads(obj) for obj in re.findall(r"^\{.*\}$", proc.stdout, re.M))}
+    assert sorted(lines) == list(range(ranks)), output
+    assert all(line["wrong"] == 0 for line in lines.values()), output
+    for r in members:
+        line = lines[r]
+        assert not line["released"] and line["calls"] == calls, line
+        assert line["members"] == members, line
+        assert line["model"] == lines[members[0]]["model"], lines
+    out = lines[released]
+    assert out["released"] and out["evicted"] == 2 and out["arrivals"] == 1, out
+    # the growths, as the rank in from the start saw them: the spare, then each
+    # rank back in the place of the next one lost
+    first = [r for r in members if lines[r]["arrivals"] == 0]
+    assert first, lines
+    seen = [s for joined in lines[first[0]]["joined"] for s in joined[1]]
+    assert seen == called, lines[first[0]]
+    # a rank that came back was excluded once per stop, came in once per growth
+    assert lines[called[-1]]["evicted"] == 1 and lines[called[-1]]["arrivals"] == 1, lines
+    sent: dict = {}
+    for line in lines.values():
+        for call, total in line["sent"]:
+            sent.setdefault(call, set()).add(total)
+    assert len(sent) == len(called) and all(len(t) == 1 for t in sent.values()), sent
 
 
 @pytest.mark.timeout(150)

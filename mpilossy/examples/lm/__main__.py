@@ -142,6 +142,15 @@ def parser() -> argparse.ArgumentParser:
                     help="the last K ranks wait as hot spares; after a rank is lost one takes "
                     "its place, with the others' model and optimizer state (implies "
                     "--elastic; --mode replicated: docs/elastic.md, 'Growing back')")
+    ap.add_argument("--elastic-wait", type=float, default=d.elastic_wait, metavar="SECONDS",
+                    help="elastic: how long a reliable wait waits for a silent rank (default: "
+                    "the library's, 10 s)")
+    ap.add_argument("--soak", type=int, default=d.soak_every, metavar="EVERY",
+                    help="a working rank fails before every EVERY-th step, in turn: it stops "
+                    "for --soak-hang seconds and comes back as a spare, or exits "
+                    "(--soak-exits of the failures); needs --spares >= 1: docs/elastic.md")
+    ap.add_argument("--soak-hang", type=float, default=d.soak_hang, metavar="SECONDS")
+    ap.add_argument("--soak-exits", type=int, default=d.soak_exits, metavar="N")
     ap.add_argument("--json", help="write the results to this file (rank 0)")
     return ap
 
@@ -166,7 +175,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                  seed=args.seed, val_windows=args.val_windows,
                  measure_every=args.measure_every, threads=args.threads, device=args.device,
                  elastic=args.elastic, kill_rank=args.kill_rank, kill_at=args.at_step,
-                 spares=args.spares)
+                 spares=args.spares, elastic_wait=args.elastic_wait, soak_every=args.soak,
+                 soak_hang=args.soak_hang, soak_exits=args.soak_exits)
     comm = MPI.COMM_WORLD
     result = train(cfg, comm, progress=args.progress)
     if result.get("released"):      # (a spare nobody needed; a lost rank may hang Finalize)
@@ -203,6 +213,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"(compute deadline {cfg.compute_deadline})")
         if "phase_aware" in r:
             print(f"phase-aware     {r['phase_aware']}")
+        if "soak" in r:
+            soak, costs = r["soak"], r["soak"]["costs"]
+            print(f"soak            {soak['failures']} failures ({soak['exits']} exits), "
+                  f"arrivals per rank {soak['arrivals']}; a failure cost "
+                  f"{', '.join(f'{x:.2f}' for x in costs['extra_seconds_p50_p90_max'])} s "
+                  f"(p50, p90, max) over {costs['measured']} measured; steps to full size "
+                  f"{costs['steps_to_full_size_p50_p90_max']}")
         if excluded:
             print(f"elastic         ranks {excluded} excluded; {len(result['members'])} went on"
                   f"{f', spares {joined} among them' if joined else ''}")

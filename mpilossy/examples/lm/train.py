@@ -28,6 +28,7 @@ from . import corpus as corpus_mod
 from .model import TinyGPT
 from .progress import MODES as PROGRESS_MODES
 from .progress import progress as progress_display
+from .soak import Soak, failure_costs
 
 __all__ = ["Config", "train"]
 
@@ -84,6 +85,11 @@ class Config:
     kill_at: int = 0                  # the scenario of --kill-rank R --at-step S (elastic)
     spares: int = 0                   # the last `spares` ranks wait as hot spares and take
                                       # lost ranks' places (elastic, replicated mode)
+    elastic_wait: Optional[float] = None  # seconds a reliable wait waits for a silent rank
+                                      # (None: the library's default)
+    soak_every: int = 0               # a working rank fails before every soak_every-th step
+    soak_hang: float = 4.0            # (it stops for soak_hang seconds, comes back as a
+    soak_exits: int = 0               # spare; soak_exits of the failures are exits: soak.py)
 
 
 # The deadline where the learned one would run the hierarchy: on fake 2 x 2
@@ -151,6 +157,8 @@ def lossy_communicator(cfg: Config, comm: MPI.Intracomm, elastic: bool) -> mpilo
     target: Dict[str, Any] = {}       # (None: the library's default)
     if cfg.delivered_target is not None:
         target["delivered_target"] = cfg.delivered_target
+    if cfg.elastic_wait is not None:
+        target["elastic_wait"] = cfg.elastic_wait
     return mpilossy.Communicator(comm, timeout=deadline_for(cfg, comm), loss=models,
                                  block_bytes=cfg.block_bytes, algorithm=cfg.algorithm,
                                  channel=cfg.channel,
@@ -292,6 +300,10 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     elastic = cfg.elastic or cfg.kill_rank is not None or cfg.spares > 0
     if elastic and cfg.reduce != "mpilossy":
         raise ValueError("elastic training (--kill-rank, --spares) needs reduce='mpilossy'")
+    if cfg.soak_every and (cfg.soak_every < 2 or cfg.spares < 1 or cfg.soak_hang <= 0
+                           or cfg.soak_exits < 0):
+        raise ValueError("the soak needs soak_every >= 2, spares >= 1 (a stopped rank comes "
+                         "back as a spare), soak_hang > 0 and soak_exits >= 0")
     refused = [name for name, on in (
         ("mode " + cfg.mode, cfg.mode != "replicated"), ("phase_aware", cfg.phase_aware),
         ("error_feedback", cfg.error_feedback), ("compression", cfg.compression != "none"),
@@ -330,12 +342,26 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         from .fsdp import Sharded   # torch.distributed.fsdp: 1.5 s of imports, only here
         fsdp = Sharded(model, comm, lc, cfg.align)
     params = [p for p in model.parameters()]
-    if cfg.optimizer == "sgd":
-        inner: torch.optim.Optimizer = torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
-    elif cfg.optimizer == "adamw":
-        inner = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
-    else:
+
+    def make_inner() -> torch.optim.Optimizer:
+        if cfg.optimizer == "sgd":
+            return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+        if cfg.optimizer == "adamw":
+            return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
         raise ValueError(f"optimizer must be adamw or sgd, got {cfg.optimizer!r}")
+
+    def replicated(inner: torch.optim.Optimizer) -> mt.WrappedOptimizer:
+        assert lc is not None
+        return mt.DistributedOptimizer(inner, model.named_parameters(), lc,
+                                       broadcast_every=cfg.resync_every,
+                                       measure_every=cfg.measure_every,
+                                       broadcast_state=cfg.resync == "average",
+                                       resync=cfg.resync, tolerance=tolerance,
+                                       error_feedback=cfg.error_feedback,
+                                       compute_deadline=deadline,
+                                       compression=compression(cfg))
+
+    inner = make_inner()
 
     tolerance = None
     optimizer: torch.optim.Optimizer = inner
@@ -358,14 +384,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                                           missed=cfg.missed, compute_deadline=deadline,
                                           compression=compression(cfg))
         else:
-            wrapped = mt.DistributedOptimizer(inner, model.named_parameters(), lc,
-                                              broadcast_every=cfg.resync_every,
-                                              measure_every=cfg.measure_every,
-                                              broadcast_state=cfg.resync == "average",
-                                              resync=cfg.resync, tolerance=tolerance,
-                                              error_feedback=cfg.error_feedback,
-                                              compute_deadline=deadline,
-                                              compression=compression(cfg))
+            wrapped = replicated(inner)
         optimizer = wrapped
         drift_control = wrapped.drift_control
 
@@ -387,70 +406,96 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         is gone cannot block them), else MPI."""
         return lc.bounded_comm() if lc is not None and lc.elastic else comm
 
+    soak = Soak(cfg.soak_every, cfg.soak_hang, cfg.soak_exits, cfg.steps)
+    full_size = size - cfg.spares           # (the working ranks at the start)
+    step_seconds: Dict[int, float] = {}     # (the soak's costs: this rank's steps)
+    sizes: Dict[int, int] = {}              # (and the ranks in after each)
     # (a spare called in goes on from the step the others had reached)
-    for step in range(wrapped.steps if wrapped is not None else 0, cfg.steps):
+    step = wrapped.steps if wrapped is not None else 0
+    while step < cfg.steps:
+        stepping = time.perf_counter()
+        failure = soak.failure(step)
+        if failure is not None and lc is not None and lc.rank == soak.victim(failure, lc.size):
+            soak.fail(failure)
         if step == cfg.kill_at and rank == cfg.kill_rank:
             bar.close()
             sys.stdout.flush()
             sys.stderr.flush()
             os._exit(0)             # (a rank that is gone: the others go on)
-        for group in inner.param_groups:
-            group["lr"] = lr_at(cfg, step)
-        optimizer.zero_grad(set_to_none=False)   # (the wrapper: sharded mode clears the model's)
-        factor = slow_factor if slowness.random() < slow_p else 1.0
-        # Without a compute deadline the micro-batches' mean is the step's
-        # gradient; with one, the optimizer divides by the count it did.
-        scale = 1.0 if deadline is not None else 1.0 / cfg.micro_batches
-        parts = []
-        for _ in (deadline if deadline is not None else range(cfg.micro_batches)):
-            computing = time.perf_counter()
-            starts = sampler.integers(0, data.train.size - cfg.context - 1, per_micro)
-            part = model.loss(windows(data.train, starts, cfg.context + 1, device))
-            (part * scale if scale != 1.0 else part).backward()
-            parts.append(part.item())
-            if factor > 1.0:    # a throttled or shared core: the same work, slower
-                time.sleep((factor - 1.0) * (time.perf_counter() - computing))
-        micro_done.append(len(parts))
-        loss = torch.tensor(float(np.mean(parts)))
-        if fsdp is not None:
-            inner.step()
-            got, seconds = fsdp.step_stats()
-            if fsdp.lossy:
-                delivered.append(got)
-            comm_seconds += seconds
-        elif cfg.reduce == "mpi":
-            comm_seconds += reduce_mpi()
-            inner.step()
-            assert drift_control is not None
-            drift_control.step()
-        else:
-            if cfg.align:
-                # Ranks that time-share cores finish their backward passes up
-                # to ~100 ms apart, which a 50 ms deadline would count as
-                # loss; lined up, the loss measured is the injected one.
-                if lc is not None and lc.elastic:
-                    lc.barrier()    # (a rank that is gone or hangs cannot block it)
-                else:
-                    reliable().Barrier()
-            assert wrapped is not None
-            optimizer.step()
-            stats = wrapped.stats
-            assert stats is not None        # (after a step)
-            delivered.append(stats.delivered)
-            comm_seconds += stats.comm_seconds + stats.sync_seconds
-        losses.append(loss.item())
-        if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-            pause = time.perf_counter()
-            # (fsdp: every rank takes part in the forward pass's all-gathers)
-            ppl_now = again(lambda: reliable().bcast(
-                perplexity(model, val) if reliable().rank == 0 or fsdp is not None else None),
-                mpilossy.MembershipChanged)
-            curve.append((step + 1, pause - train_began - paused, ppl_now))
-            paused += time.perf_counter() - pause
-        # the last 10 steps' mean training loss and delivered fraction
-        bar.set_postfix(refresh=False, loss=f"{np.mean(losses[-10:]):.3f}",
-                        delivered=f"{np.mean(delivered[-10:]) if delivered else 1.0:.3f}")
-        bar.update(1)
+        try:
+            for group in inner.param_groups:
+                group["lr"] = lr_at(cfg, step)
+            optimizer.zero_grad(set_to_none=False)   # (the wrapper: sharded mode clears the model's)
+            factor = slow_factor if slowness.random() < slow_p else 1.0
+            # Without a compute deadline the micro-batches' mean is the step's
+            # gradient; with one, the optimizer divides by the count it did.
+            scale = 1.0 if deadline is not None else 1.0 / cfg.micro_batches
+            parts = []
+            for _ in (deadline if deadline is not None else range(cfg.micro_batches)):
+                computing = time.perf_counter()
+                starts = sampler.integers(0, data.train.size - cfg.context - 1, per_micro)
+                part = model.loss(windows(data.train, starts, cfg.context + 1, device))
+                (part * scale if scale != 1.0 else part).backward()
+                parts.append(part.item())
+                if factor > 1.0:    # a throttled or shared core: the same work, slower
+                    time.sleep((factor - 1.0) * (time.perf_counter() - computing))
+            micro_done.append(len(parts))
+            loss = torch.tensor(float(np.mean(parts)))
+            if fsdp is not None:
+                inner.step()
+                got, seconds = fsdp.step_stats()
+                if fsdp.lossy:
+                    delivered.append(got)
+                comm_seconds += seconds
+            elif cfg.reduce == "mpi":
+                comm_seconds += reduce_mpi()
+                inner.step()
+                assert drift_control is not None
+                drift_control.step()
+            else:
+                if cfg.align:
+                    # Ranks that time-share cores finish their backward passes up
+                    # to ~100 ms apart, which a 50 ms deadline would count as
+                    # loss; lined up, the loss measured is the injected one.
+                    if lc is not None and lc.elastic:
+                        lc.barrier()    # (a rank that is gone or hangs cannot block it)
+                    else:
+                        reliable().Barrier()
+                assert wrapped is not None
+                optimizer.step()
+                stats = wrapped.stats
+                assert stats is not None        # (after a step)
+                delivered.append(stats.delivered)
+                comm_seconds += stats.comm_seconds + stats.sync_seconds
+            losses.append(loss.item())
+            if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                pause = time.perf_counter()
+                # (fsdp: every rank takes part in the forward pass's all-gathers)
+                ppl_now = again(lambda: reliable().bcast(
+                    perplexity(model, val) if reliable().rank == 0 or fsdp is not None else None),
+                    mpilossy.MembershipChanged)
+                curve.append((step + 1, pause - train_began - paused, ppl_now))
+                paused += time.perf_counter() - pause
+            # the last 10 steps' mean training loss and delivered fraction
+            bar.set_postfix(refresh=False, loss=f"{np.mean(losses[-10:]):.3f}",
+                            delivered=f"{np.mean(delivered[-10:]) if delivered else 1.0:.3f}")
+            bar.update(1)
+        except mpilossy.EvictedError:
+            if lc is None or not soak.every:
+                raise
+            # woken after the others excluded this rank: a spare again, called
+            # in with their model and optimizer state (or released at the end)
+            if not lc.stand_by():
+                return {"released": True}
+            inner = make_inner()
+            wrapped = optimizer = replicated(inner)
+            drift_control = wrapped.drift_control
+            step = wrapped.steps
+            continue
+        step_seconds[step] = time.perf_counter() - stepping
+        if lc is not None:
+            sizes[step] = lc.size
+        step += 1
     train_seconds = time.perf_counter() - train_began - paused
     bar.close()
     def summary() -> Dict[str, Any]:
@@ -490,6 +535,14 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
             "micro_batches": comm.allreduce(float(np.mean(micro_done)), op=MPI.SUM) / size,
             "curve": curve,
         }
+        if soak.every:
+            assert lc is not None
+            result["soak"] = {
+                "failures": soak.failures,
+                "exits": sum(soak.kind(f) == "exit" for f in range(1, soak.failures + 1)),
+                "arrivals": comm.allgather(lc.arrivals),
+                "costs": failure_costs(soak, comm.allgather(step_seconds),
+                                       comm.allgather(sizes), full_size)}
         if tolerance is not None:
             result["phase_aware"] = {"reliable_steps": tolerance.reliable,
                                      "repaired_steps": tolerance.repaired,
