@@ -134,14 +134,15 @@ class Elastic:
                 fresh, excluded, _ = outcome
                 return fresh, excluded
             self.offering = None
-            members = self.membership.members
-            taken = self.spares.enlist(np.flatnonzero(pending.recv).tolist(), members)
+            agreed = {int(r): int(pending.recv[r]) for r in np.flatnonzero(pending.recv)}
+            taken = self.spares.enlist(agreed, self.membership.members)
             if taken:
                 environment.log.warning("ranks %s offered to come back: spares now %s",
                                         taken, self.spares.left)
                 return state, ()
-        send = np.zeros(self.spares.parent.Get_size(), dtype=np.uint8)
-        send[sorted(self.spares.heard())] = 1
+        send = np.zeros(self.spares.parent.Get_size(), dtype=np.int64)
+        for rank, number in self.spares.heard().items():
+            send[rank] = number
         recv = np.zeros_like(send)
         self.offering = Agreement(self.offer_comm.Iallreduce(send, recv, op=MPI.MAX),
                                   send, recv, 0)

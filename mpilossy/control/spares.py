@@ -18,13 +18,17 @@ back the same way (Communicator.stand_by on an excluded rank): it offers
 itself to the ranks that were in with it (an ENLIST message), and the
 ranks still in agree on the offers they heard (Elastic.grow: one
 nonblocking MPI_Iallreduce per grow() while a place is free) before they
-take offered ranks in as spares, in the order of their ranks.
+take offered ranks in as spares, in the order of their ranks.  Offers are
+numbered by their sender (its first, second, ... time back): an offer
+heard late, after the one it repeats was taken (a rank that was a spare
+or out when it came reads it when it is in again), is older than what was
+taken from that rank and never calls in a rank that has since left again.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from mpi4py import MPI
 
@@ -47,7 +51,12 @@ class Spares:
         self.parent = parent
         self.left: List[int] = list(range(parent.Get_size() - count, parent.Get_size()))
         self.growths = 0
-        self.offers: Set[int] = set()   # ranks heard offering themselves, not agreed yet
+        # offers heard and not taken yet: rank -> its number (the sender's count of offers)
+        self.offers: Dict[int, int] = {}
+        # the number of the last offer taken from each rank (the same on every rank in:
+        # agreed, and sent to a spare with its call-in)
+        self.taken: Dict[int, int] = {}
+        self.offered = 0                # offers this rank made
         self._sends: List[MPI.Request] = []
 
     def grown(self, members: List[int], places: int, rank: int, info: Dict[str, Any]
@@ -59,7 +68,8 @@ class Spares:
         members first.  (it, the spares called in)"""
         called, self.left = self.left[:places], self.left[places:]
         everyone = list(members) + called
-        message = dict(info, members=everyone, growth=self.growths, left=self.left)
+        message = dict(info, members=everyone, growth=self.growths, left=self.left,
+                       taken=self.taken)
         if rank == 0:
             for spare in called:
                 self.parent.send(message, dest=spare, tag=CALL_IN)
@@ -92,24 +102,32 @@ class Spares:
         """On an excluded rank that woke: offer itself as a spare to `to`
         (ranks of the parent that were in with it), without waiting."""
         gone = failed_ranks(self.parent)
-        self._sends += [self.parent.isend(None, dest=r, tag=ENLIST) for r in to if r not in gone]
+        self.offered += 1
+        self._sends += [self.parent.isend(self.offered, dest=r, tag=ENLIST)
+                        for r in to if r not in gone]
 
-    def heard(self) -> Set[int]:
-        """The offers that reached this rank so far (not agreed yet)."""
+    def _file(self, source: int, number: int) -> None:
+        if number > self.taken.get(source, 0):
+            self.offers[source] = max(number, self.offers.get(source, 0))
+
+    def heard(self) -> Dict[int, int]:
+        """The offers that reached this rank so far and were not taken:
+        rank -> the offer's number."""
         status = MPI.Status()
         while self.parent.iprobe(MPI.ANY_SOURCE, ENLIST, status):
             source = status.Get_source()
-            self.parent.recv(source=source, tag=ENLIST)
-            self.offers.add(source)
-        return set(self.offers)
+            self._file(source, self.parent.recv(source=source, tag=ENLIST))
+        return dict(self.offers)
 
-    def enlist(self, agreed: Iterable[int], members: Iterable[int]) -> List[int]:
-        """Take the `agreed` offers (the same on every rank still in) as
-        spares, after those left, in the order of their ranks; returns
-        them.  Offers from ranks in `members` are stale."""
-        agreed = set(agreed)
-        self.offers -= agreed
-        new = sorted(agreed - set(members) - set(self.left))
+    def enlist(self, agreed: Dict[int, int], members: Iterable[int]) -> List[int]:
+        """Take the `agreed` offers (rank -> number, the same on every rank
+        still in) newer than those taken before as spares, after those
+        left, in the order of their ranks; returns them."""
+        new = sorted(r for r, n in agreed.items() if n > self.taken.get(r, 0)
+                     and r not in set(members) and r not in self.left)
+        for r, n in agreed.items():
+            self.taken[r] = max(n, self.taken.get(r, 0))
+        self.offers = {r: n for r, n in self.offers.items() if n > self.taken.get(r, 0)}
         self.left += new
         return new
 
@@ -126,12 +144,15 @@ class Spares:
                 tag = status.Get_tag()
                 message = self.parent.recv(source=status.Get_source(), tag=tag)
                 if tag == ENLIST:           # (for when this rank is in again)
-                    self.offers.add(status.Get_source())
+                    self._file(status.Get_source(), message)
                     continue
                 if tag == RELEASE:
                     return None
                 if tag == CALL_IN:
                     self.growths, self.left = message["growth"], message["left"]
+                    self.taken = dict(message["taken"])
+                    self.offers = {r: n for r, n in self.offers.items()
+                                   if n > self.taken.get(r, 0)}
                     message["comm"] = self._build(message["members"])
                     return message
             if len(failed_ranks(self.parent) & set(range(workers))) == workers:

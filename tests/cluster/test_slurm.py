@@ -284,6 +284,25 @@ def test_srun_reports_no_exit_and_lossy_calls_go_on_by_heartbeat(slurm, tmp_path
         assert r["exclusions"][0]["call"] >= 6 + 4, r
 
 
+def test_srun_a_rank_that_hung_comes_back(slurm, tmp_path):
+    """Under srun (PMI2) too, a rank excluded while it was stopped comes back
+    when it wakes (Communicator.stand_by after EvictedError): the
+    scenario of tests/control/test_spares.py's rma row, 4 tasks with one
+    spare; at the end rank 1 is out (released) and ranks 0, 3, 2 are in,
+    every block right."""
+    env = slurm.env(PATH=str(Path(sys.executable).parent) + ":" + slurm.env()["PATH"])
+    cmd = ["srun", "--mpi=pmi2", "--no-kill", "--kill-on-bad-exit=0", "-n", "4", "-t", "2",
+           sys.executable, str(PROGRAMS / "elastic_comeback.py"), "rma", "1",
+           "1@10,2@50,1@90", "120", "3"]
+    proc = run_bounded(cmd, 110, env, cwd=str(tmp_path))
+    lines = {r["rank"]: r for r in json_reports(proc.stdout, '{"rank"')}
+    output = proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert sorted(lines) == [0, 1, 2, 3] and lines[1]["released"], output
+    for r in (0, 3, 2):
+        assert lines[r]["members"] == [0, 3, 2] and lines[r]["calls"] == 120, lines[r]
+    assert all(line["wrong"] == 0 for line in lines.values()), lines
+
+
 def test_srun_a_hot_spare_takes_an_exited_ranks_place(slurm, tmp_path):
     """Under srun (PMI2) a hot spare launched with the job, outside the
     working ranks, joins the survivors' MPI_Comm_create_group after a rank

@@ -11,7 +11,8 @@ from mpi4py import MPI
 import mpilossy
 from mpilossy import MPILossyError, _core
 from mpilossy.control.failures import reports_failures
-from helpers import PROGRAMS, clean_subprocess_env, is_singleton, mpiexec, run_bounded
+from helpers import (PROGRAMS, clean_subprocess_env, is_singleton, json_reports, mpiexec,
+                     run_bounded)
 
 
 def skip_unless_own_job(channel):
@@ -111,8 +112,7 @@ def test_an_excluded_rank_that_wakes_comes_back(ranks, channel, spares, stops, c
            str(PROGRAMS / "elastic_comeback.py"), channel, str(spares), stops, str(calls), "3"]
     proc = run_bounded(cmd, 120, clean_subprocess_env())
     output = proc.stdout + proc.stderr
-    lines = {line["rank"]: line for line in
-             (json.loads(obj) for obj in re.findall(r"^\{.*\}$", proc.stdout, re.M))}
+    lines = {line["rank"]: line for line in json_reports(proc.stdout)}
     assert sorted(lines) == list(range(ranks)), output
     assert all(line["wrong"] == 0 for line in lines.values()), output
     for r in members:
@@ -220,3 +220,27 @@ def test_a_spare_stands_by_until_released():
 def mpilossy_array():
     import numpy as np
     return np.ones(64)
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(30)
+def test_an_offer_heard_after_it_was_taken_never_calls_a_rank_in_again():
+    """Offers are numbered by their sender: one that reaches a rank after
+    the same offer was taken (it was out or standing by when it came) is
+    ignored, and so is the agreed set's copy of it; a rank that offers
+    again (it left again) is taken again.  (The soak's stale offer called
+    in a rank that had exited since: the survivors hung building the
+    grown communicator.)"""
+    from mpilossy.control.spares import Spares
+    spares = Spares(MPI.COMM_SELF.Dup(), 0)
+    spares._file(5, 1)
+    assert spares.offers == {5: 1}
+    assert spares.enlist({5: 1, 2: 1}, members=[0, 1, 2]) == [5]     # (2 is in: stale)
+    assert spares.left == [5] and spares.offers == {} and spares.taken == {5: 1, 2: 1}
+    spares.left = []                # (called in, later out for good)
+    spares._file(5, 1)              # (a copy read late)
+    assert spares.offers == {}
+    assert spares.enlist({5: 1}, members=[0, 1]) == [] and spares.left == []
+    spares._file(5, 2)              # (back again after a second exclusion)
+    assert spares.enlist({5: 2}, members=[0, 1]) == [5] and spares.taken[5] == 2
+    spares.parent.Free()

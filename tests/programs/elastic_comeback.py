@@ -78,7 +78,8 @@ while True:
         while state["call"] < calls:
             call = state["call"] + 1
             if (me, call) in stops:
-                subprocess.Popen(["sh", "-c", f"sleep {hang}; kill -CONT {os.getpid()}"])
+                subprocess.Popen(["sh", "-c", f"sleep {hang}; kill -CONT {os.getpid()}"],
+                                 start_new_session=True)
                 os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(0.1)
             x[:] = me + 1 + call / 1000

@@ -50,8 +50,11 @@ class Soak:
         """The rank of the current communicator that fails."""
         return failure % size
 
-    def fail(self, failure: int) -> None:
-        """On the victim: exit, or stop until a helper process wakes it."""
+    def fail(self, failure: int, rank: int) -> None:
+        """On the victim (`rank` in the job): exit, or stop until a helper
+        process wakes it."""
+        print(f"soak: failure {failure} before step {failure * self.every}: rank {rank} "
+              f"{'exits' if self.kind(failure) == 'exit' else 'stops'}", file=sys.stderr)
         sys.stdout.flush()
         sys.stderr.flush()
         if self.kind(failure) == "exit":

@@ -413,10 +413,10 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     # (a spare called in goes on from the step the others had reached)
     step = wrapped.steps if wrapped is not None else 0
     while step < cfg.steps:
-        stepping = time.perf_counter()
+        stepping, evaluating = time.perf_counter(), 0.0     # (a step's time, but the curve's)
         failure = soak.failure(step)
         if failure is not None and lc is not None and lc.rank == soak.victim(failure, lc.size):
-            soak.fail(failure)
+            soak.fail(failure, rank)
         if step == cfg.kill_at and rank == cfg.kill_rank:
             bar.close()
             sys.stdout.flush()
@@ -475,7 +475,8 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                     perplexity(model, val) if reliable().rank == 0 or fsdp is not None else None),
                     mpilossy.MembershipChanged)
                 curve.append((step + 1, pause - train_began - paused, ppl_now))
-                paused += time.perf_counter() - pause
+                evaluating = time.perf_counter() - pause
+                paused += evaluating
             # the last 10 steps' mean training loss and delivered fraction
             bar.set_postfix(refresh=False, loss=f"{np.mean(losses[-10:]):.3f}",
                             delivered=f"{np.mean(delivered[-10:]) if delivered else 1.0:.3f}")
@@ -492,7 +493,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
             drift_control = wrapped.drift_control
             step = wrapped.steps
             continue
-        step_seconds[step] = time.perf_counter() - stepping
+        step_seconds[step] = time.perf_counter() - stepping - evaluating
         if lc is not None:
             sizes[step] = lc.size
         step += 1
