@@ -312,8 +312,7 @@ class SpareSeat:
         """Wait until the survivors call this spare in (Communicator.stand_by):
         its state on the grown communicator, warmed with what the survivors
         learned, and its membership; None if it was not needed."""
-        parent = self.spares.parent
-        message = self.spares.stand_by(parent.Get_size() - self.config.spares, timeout)
+        message = self.spares.stand_by(timeout)
         self.standing = False
         if message is None:
             return None

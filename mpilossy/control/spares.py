@@ -57,7 +57,10 @@ class Spares:
         # agreed, and sent to a spare with its call-in)
         self.taken: Dict[int, int] = {}
         self.offered = 0                # offers this rank made
-        self._sends: List[MPI.Request] = []
+        self._sends: List[MPI.Request] = []     # offers not yet sent through
+        # the ranks whose end leaves nobody to call this rank in (a spare: the
+        # working ranks; a rank that came back: those it offered itself to)
+        self.callers: List[int] = list(range(parent.Get_size() - count))
 
     def grown(self, members: List[int], places: int, rank: int, info: Dict[str, Any]
               ) -> Tuple[MPI.Intracomm, Tuple[int, ...]]:
@@ -103,8 +106,11 @@ class Spares:
         (ranks of the parent that were in with it), without waiting."""
         gone = failed_ranks(self.parent)
         self.offered += 1
+        self.callers = [r for r in to if r not in gone]
+        # (a request to a rank that exited may never complete: keep only those)
+        self._sends = [r for r in self._sends if not r.Test()]
         self._sends += [self.parent.isend(self.offered, dest=r, tag=ENLIST)
-                        for r in to if r not in gone]
+                        for r in self.callers]
 
     def _file(self, source: int, number: int) -> None:
         if number > self.taken.get(source, 0):
@@ -131,11 +137,10 @@ class Spares:
         self.left += new
         return new
 
-    def stand_by(self, workers: int, bound: Optional[float] = None
-                 ) -> Optional[Dict[str, Any]]:
+    def stand_by(self, bound: Optional[float] = None) -> Optional[Dict[str, Any]]:
         """On a spare: wait for a call-in (its message, once the grown
         communicator is built: `message["comm"]`) or a release (None).
-        Also None when MPI reports every working rank failed, or after
+        Also None when MPI reports every one of `callers` failed, or after
         `bound` seconds."""
         began = time.monotonic()
         status = MPI.Status()
@@ -155,7 +160,7 @@ class Spares:
                                    if n > self.taken.get(r, 0)}
                     message["comm"] = self._build(message["members"])
                     return message
-            if len(failed_ranks(self.parent) & set(range(workers))) == workers:
+            if set(self.callers) <= failed_ranks(self.parent):
                 return None
             if bound is not None and time.monotonic() - began > bound:
                 return None

@@ -4,6 +4,7 @@
 import json
 import re
 import sys
+import time
 
 import pytest
 from mpi4py import MPI
@@ -244,3 +245,70 @@ def test_an_offer_heard_after_it_was_taken_never_calls_a_rank_in_again():
     spares._file(5, 2)              # (back again after a second exclusion)
     assert spares.enlist({5: 2}, members=[0, 1]) == [5] and spares.taken[5] == 2
     spares.parent.Free()
+
+
+class _Request:
+    def __init__(self, done):
+        self.done = done
+
+    def Test(self):
+        return self.done
+
+
+class _Parent:
+    """A stand-in for the spares' parent duplicate: 8 ranks, this one 7;
+    nothing ever arrives; sends to `stuck` ranks never complete."""
+
+    def __init__(self, stuck=()):
+        self.stuck, self.sent = set(stuck), []
+
+    def Get_size(self):
+        return 8
+
+    def Get_rank(self):
+        return 7
+
+    def isend(self, message, dest, tag):
+        self.sent.append((dest, message))
+        return _Request(dest not in self.stuck)
+
+    def iprobe(self, *args):
+        return False
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(30)
+def test_a_rank_back_waits_for_those_it_offered_itself_to_and_keeps_no_finished_send(
+        monkeypatch):
+    """A rank that came back stands by until the ranks it offered itself to
+    are all reported failed, whatever became of the launch-time working
+    ranks (with ranks coming back, the working ranks move); the requests
+    of its offers are dropped once complete, so coming back often keeps no
+    growing list of them."""
+    from mpilossy.control import spares as module
+    failed = set()
+    monkeypatch.setattr(module, "failed_ranks", lambda comm: frozenset(failed))
+    spares = module.Spares(_Parent(stuck={6}), 2)
+    assert spares.callers == [0, 1, 2, 3, 4, 5]
+    failed |= {0, 1, 2, 3, 4, 5}
+    assert spares.stand_by(bound=0.05) is None          # (a spare: no working rank left)
+    failed.clear()
+    failed.add(0)
+    spares.offer([0, 5, 6])                 # (0 failed: no offer to it)
+    assert spares.callers == [5, 6] and spares.parent.sent == [(5, 1), (6, 1)]
+    failed |= {1, 2, 3, 4}                  # (every launch-time working rank but 5)
+    failed.add(5)
+    began = time.monotonic()
+    assert spares.stand_by(bound=0.3) is None
+    assert time.monotonic() - began >= 0.25, "gave up while a rank it offered itself to lives"
+    failed.add(6)
+    began = time.monotonic()
+    assert spares.stand_by(bound=5) is None
+    assert time.monotonic() - began < 1, "waited for callers MPI reports failed"
+    failed.clear()
+    for _ in range(5):
+        spares.offer([5, 6])
+    # (each offer drops the sends that completed before it: the stuck rank's
+    # 6 stay, and the last offer's send to rank 5)
+    assert [r.Test() for r in spares._sends].count(False) == 6 and len(spares._sends) == 7
+    assert len(spares.parent.sent) == 2 + 10
