@@ -27,7 +27,8 @@ def spares_problem(lc: Communicator, what: str) -> Optional[Exception]:
     """`what` cannot follow a communicator that grows back (spares=k)."""
     if lc.config.spares:
         return ValueError(f"{what} does not take spares in yet (Communicator(spares=k): "
-                          f"docs/elastic.md, 'Growing back'); DistributedOptimizer does")
+                          f"docs/elastic.md, 'Growing back'); DistributedOptimizer and "
+                          f"ShardedOptimizer do")
     return None
 
 

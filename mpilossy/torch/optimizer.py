@@ -73,9 +73,9 @@ class WrappedOptimizer(_OptimizerBase):
 
 
 _classes: Dict[Tuple[type, type], type] = {}
-# newcomers (Communicator.newcomer): the arrival whose first DistributedOptimizer took the
-# survivors' state (a rank that comes back after an exclusion arrives again)
-_welcomed: "weakref.WeakKeyDictionary[Communicator, int]" = weakref.WeakKeyDictionary()
+# newcomers (Communicator.newcomer): the arrival whose first wrapper (DistributedOptimizer,
+# ShardedOptimizer) took the survivors' state (a rank that comes back after an exclusion arrives again)
+welcomed: "weakref.WeakKeyDictionary[Communicator, int]" = weakref.WeakKeyDictionary()
 _W = TypeVar("_W", bound=WrappedOptimizer)
 
 
@@ -434,9 +434,9 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
                                 error_feedback, compute_deadline, compression)
     engine.agreed = (named, extra)
     follow_exclusions(engine)
-    if lc.newcomer and _welcomed.get(lc, 0) < lc.arrivals:
+    if lc.newcomer and welcomed.get(lc, 0) < lc.arrivals:
         # a spare called in: the survivors' step() made the same checks
         # (Engine.welcome); now their state
-        _welcomed[lc] = lc.arrivals
+        welcomed[lc] = lc.arrivals
         engine.share(optimizer)
     return wrap(optimizer, _DistributedOptimizer, engine)

@@ -69,9 +69,10 @@ def _share(comm: Any, members: List[int], host: Dict[torch.dtype, torch.Tensor],
         _from_old_owners(comm, buf, old, members)
     mine, largest = taken
     elementwise = dict(mine)        # (the same buffers: filled in place)
-    # (the same keys on every survivor, in the same order, before the broadcasts)
+    # (the same keys on every survivor, in the same order, before the broadcasts;
+    # each counter with its kind: a rank called in holds none yet)
     every = comm.allgather(([(d, k, t.dtype) for (d, k), t in elementwise.items()],
-                            {k: v[0] for k, v in largest.items()}))
+                            {k: (v[0], _kind(v[1])) for k, v in largest.items()}))
     for entries, _ in every:
         for dtype, key, value_dtype in entries:
             if (dtype, key) not in elementwise:
@@ -80,16 +81,23 @@ def _share(comm: Any, members: List[int], host: Dict[torch.dtype, torch.Tensor],
         _from_old_owners(comm, elementwise[(dtype, key)], old, members)
     counters: Counters = {}
     for key in sorted({k for _, numbers in every for k in numbers}):
-        top = max(numbers[key] for _, numbers in every if key in numbers)
-        like = largest[key][1] if key in largest else top
+        held = [numbers[key] for _, numbers in every if key in numbers]
+        top, kind = max(number for number, _ in held), held[0][1]
+        like = largest[key][1] if key in largest else None
 
-        def make(top: float = top, like: Any = like) -> Any:
-            if isinstance(like, torch.Tensor):
-                return torch.tensor(top, dtype=like.dtype, device=like.device)
-            return type(like)(top)
+        def make(top: float = top, kind: Any = kind, like: Any = like) -> Any:
+            if isinstance(kind, torch.dtype):       # (a singleton tensor: Adam's step)
+                device = like.device if isinstance(like, torch.Tensor) else "cpu"
+                return torch.tensor(top, dtype=kind, device=device)
+            return kind(top)
 
         counters[key] = make
     return elementwise, counters
+
+
+def _kind(value: Any) -> Any:
+    """What a counter is made as: its dtype if a tensor, else its type."""
+    return value.dtype if isinstance(value, torch.Tensor) else type(value)
 
 
 def _from_old_owners(comm: Any, buf: torch.Tensor, old: List[int], members: List[int]) -> None:

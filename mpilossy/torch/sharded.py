@@ -32,13 +32,13 @@ from .. import CollectiveStats, Communicator
 from . import recut
 from .broadcast import bcast_tensors
 from .checks import check_everywhere, check_tensors
-from .communicators import lossy_communicator, reliable_comm, spares_problem
+from .communicators import lossy_communicator, reliable_comm
 from .compression import Compression, compression_problem
 from .compute import ComputeDeadline, deadline_problem, fill_in, weigh
 from .drift import DriftController, every_problem
 from .feedback import ErrorFeedback, feedback_problem
 from .optimizer import (Engine, WrappedOptimizer, already_wrapped, check_settings,
-                        follow_exclusions, params_changed, wrap)
+                        follow_exclusions, params_changed, welcomed, wrap)
 from .tensors import Flat, REDUCIBLE, as_bytes, as_numpy, optimizer_parameters
 
 __all__ = ["ShardedOptimizer"]
@@ -54,14 +54,15 @@ class _ShardedExchange(Engine):
                  groups: List[int], n_groups: int, op: str, root_rank: int,
                  error_feedback: bool, missed: str,
                  compute_deadline: Optional[ComputeDeadline] = None,
-                 compression: Optional[Compression] = None) -> None:
+                 compression: Optional[Compression] = None, joining: bool = False) -> None:
         super().__init__(lc, params, op, None)
         self.compute_deadline = compute_deadline
         self.compression = compression
         device = params[0].device if params else torch.device("cpu")
         self.flat = Flat(params, device=device)     # the parameters themselves, from now on
         self.flat.pack(params)
-        bcast_tensors(self.reliable, list(self.flat.buffers.values()), root_rank)
+        if not joining:     # (a spare called in: share() brings every chunk from its owner)
+            bcast_tensors(self.reliable, list(self.flat.buffers.values()), root_rank)
         with torch.no_grad():
             for i, p in enumerate(params):
                 p.data = self.flat.view(i, p)
@@ -104,16 +105,32 @@ class _ShardedExchange(Engine):
         survivors at the end of this step (rebalance), and until then the
         step's remaining lossy calls are skipped, but for those the
         communicator answers alone (Communicator.behind: calls the other
-        survivors made before the exclusion, on the old chunks).  (Never
-        after growth: a communicator with spares is refused.)"""
+        survivors made before the exclusion, on the old chunks).  After
+        growth, share() cuts them again at once."""
         super().rebind(resync)
         self.rebalance_due = True
 
+    def share(self, optimizer: torch.optim.Optimizer) -> None:
+        """Collective over the ranks in and the spares just called in (the
+        end of Engine.grow, and a newcomer's construction): rank 0's step
+        counts (the wrapper's and drift control's) and the owners the chunks were cut for, then the chunks cut
+        again over everyone (rebalance: each old chunk of the parameters
+        and of the optimizer's state from its owner)."""
+        counts = np.array([self.recorder.steps, self.drift.steps if self.drift else 0],
+                          dtype=np.int64)
+        self.reliable.Bcast(counts, 0)
+        self.recorder.steps = int(counts[0])
+        if self.drift is not None:      # (its schedule: measurements, re-synchronisations)
+            self.drift.steps = int(counts[1])
+        self.members = tuple(self.reliable.bcast(list(self.members), root=0))
+        self.rebalance()
+
     def rebalance(self) -> None:
-        """Cut the chunks for the survivors: the old chunks and the
-        optimizer's state reach every survivor (recut.py: a survivor's chunk
-        from it, exact, a gone rank's from the lowest survivor's copy);
-        then the optimizer holds views of the new chunk."""
+        """Cut the chunks for the ranks in (after an exclusion or growth):
+        the old chunks and the optimizer's state reach every rank
+        (recut.py: a chunk from its owner if it is in, exact, a gone rank's
+        from the lowest survivor's copy, and state zeros there); then the
+        optimizer holds views of the new chunk."""
         optimizer = self.optimizer() if self.optimizer is not None else None
         assert optimizer is not None        # (set by ShardedOptimizer; it is alive: stepping)
         self._download()
@@ -343,6 +360,9 @@ class _ShardedOptimizer(WrappedOptimizer):
         if engine.rebalance_due:            # (an elastic exclusion during this step)
             engine.rebalance()
         engine.finish()
+        engine.grow(self)                   # (spares=k: cut again if spares joined)
+        if engine.rebalance_due:            # (grow() excluded a rank and none joined)
+            engine.rebalance()
         return loss
 
     def resynchronize(self, root_rank: Optional[int] = None) -> None:
@@ -447,6 +467,15 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     size.  A model checkpoint loaded on one rank reaches the others by
     resynchronize(root_rank=that rank) (docs/training.md, "Checkpoints").
     Collective, with the same checks as DistributedOptimizer.
+
+    On a Communicator with spares (elastic=True, spares=k), step() ends
+    with Communicator.grow(): where spares joined (``stats.joined``) the
+    chunks are cut again over everyone, each old chunk of the parameters
+    and of the optimizer's elementwise state sent by its owner (a chunk of
+    a rank lost before: the lowest survivor's parameters, zero state).  A
+    spare wraps its optimizer after stand_by() returned True and receives
+    its chunk and the step count there.  Not yet with error_feedback,
+    compute_deadline or compression (refused).
     """
     lc = lossy_communicator(communicator)
     comm = reliable_comm(lc)
@@ -454,8 +483,12 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
                or every_problem(resync_every=resync_every, measure_every=measure_every)
                or feedback_problem(lc, error_feedback)
                or deadline_problem(lc, op, compute_deadline, error_feedback)
-               or compression_problem(compression, error_feedback, lc)
-               or spares_problem(lc, "ShardedOptimizer"))
+               or compression_problem(compression, error_feedback, lc))
+    if problem is None and lc.config.spares and (error_feedback or compute_deadline is not None
+                                                 or compression):
+        problem = ValueError("with spares (Communicator(spares=k)), error_feedback, "
+                             "compute_deadline and compression do not take newcomers in yet "
+                             "(docs/elastic.md, 'Growing back')")
     if problem is None and missed not in MISSED:
         problem = ValueError(f"missed must be one of {MISSED}, got {missed!r}")
     try:
@@ -471,15 +504,19 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     if problem is None and len(devices) > 1:
         problem = ValueError(f"ShardedOptimizer keeps the parameters in one buffer per dtype, "
                              f"on one device; these are on {', '.join(devices)}")
-    check_tensors(comm, named, reducible=True, problem=problem, copied=True,
-                  extra=("sharded", op, resync_every, measure_every, root_rank, error_feedback,
-                         missed, compute_deadline is not None, repr(compression)))
+    extra = ("sharded", op, resync_every, measure_every, root_rank, error_feedback,
+             missed, compute_deadline is not None, repr(compression))
+    check_tensors(comm, named, reducible=True, problem=problem, copied=True, extra=extra)
     if compute_deadline is not None:
         fill_in(compute_deadline, comm, [p for _, p in named])
     params = [p for _, p in named]
     groups = [g for g, group in enumerate(optimizer.param_groups) for _ in group["params"]]
+    # a spare called in: the survivors' grow() made the same checks; share() below
+    joining = lc.newcomer and welcomed.get(lc, 0) < lc.arrivals
     engine = _ShardedExchange(lc, params, groups, len(optimizer.param_groups), op,
-                              root_rank, error_feedback, missed, compute_deadline, compression)
+                              root_rank, error_feedback, missed, compute_deadline, compression,
+                              joining)
+    engine.agreed = (named, extra)
     if resync_every is not None or measure_every is not None:
         engine.drift = DriftController(named, comm=comm, broadcast_every=resync_every,
                                        measure_every=measure_every,
@@ -490,4 +527,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     wrapped = wrap(optimizer, _ShardedOptimizer, engine)
     engine.optimizer = weakref.ref(wrapped)
     follow_exclusions(engine)
+    if joining:
+        welcomed[lc] = lc.arrivals
+        engine.share(wrapped)
     return wrapped

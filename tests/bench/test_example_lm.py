@@ -235,13 +235,15 @@ def test_progress_choice(tmp_path):
 
 
 @pytest.mark.skipif(not reports_failures(), reason="this MPI does not report failed ranks")
-def test_spares_a_spare_takes_the_killed_ranks_place(tmp_path):
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_spares_a_spare_takes_the_killed_ranks_place(tmp_path, mode):
     """--spares 1 --kill-rank 1 --at-step 15 at 4 ranks: rank 1 exits, the
     others exclude it, the spare (rank 3) takes its place with their model
-    and optimizer state, and the three finish the run with one model."""
+    and optimizer state (sharded: the chunks cut again over the three),
+    and the three finish the run with one model."""
     out = tmp_path / "result.json"
     done = run_bounded([mpiexec(), "-disable-auto-cleanup", "-n", "4", sys.executable, "-m",
-                        "mpilossy.examples.lm", *TINY, "--mode", "replicated", "--spares", "1",
+                        "mpilossy.examples.lm", *TINY, "--mode", mode, "--spares", "1",
                         "--kill-rank", "1",
                         "--at-step", "15", "--json", out], timeout=240,
                        env=clean_subprocess_env(OMP_NUM_THREADS="1"), cwd=tmp_path)
@@ -285,8 +287,11 @@ def test_soak_stopped_ranks_come_back_and_an_exit_is_replaced(tmp_path):
 def test_spares_refuse_what_a_newcomer_cannot_take_over():
     from mpilossy.examples.lm.train import Config, train
     from mpi4py import MPI
-    with pytest.raises(ValueError, match="spares .* do not take: mode sharded"):
-        train(Config(spares=1, mode="sharded", steps=1), MPI.COMM_WORLD, progress=False)
+    with pytest.raises(ValueError, match="spares .* do not take: mode fsdp"):
+        train(Config(spares=1, mode="fsdp", steps=1), MPI.COMM_WORLD, progress=False)
+    with pytest.raises(ValueError, match="spares .* do not take: error_feedback"):
+        train(Config(spares=1, mode="sharded", error_feedback=True, steps=1), MPI.COMM_WORLD,
+              progress=False)
 
 
 def test_timeout_argument():

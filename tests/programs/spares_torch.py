@@ -1,19 +1,31 @@
-"""DistributedOptimizer on Communicator(elastic=True, spares=1): a rank
+"""The PyTorch wrappers on Communicator(elastic=True, spares=1): a rank
 lost mid-run and a spare taking its place (docs/elastic.md, "Growing
 back").  Launch with ``mpiexec -disable-auto-cleanup``.
 
-    mpiexec -disable-auto-cleanup -n N python spares_torch.py CHANNEL V@S [STEPS]
+    mpiexec -disable-auto-cleanup -n N python spares_torch.py CHANNEL V@S [STEPS [MODE]]
 
 The last rank is a spare; rank V exits before step S.  SGD with momentum
-(state a newcomer needs), drift control that re-synchronises parameters
-and optimizer state only at the end of a step that excluded a rank
-(broadcast_every=1000), a 2 s deadline, no injected loss.  The spare
+(state a newcomer needs), a 2 s deadline, no injected loss.  The spare
 builds its model from another seed, wraps it once stand_by() returned
-True, and goes on from the step the others had reached.  At the end rank
-0 broadcasts its parameters and momentum; every rank still running prints
-one JSON line: its rank, whether it was a spare, the steps it made and
-the first of them, the growths its steps reported, the largest difference
-of its parameters and momentum from rank 0's, and the least delivered
+True, and goes on from the step the others had reached.
+
+MODE "replicated" (default): DistributedOptimizer with drift control that
+re-synchronises parameters and optimizer state only at the end of a step
+that excluded a rank (broadcast_every=1000); at the end each rank compares
+its parameters and momentum with rank 0's.
+
+MODE "sharded": ShardedOptimizer with the drift meter every 4 steps (its
+schedule must be the same on the spare).  At the growth every rank in
+takes a picture of the momentum it holds (its chunk, zeros elsewhere) as
+on_growth runs, before the chunks are cut again; right after (the
+survivors: the step that reported the growth; the spare: its wrapper's
+construction) every rank sums the pictures and the momentum it holds now
+over all ranks ("checks"): cutting again must move the momentum, not
+change it.  At the end each rank compares its parameters with rank 0's.
+
+Every rank still running prints one JSON line: its rank, whether it was a
+spare, the steps it made and the first of them, the growths its steps
+reported, the largest difference from rank 0, and the least delivered
 fraction of its steps after the growth.  Everyone ends with os._exit."""
 
 import json
@@ -21,7 +33,6 @@ import os
 import sys
 from pathlib import Path
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
@@ -34,6 +45,7 @@ from torch_helpers import loss_of, make_model  # noqa: E402
 comm = MPI.COMM_WORLD
 channel, lose = sys.argv[1], sys.argv[2]
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 20
+sharded = len(sys.argv) > 4 and sys.argv[4] == "sharded"
 victim, at = (int(v) for v in lose.split("@"))
 me = comm.rank
 lc = mpilossy.Communicator(comm, channel=channel, timeout=2.0, elastic=True, evict_after=5,
@@ -43,10 +55,54 @@ model = make_model(seed=7 if was_spare else 0)
 if was_spare and not lc.stand_by(timeout=120.0):
     print(json.dumps({"rank": me, "spare": True, "called": False}), flush=True)
     os._exit(0)
-opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
-                              model.named_parameters(), lc, broadcast_every=1000,
-                              broadcast_state=True)
+size = sum(p.numel() for p in model.parameters())
+
+
+def momentum() -> torch.Tensor:
+    """The momentum this rank holds, where its parameters sit in the flat
+    vector of them (sharded: its chunk, zeros elsewhere)."""
+    whole = torch.zeros(size, dtype=torch.float64)
+    if not sharded:
+        return torch.cat([opt.state[p]["momentum_buffer"].reshape(-1).double()
+                          for p in model.parameters()])
+    for group in opt.param_groups:
+        for view in group["params"]:
+            state = opt.state.get(view)
+            if state:
+                lo = view.storage_offset()
+                whole[lo:lo + view.numel()] = state["momentum_buffer"].reshape(-1).double()
+    return whole
+
+
+def summed(mine: torch.Tensor) -> torch.Tensor:
+    """Over every rank in (reliable broadcasts from each)."""
+    total = torch.zeros_like(mine)
+    for root in range(lc.size):
+        buf = mine.numpy().copy() if lc.rank == root else torch.zeros_like(mine).numpy()
+        lc.bcast(buf, root=root)
+        total += torch.from_numpy(buf)
+    return total
+
+
+def conserved(before: torch.Tensor) -> dict:
+    old, new = summed(before), summed(momentum())
+    return {"moved": float((new - old).abs().max()), "held": float(old.abs().max()),
+            "mine": float(momentum().abs().max())}
+
+
+inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+if sharded:
+    opt = mt.ShardedOptimizer(inner, model.named_parameters(), lc, measure_every=4)
+else:
+    opt = mt.DistributedOptimizer(inner, model.named_parameters(), lc, broadcast_every=1000,
+                                  broadcast_state=True)
 first = opt.steps + 1
+checks = []
+pictures = []
+if sharded and was_spare:
+    checks.append(conserved(torch.zeros(size, dtype=torch.float64)))
+elif sharded:
+    lc.on_growth(lambda joined, members: pictures.append(momentum()))
 joined, delivered = [], []
 while opt.steps < steps:
     step = opt.steps + 1
@@ -58,21 +114,18 @@ while opt.steps < steps:
     assert opt.stats is not None
     if opt.stats.joined:
         joined.append((step, list(opt.stats.joined)))
+        if sharded:
+            checks.append(conserved(pictures.pop()))
     elif joined or was_spare:
         delivered.append(opt.stats.delivered)
 
-
-def flat() -> np.ndarray:
-    momenta = [opt.state[p]["momentum_buffer"] for p in model.parameters()]
-    return torch.cat([t.detach().reshape(-1) for t in [*model.parameters(), *momenta]]
-                     ).double().numpy().copy()
-
-
-mine = flat()
+parameters = torch.cat([p.detach().reshape(-1).double() for p in model.parameters()])
+mine = (parameters if sharded else torch.cat([parameters, momentum()])).numpy()
 reference = mine.copy()
 lc.bcast(reference, root=0)
 print(json.dumps({"rank": me, "spare": was_spare, "steps": opt.steps, "first": first,
-                  "joined": joined, "difference": float(np.abs(mine - reference).max()),
+                  "drift_steps": opt.drift_control.steps, "joined": joined, "checks": checks,
+                  "difference": float(abs(mine - reference).max()),
                   "delivered_after": min(delivered, default=None),
                   "members": list(lc.members)}), flush=True)
 lc.free()

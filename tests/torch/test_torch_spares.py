@@ -1,6 +1,7 @@
-"""DistributedOptimizer on a Communicator with hot spares: a rank lost and
-a spare taking its place mid-run (tests/programs/spares_torch.py, under its
-own ``mpiexec -disable-auto-cleanup``; docs/elastic.md, "Growing back")."""
+"""DistributedOptimizer and ShardedOptimizer on a Communicator with hot
+spares: a rank lost and a spare taking its place mid-run
+(tests/programs/spares_torch.py, under its own
+``mpiexec -disable-auto-cleanup``; docs/elastic.md, "Growing back")."""
 
 import json
 import re
@@ -20,24 +21,28 @@ from helpers import (PROGRAMS, clean_subprocess_env, is_singleton, mpiexec,  # n
                      run_bounded)
 
 
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("ranks, channel, lose", [(4, "rma", "1@5"), (3, "ud", "0@4")])
-def test_a_spare_takes_over_a_lost_ranks_training(ranks, channel, lose):
-    """The survivors grow back at the end of the step that excluded the
-    lost rank (rank 0 too: the lowest survivor calls the spare in); the
-    spare, whose model started from another seed, receives the step count,
-    parameters and momenta and trains on: at the end every rank's
-    parameters and momenta equal rank 0's, every step delivered whole."""
+def run_spares_program(mode, ranks, channel, lose):
+    """The program's JSON lines by rank, and its whole output."""
     if not is_singleton():
         pytest.skip("starts its own mpiexec: runs at size 1")
     if not reports_failures():
         pytest.skip("this MPI does not report failed ranks")
     cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), sys.executable,
-           str(PROGRAMS / "spares_torch.py"), channel, lose, "15"]
+           str(PROGRAMS / "spares_torch.py"), channel, lose, "15", mode]
     proc = run_bounded(cmd, 120, clean_subprocess_env())
     output = proc.stdout + proc.stderr
-    lines = {r["rank"]: r for r in (json.loads(o) for o in re.findall(r"\{[^{}]*\}",
-                                                                      proc.stdout))}
+    return {r["rank"]: r for r in (json.loads(o) for o in re.findall(r"\{.*\}", proc.stdout))
+            }, output
+
+
+LOSSES = [(4, "rma", "1@5"), (3, "ud", "0@4")]
+
+
+def check_growth(lines, output, ranks, lose):
+    """One growth, the spare in it, every rank at the end of the run with
+    rank 0's parameters and drift control's step count, everything
+    delivered after the growth; returns
+    (the growth's step, the spare)."""
     victim, at = (int(v) for v in lose.split("@"))
     spare = ranks - 1
     members = [r for r in range(ranks) if r != victim]
@@ -48,20 +53,50 @@ def test_a_spare_takes_over_a_lost_ranks_training(ranks, channel, lose):
     for r in members:
         line = lines[r]
         assert line["steps"] == 15 and line["members"] == members, line
+        assert line["drift_steps"] == 15, line
         assert line["difference"] <= 1e-6, line
         assert line["delivered_after"] == 1.0, line
     for r in working:
         assert lines[r]["joined"] == growth and lines[r]["first"] == 1, lines[r]
     assert lines[spare]["spare"] and lines[spare]["first"] == growth[0][0] + 1, lines[spare]
     assert lines[spare]["joined"] == [], lines[spare]
+    return growth[0][0], spare
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ranks, channel, lose", LOSSES)
+def test_a_spare_takes_over_a_lost_ranks_training(ranks, channel, lose):
+    """The survivors grow back at the end of the step that excluded the
+    lost rank (rank 0 too: the lowest survivor calls the spare in); the
+    spare, whose model started from another seed, receives the step count,
+    parameters and momenta and trains on: at the end every rank's
+    parameters and momenta equal rank 0's, every step delivered whole."""
+    lines, output = run_spares_program("replicated", ranks, channel, lose)
+    check_growth(lines, output, ranks, lose)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ranks, channel, lose", LOSSES)
+def test_a_spare_takes_a_chunk_of_the_sharded_optimizer(ranks, channel, lose):
+    """ShardedOptimizer: at the growth the chunks are cut again over the
+    survivors and the spare; the momentum summed over every rank is the
+    same before and after, to the bit (moved), and the spare holds its
+    part of it; then every rank trains on with rank 0's parameters."""
+    lines, output = run_spares_program("sharded", ranks, channel, lose)
+    _, spare = check_growth(lines, output, ranks, lose)
+    for r, line in lines.items():
+        assert len(line["checks"]) == 1, line
+        check = line["checks"][0]
+        assert check["moved"] == 0.0 and check["held"] > 0, line
+    assert lines[spare]["checks"][0]["mine"] > 0, lines[spare]
 
 
 @pytest.mark.mpi(min_size=2)
 @pytest.mark.timeout(60)
 def test_wrappers_that_cannot_take_a_spare_in_say_so():
-    """On a Communicator with spares: the sharded optimizer, the DDP hook
-    and DistributedOptimizer's error feedback refuse on every working
-    rank; the spare's placeholder refuses; then the spare is released."""
+    """On a Communicator with spares: the DDP hook and the optimizers' error
+    feedback refuse on every working rank; the spare's placeholder refuses;
+    then the spare is released."""
     comm = MPI.COMM_WORLD
     lc = mpilossy.Communicator(comm, timeout=0.5, elastic=True, spares=1,
                                scaling="zero-fill")
@@ -74,7 +109,7 @@ def test_wrappers_that_cannot_take_a_spare_in_say_so():
     else:
         with pytest.raises(ValueError, match="spares"):
             mpilossy.torch.ShardedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
-                                            model.named_parameters(), lc)
+                                            model.named_parameters(), lc, error_feedback=True)
         with pytest.raises(ValueError, match="spares"):
             mpilossy.torch.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
                                                 model.named_parameters(), lc,

@@ -305,11 +305,11 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         raise ValueError("the soak needs soak_every >= 2, spares >= 1 (a stopped rank comes "
                          "back as a spare), soak_hang > 0 and soak_exits >= 0")
     refused = [name for name, on in (
-        ("mode " + cfg.mode, cfg.mode != "replicated"), ("phase_aware", cfg.phase_aware),
+        ("mode " + cfg.mode, cfg.mode == "fsdp"), ("phase_aware", cfg.phase_aware),
         ("error_feedback", cfg.error_feedback), ("compression", cfg.compression != "none"),
         ("compute_deadline", cfg.compute_deadline != "off")) if on]
     if cfg.spares and refused:
-        raise ValueError(f"spares (a newcomer takes the replicated optimizer's state) do not "
+        raise ValueError(f"spares (a newcomer takes the optimizer's state) do not "
                          f"take: {', '.join(refused)}")
     working = comm.size - max(cfg.spares, 0)
     if cfg.kill_rank is not None and not 0 <= cfg.kill_rank < working:
@@ -350,8 +350,15 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
             return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
         raise ValueError(f"optimizer must be adamw or sgd, got {cfg.optimizer!r}")
 
-    def replicated(inner: torch.optim.Optimizer) -> mt.WrappedOptimizer:
+    def wrap(inner: torch.optim.Optimizer) -> mt.WrappedOptimizer:
         assert lc is not None
+        if cfg.mode == "sharded":
+            return mt.ShardedOptimizer(inner, model.named_parameters(), lc,
+                                       resync_every=cfg.resync_every,
+                                       measure_every=cfg.measure_every,
+                                       error_feedback=cfg.error_feedback,
+                                       missed=cfg.missed, compute_deadline=deadline,
+                                       compression=compression(cfg))
         return mt.DistributedOptimizer(inner, model.named_parameters(), lc,
                                        broadcast_every=cfg.resync_every,
                                        measure_every=cfg.measure_every,
@@ -376,16 +383,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         assert lc is not None
         if cfg.phase_aware:
             tolerance = mt.PhaseAwareTolerance(critical_steps=int(cfg.steps * cfg.critical_fraction))
-        if cfg.mode == "sharded":
-            wrapped = mt.ShardedOptimizer(inner, model.named_parameters(), lc,
-                                          resync_every=cfg.resync_every,
-                                          measure_every=cfg.measure_every,
-                                          error_feedback=cfg.error_feedback,
-                                          missed=cfg.missed, compute_deadline=deadline,
-                                          compression=compression(cfg))
-        else:
-            wrapped = replicated(inner)
-        optimizer = wrapped
+        wrapped = optimizer = wrap(inner)
         drift_control = wrapped.drift_control
 
     mode = "none" if rank != 0 or progress is False else "auto" if progress is True else progress
@@ -489,7 +487,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
             if not lc.stand_by():
                 return {"released": True}
             inner = make_inner()
-            wrapped = optimizer = replicated(inner)
+            wrapped = optimizer = wrap(inner)
             drift_control = wrapped.drift_control
             step = wrapped.steps
             continue
