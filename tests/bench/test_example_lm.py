@@ -258,14 +258,16 @@ def test_spares_a_spare_takes_the_killed_ranks_place(tmp_path, mode):
 
 
 @pytest.mark.skipif(not reports_failures(), reason="this MPI does not report failed ranks")
-def test_soak_stopped_ranks_come_back_and_an_exit_is_replaced(tmp_path):
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_soak_stopped_ranks_come_back_and_an_exit_is_replaced(tmp_path, mode):
     """--soak 30 at 4 working ranks and a spare, 120 steps: three failures,
     in turn, the third an exit; a stopped rank wakes, is told it is out and
-    comes back as the next spare, taking the next lost rank's place.  The
-    run ends at full size with one model, every failure's place filled."""
+    comes back as the next spare, taking the next lost rank's place (with
+    a new wrapper of its optimizer; sharded: its chunk).  The run ends at
+    full size with one model, every failure's place filled."""
     out = tmp_path / "result.json"
     done = run_bounded([mpiexec(), "-disable-auto-cleanup", "-n", "5", sys.executable, "-m",
-                        "mpilossy.examples.lm", *TINY, "--steps", "120", "--mode", "replicated",
+                        "mpilossy.examples.lm", *TINY, "--steps", "120", "--mode", mode,
                         "--spares", "1", "--soak", "30", "--soak-hang", "2",
                         "--soak-exits", "1", "--elastic-wait", "1", "--json", out],
                        timeout=240, env=clean_subprocess_env(OMP_NUM_THREADS="1"), cwd=tmp_path)

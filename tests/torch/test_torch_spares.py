@@ -3,8 +3,6 @@ spares: a rank lost and a spare taking its place mid-run
 (tests/programs/spares_torch.py, under its own
 ``mpiexec -disable-auto-cleanup``; docs/elastic.md, "Growing back")."""
 
-import json
-import re
 import sys
 
 import pytest
@@ -17,8 +15,8 @@ import mpilossy  # noqa: E402
 import mpilossy.torch  # noqa: E402,F401
 from mpilossy import MPILossyError  # noqa: E402
 from mpilossy.control.failures import reports_failures  # noqa: E402
-from helpers import (PROGRAMS, clean_subprocess_env, is_singleton, mpiexec,  # noqa: E402
-                     run_bounded)
+from helpers import (PROGRAMS, clean_subprocess_env, is_singleton, json_reports,  # noqa: E402
+                     mpiexec, run_bounded)
 
 
 def run_spares_program(mode, ranks, channel, lose):
@@ -31,8 +29,7 @@ def run_spares_program(mode, ranks, channel, lose):
            str(PROGRAMS / "spares_torch.py"), channel, lose, "15", mode]
     proc = run_bounded(cmd, 120, clean_subprocess_env())
     output = proc.stdout + proc.stderr
-    return {r["rank"]: r for r in (json.loads(o) for o in re.findall(r"\{.*\}", proc.stdout))
-            }, output
+    return {r["rank"]: r for r in json_reports(proc.stdout)}, output
 
 
 LOSSES = [(4, "rma", "1@5"), (3, "ud", "0@4")]
