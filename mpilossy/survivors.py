@@ -28,7 +28,7 @@ from .call.stats import CollectiveStats
 from .call.config import Config
 from .control.agreement import Agreement, linger
 from .control.elastic import POLL, Membership, check_elastic
-from .control.failures import survivors
+from .control.failures import failed_ranks, survivors
 from .control.spares import Spares
 from .dispatch import alone
 from .state import State
@@ -116,6 +116,10 @@ class Elastic:
             state, excluded = self._take_offers(state)
             if excluded:
                 return state, excluded, ()
+        if self._may_grow():
+            state, excluded = self._drop_failed_spares(state)
+            if excluded:
+                return state, excluded, ()
         if not self._may_grow():
             return state, (), ()
         return self._exclude(state, frozenset(), grow=True)
@@ -146,6 +150,30 @@ class Elastic:
         recv = np.zeros_like(send)
         self.offering = Agreement(self.offer_comm.Iallreduce(send, recv, op=MPI.MAX),
                                   send, recv, 0)
+        return state, ()
+
+    def _drop_failed_spares(self, state: State) -> Tuple[State, Tuple[int, ...]]:
+        """Before spares are called in: the ranks in agree on the spares
+        that any of them sees reported failed by MPI and drop them (the
+        survivors' MPI_Comm_create_group would wait for such a spare for
+        ever).  One small MPI_Iallreduce per growth, waited for here.  (the
+        state, the ranks excluded meanwhile: the agreement abandoned)"""
+        assert self.spares is not None and self.offer_comm is not None
+        left = list(self.spares.left)           # (the same on every rank in)
+        gone = failed_ranks(self.spares.parent)
+        send = np.array([spare in gone for spare in left], dtype=np.int64)
+        recv = np.zeros_like(send)
+        request = self.offer_comm.Iallreduce(send, recv, op=MPI.MAX)
+        outcome = self.wait(state, request, closing=False)
+        if outcome is not None:
+            linger(request, send, recv)
+            fresh, excluded, _ = outcome
+            return fresh, excluded
+        dead = [spare for spare, failed in zip(left, recv) if failed]
+        if dead:
+            self.spares.drop(dead)
+            environment.log.warning("spares %s are reported failed: not called in; "
+                                    "spares now %s", dead, self.spares.left)
         return state, ()
 
     def _drop_offers(self) -> None:

@@ -96,10 +96,16 @@ class Spares:
         goes home (Communicator.stand_by returns False there), and so does
         every rank out of `members` that MPI does not report failed (one
         excluded while it hung may wake and offer itself later)."""
-        out = set(range(self.parent.Get_size())) - set(members) - failed_ranks(self.parent)
-        for rank in sorted(out | set(self.left)):
+        gone = failed_ranks(self.parent)
+        out = set(range(self.parent.Get_size())) - set(members)
+        for rank in sorted((out | set(self.left)) - gone):
             self.parent.send(None, dest=rank, tag=RELEASE)
         self.left = []
+
+    def drop(self, dead: Iterable[int]) -> None:
+        """The spares the ranks in agreed are gone: never called in."""
+        gone = set(dead)
+        self.left = [r for r in self.left if r not in gone]
 
     def offer(self, to: Iterable[int]) -> None:
         """On an excluded rank that woke: offer itself as a spare to `to`

@@ -296,6 +296,47 @@ def test_spares_refuse_what_a_newcomer_cannot_take_over():
               progress=False)
 
 
+def test_forget_state_zeroes_the_moments_and_keeps_the_step():
+    """The soak's control arm (soak.forget_state): AdamW's moments of every
+    parameter the optimizer holds restart from zeros, its step count and the
+    parameters themselves stay."""
+    import torch
+    from mpilossy.examples.lm.soak import forget_state
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(7))]
+    adamw = torch.optim.AdamW(params, lr=0.1)
+    for _ in range(3):
+        adamw.zero_grad()
+        sum((p ** 2).sum() for p in params).backward()
+        adamw.step()
+    before = [p.detach().clone() for p in params]
+    assert forget_state(adamw) == 2 * (15 + 7)
+    for p, b in zip(params, before):
+        state = adamw.state[p]
+        assert torch.equal(p.detach(), b)
+        assert not state["exp_avg"].any() and not state["exp_avg_sq"].any(), state
+        assert float(state["step"]) == 3.0, state
+
+
+def test_forget_zeroes_each_ranks_chunk_in_turn(tmp_path):
+    """--forget 10 over 40 steps at 3 ranks (chunks of unequal size): three
+    times, each rank's chunk once, so both moments of every parameter
+    element are zeroed once in all; replicated mode is refused."""
+    out = tmp_path / "forget.json"
+    done = run_bounded([mpiexec(), "-n", "3", sys.executable, "-m", "mpilossy.examples.lm",
+                        *TINY, "--mode", "sharded", "--forget", "10", "--json", out],
+                       timeout=150, env=clean_subprocess_env())
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["forgotten"] == {"times": 3, "elements": 2 * r["parameters"]}, r
+    assert r["parameters"] % 3, r       # (the chunks are unequal)
+    assert math.isfinite(r["val_perplexity"]) and r["train_loss_last"] < r["train_loss_first"], r
+    from mpilossy.examples.lm.train import Config, train
+    from mpi4py import MPI
+    with pytest.raises(ValueError, match="forget_every .* needs .* mode 'sharded'"):
+        train(Config(forget_every=10, mode="replicated", steps=1), MPI.COMM_WORLD,
+              progress=False)
+
+
 def test_timeout_argument():
     from mpilossy.examples.lm.__main__ import parser
     assert parser().parse_args([]).timeout == "auto"

@@ -43,6 +43,9 @@ SCENARIOS = [
     (5, "ud", 2, "stop:0@8,2@20", 40, [1, 3, 4], [3, 4]),
     (4, "rma", 1, "exit:1@5,2@15", 30, [0, 3], [3]),
     (5, "rma", 1, "exit:3@6,1@6", 30, [0, 2, 4], [4]),
+    # a spare gone before the loss: the next one is called in (before: the
+    # survivors waited for the gone one in MPI_Comm_create_group for ever)
+    (5, "rma", 2, "exit:3@0,1@10", 30, [0, 2, 4], [4]),
 ]
 
 

@@ -5,7 +5,8 @@ hot spares (docs/elastic.md, "Growing back").  Launch with ``mpiexec
     mpiexec -disable-auto-cleanup -n N python elastic_spares.py CHANNEL SPARES HOW:V@C[,W@D] [CALLS]
 
 The last SPARES ranks are spares; HOW is exit (os._exit) or stop (SIGSTOP,
-woken at the end: it must get EvictedError) for rank V before call C.
+woken at the end: it must get EvictedError) for rank V before call C
+(a spare with C = 0 exits before it stands by).
 Every working rank holds a "model" (a vector); each call is an all-reduce
 (direct, op avg, deadline 0.5 s) of (original rank + 1 + call / 1000); after each
 the model moves by the result ($SPARES_TIMEOUT: another deadline, e.g.
@@ -63,6 +64,8 @@ def send_state():
 lc.on_growth(lambda joined, members: state["joined"].append((state["call"], list(joined))))
 lc.on_exclusion(lambda out, members: state["excluded"].append((state["call"], list(out))))
 was_spare = lc.spare
+if was_spare and leaves.get(me) == 0:
+    os._exit(0)                     # (a spare gone before any call-in: V@0)
 if was_spare:
     if not lc.stand_by(timeout=60.0):
         print(json.dumps({"rank": me, "spare": True, "called": False}), flush=True)

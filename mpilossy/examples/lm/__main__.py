@@ -151,6 +151,10 @@ def parser() -> argparse.ArgumentParser:
                     "(--soak-exits of the failures); needs --spares >= 1: docs/elastic.md")
     ap.add_argument("--soak-hang", type=float, default=d.soak_hang, metavar="SECONDS")
     ap.add_argument("--soak-exits", type=int, default=d.soak_exits, metavar="N")
+    ap.add_argument("--forget", type=int, default=d.forget_every, metavar="EVERY",
+                    help="the soak's control arm (--mode sharded): no rank fails; before every "
+                    "EVERY-th step the rank whose turn it is zeroes its chunk of the optimizer's "
+                    "state (AdamW's moments), as a failure does")
     ap.add_argument("--json", help="write the results to this file (rank 0)")
     return ap
 
@@ -176,7 +180,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                  measure_every=args.measure_every, threads=args.threads, device=args.device,
                  elastic=args.elastic, kill_rank=args.kill_rank, kill_at=args.at_step,
                  spares=args.spares, elastic_wait=args.elastic_wait, soak_every=args.soak,
-                 soak_hang=args.soak_hang, soak_exits=args.soak_exits)
+                 soak_hang=args.soak_hang, soak_exits=args.soak_exits,
+                 forget_every=args.forget)
     comm = MPI.COMM_WORLD
     result = train(cfg, comm, progress=args.progress)
     if result.get("released"):      # (a spare nobody needed; a lost rank may hang Finalize)
@@ -220,6 +225,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                   f"{', '.join(f'{x:.2f}' for x in costs['extra_seconds_p50_p90_max'])} s "
                   f"(p50, p90, max) over {costs['measured']} measured; steps to full size "
                   f"{costs['steps_to_full_size_p50_p90_max']}")
+        if "forgotten" in r:
+            print(f"forgotten       the optimizer state of a rank's chunk zeroed "
+                  f"{r['forgotten']['times']} times ({r['forgotten']['elements']} elements)")
         if excluded:
             print(f"elastic         ranks {excluded} excluded; {len(result['members'])} went on"
                   f"{f', spares {joined} among them' if joined else ''}")

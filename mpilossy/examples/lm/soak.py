@@ -6,7 +6,13 @@ exclude it and a spare takes its place; a rank that wakes is told it was
 excluded, stands by again (Communicator.stand_by) and is the next spare.
 Every rank knows the schedule (the step and the communicator's size are
 agreed), so the victim is the rank of the current communicator whose turn
-it is, and only it acts."""
+it is, and only it acts.
+
+The soak's control arm (``--forget EVERY``) fails no rank: on the same
+schedule the victim zeroes its chunk of the sharded optimizer's
+elementwise state (AdamW's moments), which is what a failure costs the
+sharded mode (the lost owner's chunk of the state restarts from zeros,
+the step count goes on); the rest of the run is undisturbed."""
 
 from __future__ import annotations
 
@@ -18,8 +24,9 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Tuple
 
 import numpy as np
+import torch
 
-__all__ = ["Soak", "failure_costs"]
+__all__ = ["Soak", "failure_costs", "forget_state"]
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,21 @@ class Soak:
         subprocess.Popen(["sh", "-c", f"sleep {self.hang}; kill -CONT {os.getpid()}"],
                          start_new_session=True)
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def forget_state(optimizer: torch.optim.Optimizer) -> int:
+    """Zero every elementwise state tensor (the parameter's shape) of
+    `optimizer`'s parameters, keep its counters; returns the elements
+    zeroed.  On a sharded optimizer's inner optimizer: this rank's chunk."""
+    zeroed = 0
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                for value in optimizer.state.get(param, {}).values():
+                    if torch.is_tensor(value) and value.shape == param.shape and value.numel() > 1:
+                        value.zero_()
+                        zeroed += value.numel()
+    return zeroed
 
 
 def failure_costs(soak: Soak, step_seconds: List[Dict[int, float]],

@@ -28,7 +28,7 @@ from . import corpus as corpus_mod
 from .model import TinyGPT
 from .progress import MODES as PROGRESS_MODES
 from .progress import progress as progress_display
-from .soak import Soak, failure_costs
+from .soak import Soak, failure_costs, forget_state
 
 __all__ = ["Config", "train"]
 
@@ -90,6 +90,8 @@ class Config:
     soak_every: int = 0               # a working rank fails before every soak_every-th step
     soak_hang: float = 4.0            # (it stops for soak_hang seconds, comes back as a
     soak_exits: int = 0               # spare; soak_exits of the failures are exits: soak.py)
+    forget_every: int = 0             # the soak's control arm: no failure, the victim zeroes
+                                      # its chunk of the optimizer's state (sharded; soak.py)
 
 
 # The deadline where the learned one would run the hierarchy: on fake 2 x 2
@@ -304,6 +306,10 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                            or cfg.soak_exits < 0):
         raise ValueError("the soak needs soak_every >= 2, spares >= 1 (a stopped rank comes "
                          "back as a spare), soak_hang > 0 and soak_exits >= 0")
+    if cfg.forget_every and (cfg.forget_every < 2 or cfg.mode != "sharded" or cfg.soak_every
+                             or cfg.reduce != "mpilossy"):
+        raise ValueError("forget_every (the soak's control arm) needs forget_every >= 2, "
+                         "mode 'sharded', reduce 'mpilossy' and no soak")
     refused = [name for name, on in (
         ("mode " + cfg.mode, cfg.mode == "fsdp"), ("phase_aware", cfg.phase_aware),
         ("error_feedback", cfg.error_feedback), ("compression", cfg.compression != "none"),
@@ -405,6 +411,8 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         return lc.bounded_comm() if lc is not None and lc.elastic else comm
 
     soak = Soak(cfg.soak_every, cfg.soak_hang, cfg.soak_exits, cfg.steps)
+    forgetting = Soak(cfg.forget_every, 0.0, 0, cfg.steps)     # (the same schedule, no failure)
+    forgotten = 0                                               # (elements zeroed here)
     full_size = size - cfg.spares           # (the working ranks at the start)
     step_seconds: Dict[int, float] = {}     # (the soak's costs: this rank's steps)
     sizes: Dict[int, int] = {}              # (and the ranks in after each)
@@ -415,6 +423,9 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         failure = soak.failure(step)
         if failure is not None and lc is not None and lc.rank == soak.victim(failure, lc.size):
             soak.fail(failure, rank)
+        forget = forgetting.failure(step)
+        if forget is not None and lc is not None and lc.rank == forgetting.victim(forget, lc.size):
+            forgotten += forget_state(inner)
         if step == cfg.kill_at and rank == cfg.kill_rank:
             bar.close()
             sys.stdout.flush()
@@ -542,6 +553,9 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                 "arrivals": comm.allgather(lc.arrivals),
                 "costs": failure_costs(soak, comm.allgather(step_seconds),
                                        comm.allgather(sizes), full_size)}
+        if forgetting.every:
+            result["forgotten"] = {"times": forgetting.failures,
+                                   "elements": comm.allreduce(forgotten)}
         if tolerance is not None:
             result["phase_aware"] = {"reliable_steps": tolerance.reliable,
                                      "repaired_steps": tolerance.repaired,
