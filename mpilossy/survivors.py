@@ -94,6 +94,7 @@ class Elastic:
         agreement), agree on who is out and return the survivors' state
         (else `state`).  The stats say whom this call excluded (then
         notify() them, once the survivors' state is in use)."""
+        self.membership.note_deadline(stats.timeout)
         suspects = self.membership.after_call(stats.deadline_hit, state.auto.may_grow())
         if suspects is None:
             return state, stats

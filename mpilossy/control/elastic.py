@@ -122,6 +122,11 @@ class Membership:
         # is ahead.  Set by the last agreement: whether a rank going on had.
         self.reliable_done = 0
         self.others_ahead = False
+        # How long a peer may be inside a lossy call, where it reads no round
+        # message: the larger of this rank's last two deadlines.  A round waits
+        # that much longer than `wait` for a rank nobody suspects.
+        self.in_call = 0.0
+        self._last_deadline = 0.0
         self._bind(comm)
 
     def _bind(self, comm: MPI.Intracomm) -> None:
@@ -196,6 +201,11 @@ class Membership:
                                                          signal.number)
 
     # -- after every call -----------------------------------------------------
+    def note_deadline(self, seconds: Optional[float]) -> None:
+        """The deadline of the call this rank just made (None: none)."""
+        seconds = seconds or 0.0
+        self.in_call, self._last_deadline = max(seconds, self._last_deadline), seconds
+
     def after_call(self, waited: bool, patient: bool = False) -> Optional[FrozenSet[int]]:
         """Count a call and send its heartbeat; then None (almost always), or the ranks
         this rank suspects, possibly none, when an agreement is to run
@@ -334,7 +344,8 @@ class Membership:
     def _round(self, tag: int, mine: Set[int], seq: int, failed: Optional[Set[int]] = None
                ) -> Tuple[Set[int], Set[int], Dict[int, int]]:
         """Send (mine, failed, seq) to every rank not in `mine`, collect
-        theirs until each such rank was heard or `wait` passed.  Returns the
+        theirs until each such rank was heard or `wait` passed (and the
+        deadline of a call a peer may still be in: `in_call`).  Returns the
         union of the sets heard (and of those not heard), the ranks reported
         failed, and the call after which each rank heard came.
 
@@ -354,7 +365,8 @@ class Membership:
         mine |= failed
         mine.discard(self.rank)
         union = set(mine)
-        ends = time.monotonic() + self.wait
+        # (a rank nobody suspects may still be in its call, up to its deadline)
+        ends = time.monotonic() + self.wait + self.in_call
         heard_all: Optional[float] = None     # (when nobody was left to hear from)
         acked = self.acked[tag]
         resend = 0.0

@@ -9,7 +9,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 from mpi4py import MPI
 
-from ..errors import MismatchError
+from ..errors import MembershipChanged, MismatchError
+from ..reliable import again
 from .tensors import NamedTensors, host_problem
 
 
@@ -25,17 +26,19 @@ def check_everywhere(comm: MPI.Intracomm, local_error: Optional[Exception],
                      entries: Sequence[Any] = (), what: str = "parameters") -> None:
     """Collective: raise the same exception on every rank if any rank has a
     local error, or if `entries` differ between ranks (MismatchError naming
-    the first difference).  One small allgather; one more on mismatch."""
+    the first difference).  One small allgather; one more on mismatch.
+    Elastic: a rank lost during it, the allgather is made again over the
+    survivors (at construction, and where a growth checks a newcomer)."""
     digest = hashlib.sha256(repr(list(entries)).encode()).hexdigest()
     error = None if local_error is None else (type(local_error).__name__, str(local_error))
-    outcomes = comm.allgather((error, digest))
+    outcomes = again(lambda: comm.allgather((error, digest)), MembershipChanged)
     failed = [(r, e) for r, (e, _) in enumerate(outcomes) if e is not None]
     if failed:
         rank, (kind, message) = failed[0]
         others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
         raise _ERROR_TYPES.get(kind, ValueError)(f"rank {rank}{others}: {message}")
     if len({d for _, d in outcomes}) > 1:
-        every = comm.allgather(list(entries))
+        every = again(lambda: comm.allgather(list(entries)), MembershipChanged)
         raise MismatchError(f"{what} differ across ranks: {_first_difference(every)}")
 
 

@@ -14,6 +14,8 @@ from mpi4py import MPI
 
 from .. import Communicator
 from ..call.config import UNSET
+from ..errors import MembershipChanged
+from ..reliable import again
 from .broadcast import bcast_tensors, broadcast_optimizer_state
 from .checks import check_tensors
 from .communicators import lossy_communicator, reliable_comm
@@ -186,14 +188,22 @@ class Engine:
     def share(self, optimizer: torch.optim.Optimizer) -> None:
         """Collective over the ranks in and the newcomers: rank 0's step
         counts, parameters (with drift control, what it re-synchronises:
-        a module's buffers too) and optimizer state."""
-        comm = self.reliable
+        a module's buffers too) and optimizer state.  A rank lost during
+        it: made again from the start over the survivors (whose rank 0 is
+        still one that was in: the grown communicator lists them first)."""
+        def once() -> None:
+            self.share_counts()
+            with torch.no_grad():
+                bcast_tensors(self.reliable, self.drift.tensors if self.drift else self.params, 0)
+            broadcast_optimizer_state(optimizer, 0, comm=self.reliable)
+        again(once, MembershipChanged)
+
+    def share_counts(self) -> None:
+        """Rank 0's step counts, the wrapper's and drift control's (whose
+        schedule of measurements and re-synchronisations must match)."""
         counts = np.array([self.recorder.steps, self.drift.steps if self.drift else 0],
                           dtype=np.int64)
-        comm.Bcast(counts, 0)
-        with torch.no_grad():
-            bcast_tensors(comm, self.drift.tensors if self.drift else self.params, 0)
-        broadcast_optimizer_state(optimizer, 0, comm=comm)
+        self.reliable.Bcast(counts, 0)
         self.recorder.steps = int(counts[0])
         if self.drift is not None:
             self.drift.steps = int(counts[1])

@@ -29,6 +29,8 @@ import torch
 from mpi4py import MPI
 
 from .. import Communicator
+from ..errors import MembershipChanged
+from ..reliable import again
 from . import recut
 from .broadcast import bcast_tensors
 from .checks import check_everywhere, check_tensors
@@ -114,17 +116,15 @@ class _ShardedExchange(Engine):
     def share(self, optimizer: torch.optim.Optimizer) -> None:
         """Collective over the ranks in and the spares just called in (the
         end of Engine.grow, and a newcomer's construction): rank 0's step
-        counts (the wrapper's and drift control's) and the owners the chunks were cut for, then the chunks cut
+        counts and the owners the chunks were cut for, then the chunks cut
         again over everyone (rebalance: each old chunk of the parameters
-        and of the optimizer's state from its owner)."""
-        counts = np.array([self.recorder.steps, self.drift.steps if self.drift else 0],
-                          dtype=np.int64)
-        self.reliable.Bcast(counts, 0)
-        self.recorder.steps = int(counts[0])
-        if self.drift is not None:      # (its schedule: measurements, re-synchronisations)
-            self.drift.steps = int(counts[1])
-        self.members = tuple(self.reliable.bcast(list(self.members), root=0))
-        self.rebalance()
+        and of the optimizer's state from its owner).  A rank lost during
+        it: made again from the start over the survivors."""
+        def once() -> None:
+            self.share_counts()
+            self.members = tuple(self.reliable.bcast(list(self.members), root=0))
+            self.rebalance()
+        again(once, MembershipChanged)
 
     def rebalance(self) -> None:
         """Cut the chunks for the ranks in (after an exclusion or growth):

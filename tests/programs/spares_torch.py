@@ -2,9 +2,11 @@
 lost mid-run and a spare taking its place (docs/elastic.md, "Growing
 back").  Launch with ``mpiexec -disable-auto-cleanup``.
 
-    mpiexec -disable-auto-cleanup -n N python spares_torch.py CHANNEL V@S [STEPS [MODE]]
+    mpiexec -disable-auto-cleanup -n N python spares_torch.py CHANNEL V@S [STEPS [MODE [W]]]
 
-The last rank is a spare; rank V exits before step S.  SGD with momentum
+The last rank is a spare; rank V exits before step S; rank W (if given)
+exits as the growth's share() begins on it (its collectives made again
+over the survivors, the newcomer among them).  SGD with momentum
 (state a newcomer needs), a 2 s deadline, no injected loss.  The spare
 builds its model from another seed, wraps it once stand_by() returned
 True, and goes on from the step the others had reached.
@@ -46,6 +48,7 @@ comm = MPI.COMM_WORLD
 channel, lose = sys.argv[1], sys.argv[2]
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 20
 sharded = len(sys.argv) > 4 and sys.argv[4] == "sharded"
+share_victim = int(sys.argv[5]) if len(sys.argv) > 5 else None
 victim, at = (int(v) for v in lose.split("@"))
 me = comm.rank
 lc = mpilossy.Communicator(comm, channel=channel, timeout=2.0, elastic=True, evict_after=5,
@@ -97,6 +100,8 @@ else:
     opt = mt.DistributedOptimizer(inner, model.named_parameters(), lc, broadcast_every=1000,
                                   broadcast_state=True)
 first = opt.steps + 1
+if me == share_victim:
+    opt._mpilossy.share = lambda optimizer: os._exit(0)     # (gone as the growth's share begins)
 checks = []
 pictures = []
 if sharded and was_spare:

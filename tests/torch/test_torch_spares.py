@@ -19,14 +19,14 @@ from helpers import (PROGRAMS, clean_subprocess_env, is_singleton, json_reports,
                      mpiexec, run_bounded)
 
 
-def run_spares_program(mode, ranks, channel, lose):
+def run_spares_program(mode, ranks, channel, lose, *extra):
     """The program's JSON lines by rank, and its whole output."""
     if not is_singleton():
         pytest.skip("starts its own mpiexec: runs at size 1")
     if not reports_failures():
         pytest.skip("this MPI does not report failed ranks")
     cmd = [mpiexec(), "-disable-auto-cleanup", "-n", str(ranks), sys.executable,
-           str(PROGRAMS / "spares_torch.py"), channel, lose, "15", mode]
+           str(PROGRAMS / "spares_torch.py"), channel, lose, "15", mode, *map(str, extra)]
     proc = run_bounded(cmd, 120, clean_subprocess_env())
     output = proc.stdout + proc.stderr
     return {r["rank"]: r for r in json_reports(proc.stdout)}, output
@@ -86,6 +86,28 @@ def test_a_spare_takes_a_chunk_of_the_sharded_optimizer(ranks, channel, lose):
         check = line["checks"][0]
         assert check["moved"] == 0.0 and check["held"] > 0, line
     assert lines[spare]["checks"][0]["mine"] > 0, lines[spare]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_a_rank_lost_as_the_growth_sends_the_state(mode):
+    """5 ranks, the last a spare: rank 1 exits before step 5, and rank 0,
+    the root of the growth's broadcasts, exits as they begin.  The checks
+    and the state sent at the growth are made again over the survivors
+    (rank 2 the root): ranks 2, 3 and the newcomer 4 end the 15 steps
+    together with the same parameters and drift control's step count,
+    everything delivered after the growth.  (Before: MembershipChanged out
+    of the survivors' step() and the newcomer's wrapper.)"""
+    lines, output = run_spares_program(mode, 5, "rma", "1@5", 0)
+    assert sorted(lines) == [2, 3, 4], output
+    growth = lines[2]["joined"]
+    assert len(growth) == 1 and growth[0][1] == [4] and growth[0][0] in (5, 6), output
+    for r, line in lines.items():
+        assert line["steps"] == 15 and line["members"] == [2, 3, 4], line
+        assert line["drift_steps"] == 15 and line["difference"] <= 1e-6, line
+        assert line["delivered_after"] == 1.0, line
+    assert lines[3]["joined"] == growth, lines[3]
+    assert lines[4]["spare"] and lines[4]["first"] == growth[0][0] + 1, lines[4]
 
 
 @pytest.mark.mpi(min_size=2)
