@@ -24,7 +24,6 @@ import hashlib
 import weakref
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
-import numpy as np
 import torch
 from mpi4py import MPI
 
