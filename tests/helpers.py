@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 from mpi4py import MPI
@@ -120,12 +121,13 @@ def learned_as_documented(lc, stats) -> tuple:
     return stats.timeout, rule, auto.agreed[kind]
 
 
-def failures_in_turn(comm: MPI.Comm, lc, rounds: int) -> list:
+def failures_in_turn(comm: MPI.Comm, lc, rounds: int, took: Optional[list] = None) -> list:
     """Each rank in turn (round r: rank r % size) fails three calls in a
     row (a read-only output), then one good call follows; nothing
     synchronises the ranks.  Returns this rank's outcome of every call:
     "BufferError", "exact", "partial" (returned, not the exact sum), or
-    the type and message of any other exception."""
+    the type and message of any other exception; appends each call's
+    seconds to `took`, if given."""
     x = small_ints(1001, comm.rank, np.int64)
     want = mpi_sum(comm, x)
     seen = []
@@ -136,6 +138,7 @@ def failures_in_turn(comm: MPI.Comm, lc, rounds: int) -> list:
             if comm.rank == r % comm.size and call < 3:
                 recv = out.copy()
                 recv.flags.writeable = False
+            began = time.perf_counter()
             try:
                 lc.allreduce(x, recv)
                 seen.append("exact" if np.array_equal(out, want) else "partial")
@@ -143,6 +146,8 @@ def failures_in_turn(comm: MPI.Comm, lc, rounds: int) -> list:
                 seen.append("BufferError")
             except Exception as exc:     # noqa: BLE001 (reported by the caller)
                 seen.append(f"{type(exc).__name__}: {exc}")
+            if took is not None:
+                took.append(time.perf_counter() - began)
     return seen
 
 

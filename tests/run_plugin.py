@@ -33,6 +33,8 @@ _sink = {"path": None}        # the ledger of this session, on rank 0 only
 def pytest_sessionstart(session):
     path = session.config.getoption("ledger")
     _sink["path"] = path if path and MPI.COMM_WORLD.rank == 0 else None
+    # (test ids are relative to it: the runner names a test to run again)
+    _write("rootdir", str(session.config.rootpath))
 
 
 def _write(*fields: str) -> None:

@@ -1,7 +1,9 @@
 """tests/run.py, the suite's runner: a test past its per-test bound ends its
 whole session (pytest-timeout's thread method exits the process), and the
 runner resumes after it (tests/run_plugin.py) instead of losing every result
-that would have come after.  Run on a planted suite at 1 and 2 ranks."""
+that would have come after; a test that failed runs once more, and counts
+as passed only if that rerun passes.  Run on a planted suite at 1 and 2
+ranks."""
 
 import os
 import re
@@ -40,6 +42,12 @@ def test_e_fails():
 
 def test_f_passes_after_the_hangs():
     pass
+
+def test_g_fails_the_first_time_only():
+    flag = FLAG.replace("hung-once", "failed-once")
+    if not os.path.exists(flag):
+        open(flag, "w").close()
+        assert False, "planted"
 '''
 
 
@@ -56,11 +64,17 @@ def test_a_hung_test_ends_its_session_and_the_runner_resumes_after_it(tmp_path, 
     out = proc.stdout + proc.stderr
     summary = re.search(rf"== {size} rank\(s\): (\d+) passed, (\d+) failed, (\d+) skipped", out)
     assert summary, out[-4000:]
-    # a, b (on its second try) and f pass; d (hung twice) and e fail; c skips
-    assert tuple(int(n) for n in summary.groups()) == (3, 2, 1), out[-4000:]
+    # a, b (on its second try), f and g (on its rerun) pass; d (hung twice)
+    # and e (on its rerun too) fail; c skips
+    assert tuple(int(n) for n in summary.groups()) == (4, 2, 1), out[-4000:]
     assert proc.returncode == 1, out[-4000:]
     assert re.search(r"test_b_hangs_the_first_time_only ended session 1 .*tried once more",
                      out), out[-4000:]
     assert re.search(r"test_d_hangs_every_time ended its session again .*counted as failed",
                      out), out[-4000:]
     assert os.path.exists(suite / f"hung-once-{size}-0")
+    assert re.search(r"run once more: \S*test_planted.py::test_g_fails_the_first_time_only: "
+                     r"passed on its rerun", out), out[-4000:]
+    assert re.search(r"run once more: \S*test_planted.py::test_e_fails: failed again", out), \
+        out[-4000:]
+    assert "test_d_hangs_every_time: " not in out, out[-4000:]     # (had its second try)

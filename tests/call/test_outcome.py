@@ -145,15 +145,27 @@ def test_bad_calls_back_to_back(comm, channel, timeout):
     reached, and a rank failing calls back to back overwrites its in-band
     error: a slow rank returned a partial result of a call that failed
     elsewhere.)"""
+    took: list = []
     with mpilossy.Communicator(comm, channel=channel, timeout=timeout, loss=None) as lc:
-        seen = failures_in_turn(comm, lc, 2 * comm.size)
-    every = comm.allgather(seen)
+        seen = failures_in_turn(comm, lc, 2 * comm.size, took)
+    every = comm.allgather((seen, took))
     # (with a deadline a good call may lose data to a slow rank, never fail)
     good = {"exact"} if timeout is None else {"exact", "partial"}
     expected = ([{"BufferError"}] * 3 + [good]) * (2 * comm.size)
-    wrong = [(call, [ranks[call] for ranks in every]) for call in range(len(expected))
-             if any(ranks[call] not in expected[call] for ranks in every)]
-    assert not wrong, wrong[:5]
+    # A rank whose deadline ended before the failing rank's note reached it
+    # (its call lasted the whole deadline: the machine stalled the other)
+    # returns what it has and raises at its next call, and so does every
+    # rank there (docs/deadlines.md, "One outcome per call on every rank").
+    late = {call for ranks, spent in every for call in range(len(expected) - 1)
+            if timeout is not None and expected[call] == {"BufferError"}
+            and ranks[call] == "partial" and spent[call] >= 0.99 * timeout
+            and ranks[call + 1] == "BufferError"}
+    allowed = [want | ({"partial"} if call in late else set())
+               | ({"BufferError"} if call - 1 in late else set())
+               for call, want in enumerate(expected)]
+    wrong = [(call, [ranks[call] for ranks, _ in every]) for call in range(len(expected))
+             if any(ranks[call] not in allowed[call] for ranks, _ in every)]
+    assert not wrong, (wrong[:5], sorted(late))
 
 
 @pytest.mark.skipif(not is_singleton(), reason="starts its own mpiexec: runs at size 1")

@@ -123,7 +123,16 @@ def test_an_excluded_rank_that_wakes_comes_back(ranks, channel, spares, stops, c
         line = lines[r]
         assert not line["released"] and line["calls"] == calls, line
         assert line["members"] == members, line
-        assert line["model"] == lines[members[0]]["model"], lines
+    # since the last growth (which sent the model): a call that lost nothing
+    # on any rank gives every rank the same result; one that lost something
+    # (a rank late past the 0.2 s deadline on loaded cores) may differ
+    tails = [{call: (total, full) for call, total, full in lines[r]["tail"]} for r in members]
+    assert all(tail.keys() == tails[0].keys() for tail in tails), lines
+    whole = [call for call in tails[0] if all(tail[call][1] for tail in tails)]
+    assert len(tails[0]) >= 10 and len(whole) >= len(tails[0]) - 3, tails
+    assert all(len({tail[call][0] for tail in tails}) == 1 for call in whole), tails
+    if len(whole) == len(tails[0]):
+        assert len({lines[r]["model"] for r in members}) == 1, lines
     out = lines[released]
     assert out["released"] and out["evicted"] == 2 and out["arrivals"] == 1, out
     # the growths, as the rank in from the start saw them: the spare, then each

@@ -16,8 +16,10 @@ stand_by().  Every block of every result is checked against the mean over
 the ranks its call records.  Every rank prints one JSON line at the end:
 its rank, whether its last stand_by() returned False (released), the
 calls it made, wrong blocks, the times it came in, the growths it saw
-(call, ranks), the state sent at each growth it took part in, the members
-and the sum of its model.  Everyone ends with os._exit."""
+(call, ranks), the state sent at each growth it took part in, the members,
+the sum of its model, and each call since the last growth as (call, sum of
+the result, whether its record names every member in every block: a call
+that lost something may differ from rank to rank).  Everyone ends with os._exit."""
 
 import json
 import os
@@ -41,7 +43,7 @@ N = 1003
 lc = mpilossy.Communicator(comm, channel=channel, elastic=True, evict_after=5, elastic_wait=2.0,
                            timeout=0.2, spares=spares)
 model = np.zeros(N)
-state = {"call": 0, "wrong": 0, "joined": [], "sent": [], "evicted": 0}
+state = {"call": 0, "wrong": 0, "joined": [], "sent": [], "evicted": 0, "tail": []}
 lc.on_growth(lambda joined, members: state["joined"].append((state["call"], list(joined))))
 
 
@@ -52,6 +54,7 @@ def send_state():
     lc.bcast(model, root=0)
     state["sent"].append((int(step[0]), float(model.sum())))
     state["call"] = int(step[0])
+    state["tail"] = []
 
 
 def finish(released):
@@ -59,6 +62,7 @@ def finish(released):
                       "wrong": state["wrong"], "arrivals": lc.arrivals,
                       "evicted": state["evicted"], "joined": state["joined"],
                       "sent": state["sent"], "model": float(model.sum()),
+                      "tail": state["tail"],
                       "members": [] if released else list(lc.members)}), flush=True)
     if not released:
         lc.free()
@@ -94,6 +98,8 @@ while True:
                         np.mean([r + 1 + call / 1000 for r in ranks]), rtol=0, atol=1e-9)):
                     state["wrong"] += 1
             model += out
+            state["tail"].append((call, float(out.sum()),
+                                  bool(stats.contributors.members().all())))
             if lc.grow():
                 send_state()
         break
