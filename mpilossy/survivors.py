@@ -33,7 +33,9 @@ from .control.spares import Spares
 from .dispatch import alone
 from .state import State
 
-__all__ = ["Elastic", "SpareSeat", "Callback"]
+__all__ = ["Elastic", "SpareSeat", "Callback", "SPARE_ANSWER"]
+
+SPARE_ANSWER = 1.0      # seconds a spare about to be called in has to answer a ping
 
 Callback = Callable[[Tuple[int, ...], Tuple[int, ...]], None]
 
@@ -118,7 +120,7 @@ class Elastic:
             if excluded:
                 return state, excluded, ()
         if self._may_grow():
-            state, excluded = self._drop_failed_spares(state)
+            state, excluded = self._drop_lost_spares(state)
             if excluded:
                 return state, excluded, ()
         if not self._may_grow():
@@ -153,29 +155,58 @@ class Elastic:
                                   send, recv, 0)
         return state, ()
 
-    def _drop_failed_spares(self, state: State) -> Tuple[State, Tuple[int, ...]]:
+    def _drop_lost_spares(self, state: State) -> Tuple[State, Tuple[int, ...]]:
         """Before spares are called in: the ranks in agree on the spares
-        that any of them sees reported failed by MPI and drop them (the
+        that any of them sees reported failed by MPI, or that did not
+        answer the lowest rank's ping (one that hangs), and drop them (the
         survivors' MPI_Comm_create_group would wait for such a spare for
-        ever).  One small MPI_Iallreduce per growth, waited for here.  (the
-        state, the ranks excluded meanwhile: the agreement abandoned)"""
+        ever); then the same for the spares next in line, until those to
+        be called all answered or none is left.  One small MPI_Iallreduce
+        a round, waited for here.  (the state, the ranks excluded
+        meanwhile: the agreement abandoned)"""
         assert self.spares is not None and self.offer_comm is not None
-        left = list(self.spares.left)           # (the same on every rank in)
-        gone = failed_ranks(self.spares.parent)
-        send = np.array([spare in gone for spare in left], dtype=np.int64)
-        recv = np.zeros_like(send)
-        request = self.offer_comm.Iallreduce(send, recv, op=MPI.MAX)
-        outcome = self.wait(state, request, closing=False)
-        if outcome is not None:
-            linger(request, send, recv)
-            fresh, excluded, _ = outcome
-            return fresh, excluded
-        dead = [spare for spare, failed in zip(left, recv) if failed]
-        if dead:
+        while self._may_grow():
+            left = list(self.spares.left)           # (the same on every rank in)
+            gone = failed_ranks(self.spares.parent)
+            silent: set = set()
+            if self.membership.rank == 0:
+                calling = [spare for spare in left if spare not in gone][:self.places]
+                silent = self._silent(calling)
+            send = np.array([spare in gone or spare in silent for spare in left],
+                            dtype=np.int64)
+            recv = np.zeros_like(send)
+            request = self.offer_comm.Iallreduce(send, recv, op=MPI.MAX)
+            outcome = self.wait(state, request, closing=False)
+            if outcome is not None:
+                linger(request, send, recv)
+                fresh, excluded, _ = outcome
+                return fresh, excluded
+            dead = [spare for spare, lost in zip(left, recv) if lost]
+            if not dead:
+                break
             self.spares.drop(dead)
-            environment.log.warning("spares %s are reported failed: not called in; "
-                                    "spares now %s", dead, self.spares.left)
+            environment.log.warning("spares %s are reported failed or did not answer: not "
+                                    "called in; spares now %s", dead, self.spares.left)
         return state, ()
+
+    def _silent(self, spares: List[int]) -> set:
+        """On the lowest rank in: ping `spares` and wait up to SPARE_ANSWER
+        seconds (half of elastic_wait at most) for their answers, the
+        heartbeat going on; the spares that did not answer.  A spare
+        standing by answers within its poll (5 ms)."""
+        if not spares:
+            return set()
+        assert self.spares is not None
+        number = self.spares.ping(spares)
+        began = time.monotonic()
+        bound = min(SPARE_ANSWER, self.membership.wait / 2)
+        came: set = set()
+        while True:
+            came |= self.spares.answers(number)
+            if came >= set(spares) or time.monotonic() - began > bound:
+                return set(spares) - came
+            self.membership.waiting(began)      # (suspects: the agreement's wait sees them)
+            time.sleep(POLL)
 
     def _drop_offers(self) -> None:
         """At a switch: the agreement on offers in flight belongs to the old

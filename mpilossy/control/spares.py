@@ -6,7 +6,11 @@ Why spares, not MPI_Comm_spawn: with the ``mpich`` wheel a spare called in
 joins the survivors' MPI_Comm_create_group under mpiexec and under srun
 (pmi2), where MPI_Comm_spawn hung (tests/programs/rank_replaced.py).
 
-The call-in is one message from the lowest survivor to each spare it
+Before the call-in the lowest survivor pings the spares it is about to
+call (a spare that hangs would hang the survivors' MPI_Comm_create_group);
+one that does not answer within a bound is agreed gone with those MPI
+reports failed (Elastic._drop_lost_spares), and the next is asked.  The
+call-in is one message from the lowest survivor to each spare it
 calls, on a duplicate of the user's communicator that every rank made at
 construction; then the survivors and the spares called in build the grown
 communicator (MPI_Comm_create_group over them only: ranks that are gone
@@ -28,17 +32,18 @@ taken from that rank and never calls in a rank that has since left again.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 from mpi4py import MPI
 
 from .failures import failed_ranks
 
-__all__ = ["Spares", "CALL_IN", "RELEASE", "ENLIST"]
+__all__ = ["Spares", "CALL_IN", "RELEASE", "ENLIST", "PING", "PONG"]
 
 CALL_IN, RELEASE = 31, 32           # message tags on the parent duplicate
 ENLIST = 34                         # an excluded rank that woke offers itself as a spare
 GROW = 33                           # MPI_Comm_create_group's tag (+ the growth number)
+PING, PONG = 35, 36                 # is a spare about to be called in still there?
 POLL = 0.005                        # seconds between a waiting spare's looks
 
 
@@ -57,6 +62,7 @@ class Spares:
         # agreed, and sent to a spare with its call-in)
         self.taken: Dict[int, int] = {}
         self.offered = 0                # offers this rank made
+        self.pings = 0                  # pings this rank sent (each round numbered)
         self._sends: List[MPI.Request] = []     # offers not yet sent through
         # the ranks whose end leaves nobody to call this rank in (a spare: the
         # working ranks; a rank that came back: those it offered itself to)
@@ -118,6 +124,25 @@ class Spares:
         self._sends += [self.parent.isend(self.offered, dest=r, tag=ENLIST)
                         for r in self.callers]
 
+    def ping(self, spares: Iterable[int]) -> int:
+        """Ask `spares` whether they are there, without waiting; returns the
+        round's number, which their answers carry (answers() reads them)."""
+        self.pings += 1
+        self._sends = [r for r in self._sends if not r.Test()]
+        self._sends += [self.parent.isend(self.pings, dest=r, tag=PING) for r in spares]
+        return self.pings
+
+    def answers(self, number: int) -> Set[int]:
+        """The spares whose answer to ping round `number` came so far (older
+        rounds' answers are read and dropped)."""
+        status = MPI.Status()
+        came = set()
+        while self.parent.iprobe(MPI.ANY_SOURCE, PONG, status):
+            source = status.Get_source()
+            if self.parent.recv(source=source, tag=PONG) == number:
+                came.add(source)
+        return came
+
     def _file(self, source: int, number: int) -> None:
         if number > self.taken.get(source, 0):
             self.offers[source] = max(number, self.offers.get(source, 0))
@@ -156,6 +181,11 @@ class Spares:
                 message = self.parent.recv(source=status.Get_source(), tag=tag)
                 if tag == ENLIST:           # (for when this rank is in again)
                     self._file(status.Get_source(), message)
+                    continue
+                if tag == PING:
+                    self._sends = [r for r in self._sends if not r.Test()]
+                    self._sends.append(self.parent.isend(message, dest=status.Get_source(),
+                                                         tag=PONG))
                     continue
                 if tag == RELEASE:
                     return None

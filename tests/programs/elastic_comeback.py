@@ -16,10 +16,12 @@ stand_by().  Every block of every result is checked against the mean over
 the ranks its call records.  Every rank prints one JSON line at the end:
 its rank, whether its last stand_by() returned False (released), the
 calls it made, wrong blocks, the times it came in, the growths it saw
-(call, ranks), the state sent at each growth it took part in, the members,
-the sum of its model, and each call since the last growth as (call, sum of
-the result, whether its record names every member in every block: a call
-that lost something may differ from rank to rank).  Everyone ends with os._exit."""
+(call, ranks), the state sent at each growth it took part in, the members
+and the sum of its model; then lines {"tail": rank, "calls": [...]} with
+each call since the last growth as (call, sum of the result, whether its
+record names every member in every block: a call that lost something may
+differ from rank to rank), ten a line (srun splits lines past 1 KiB).
+Everyone ends with os._exit."""
 
 import json
 import os
@@ -62,8 +64,9 @@ def finish(released):
                       "wrong": state["wrong"], "arrivals": lc.arrivals,
                       "evicted": state["evicted"], "joined": state["joined"],
                       "sent": state["sent"], "model": float(model.sum()),
-                      "tail": state["tail"],
                       "members": [] if released else list(lc.members)}), flush=True)
+    for first in range(0, len(state["tail"]), 10):
+        print(json.dumps({"tail": me, "calls": state["tail"][first:first + 10]}), flush=True)
     if not released:
         lc.free()
     os._exit(0)

@@ -6,7 +6,8 @@ hot spares (docs/elastic.md, "Growing back").  Launch with ``mpiexec
 
 The last SPARES ranks are spares; HOW is exit (os._exit) or stop (SIGSTOP,
 woken at the end: it must get EvictedError) for rank V before call C
-(a spare with C = 0 exits before it stands by).
+(a spare with C = 0 exits, or stops, before it stands by: a stopped one,
+woken at the end, must be released, not called in).
 Every working rank holds a "model" (a vector); each call is an all-reduce
 (direct, op avg, deadline 0.5 s) of (original rank + 1 + call / 1000); after each
 the model moves by the result ($SPARES_TIMEOUT: another deadline, e.g.
@@ -65,7 +66,13 @@ lc.on_growth(lambda joined, members: state["joined"].append((state["call"], list
 lc.on_exclusion(lambda out, members: state["excluded"].append((state["call"], list(out))))
 was_spare = lc.spare
 if was_spare and leaves.get(me) == 0:
-    os._exit(0)                     # (a spare gone before any call-in: V@0)
+    if how == "exit":
+        os._exit(0)                 # (a spare gone before any call-in: V@0)
+    os.kill(os.getpid(), signal.SIGSTOP)    # (one that hangs, woken at the end)
+    called = lc.stand_by(timeout=60.0)
+    print(json.dumps({"rank": me, "spare": True, "called": bool(called),
+                      "woken": "called in" if called else "released"}), flush=True)
+    os._exit(0)
 if was_spare:
     if not lc.stand_by(timeout=60.0):
         print(json.dumps({"rank": me, "spare": True, "called": False}), flush=True)
