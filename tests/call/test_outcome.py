@@ -156,15 +156,20 @@ def test_bad_calls_back_to_back(comm, channel, timeout):
     # (its call lasted the whole deadline: the machine stalled the other)
     # returns what it has and raises at its next call, and so does every
     # rank there (docs/deadlines.md, "One outcome per call on every rank").
-    late = {call for ranks, spent in every for call in range(len(expected) - 1)
+    late = {(rank, call) for rank, (ranks, spent) in enumerate(every)
+            for call in range(len(expected) - 1)
             if timeout is not None and expected[call] == {"BufferError"}
             and ranks[call] == "partial" and spent[call] >= 0.99 * timeout
             and ranks[call + 1] == "BufferError"}
-    allowed = [want | ({"partial"} if call in late else set())
-               | ({"BufferError"} if call - 1 in late else set())
-               for call, want in enumerate(expected)]
+    after = {call + 1 for _, call in late}
+
+    def allowed(rank: int, call: int) -> set:
+        return (expected[call] | ({"partial"} if (rank, call) in late else set())
+                | ({"BufferError"} if call in after else set()))
+
     wrong = [(call, [ranks[call] for ranks, _ in every]) for call in range(len(expected))
-             if any(ranks[call] not in allowed[call] for ranks, _ in every)]
+             if any(ranks[call] not in allowed(rank, call)
+                    for rank, (ranks, _) in enumerate(every))]
     assert not wrong, (wrong[:5], sorted(late))
 
 
