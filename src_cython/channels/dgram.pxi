@@ -91,6 +91,7 @@ cdef class DgramChannel(DgramEndpoint):
     cdef int nstreams
     # peers
     cdef uint64_t* peer_seq           # the latest call each peer was seen in
+    cdef unsigned char* told_done     # per peer: sent this call's done note (end)
     cdef bint armed                   # the current call's streams are known
     cdef char* stash                  # datagrams that came too early
     cdef char* replaying              # the stash being replayed
@@ -104,7 +105,7 @@ cdef class DgramChannel(DgramEndpoint):
     # counters of datagrams judged, for the whole life of the channel
     cdef uint64_t n_foreign, n_forged, n_malformed, n_stale, n_future, n_unexpected
     cdef uint64_t n_duplicate, n_mismatch, n_nacks, n_resent
-    cdef uint64_t n_nack_replayed, n_nack_deferred, n_end_repeats
+    cdef uint64_t n_nack_replayed, n_nack_deferred, n_end_repeats, n_done_notes
 
     def __cinit__(self):
         memset(&self.cur, 0, sizeof(CallInfo))
@@ -114,10 +115,11 @@ cdef class DgramChannel(DgramEndpoint):
         DgramEndpoint.allocate_fixed(self)
         self.stash_cap = STASH_PACKETS + STASH_CONTROL_PER_PEER * self.size
         self.peer_seq = <uint64_t*>calloc(self.size, sizeof(uint64_t))
+        self.told_done = <unsigned char*>calloc(self.size, 1)
         self.stash = <char*>aligned(self.stash_cap * self.pkt)
         self.replaying = <char*>aligned(self.stash_cap * self.pkt)
         self.requests = Requests(self.size)
-        if not (self.peer_seq and self.stash and self.replaying):
+        if not (self.peer_seq and self.told_done and self.stash and self.replaying):
             raise MemoryError()
         self.outcomes = Outcomes()
         self.outcomes.setup(self.comm)
@@ -133,6 +135,7 @@ cdef class DgramChannel(DgramEndpoint):
         # datagrams to accept(), and accept needs what is freed below.
         DgramEndpoint.close(self)
         free(self.peer_seq)
+        free(self.told_done)
         free(self.stash)
         free(self.replaying)
         free(self.published[0])
@@ -168,6 +171,7 @@ cdef class DgramChannel(DgramEndpoint):
                 "nacks": self.n_nacks, "resent": self.n_resent,
                 "nacks_replayed": self.n_nack_replayed, "nacks_deferred": self.n_nack_deferred,
                 "end_repeats": self.n_end_repeats,
+                "done_notes": self.n_done_notes,
                 "errors_heard_over_mpi": self.outcomes.heard if self.outcomes is not None
                 else 0}
 
@@ -563,7 +567,10 @@ cdef class DgramChannel(DgramEndpoint):
     cdef bint closed(self, Stream* s) noexcept nogil:
         if not self.ended[s.index] and not self.past_cap():
             self.service()
-        return self.ended[s.index]
+        # A producer's note over MPI that it is done with the call says what
+        # END says, and a burst of loss cannot take it (see end()).
+        return self.ended[s.index] or (self.cur.timeout >= 0 and self.outcomes is not None
+                                       and self.outcomes.said_done(s.peer, self.cur.seq))
 
     cdef int entered(self) noexcept nogil:
         cdef int p, k = 1
@@ -595,6 +602,36 @@ cdef class DgramChannel(DgramEndpoint):
                 self.drain()            # (their slots back)
         if call.timeout < 0 and not failed:
             self.stay_for_readers(call)
+        elif call.timeout >= 0 and not failed:
+            self.tell_readers_done(call)
+
+    cdef void tell_readers_done(self, CallInfo* call) noexcept nogil:
+        """With a deadline: this rank leaves the call, and has sent all it
+        will send.  Say so over MPI to the readers of its slots that are
+        in the call (seen in it, not in a later one): a burst of loss can take every END, and the
+        repeats stop now, so a reader missing blocks would otherwise wait
+        for its stage's deadline (the hierarchy's stage across nodes under
+        microbursts: 0.35 of the call's deadline)."""
+        cdef ErrorInfo done
+        cdef int slot, i, reader
+        cdef int* readers
+        if self.outcomes is None or self.end_nreaders == NULL or self.cur.seq != call.seq:
+            return
+        memset(&done, 0, sizeof(ErrorInfo))
+        done.kind = ERR_NONE
+        done.rank = self.rank
+        memset(self.told_done, 0, self.size)
+        self.outcomes.reap()
+        for slot in range(self.cur.nslots):
+            readers = self.end_readers + <Py_ssize_t>slot * self.size
+            for i in range(self.end_nreaders[slot]):
+                reader = readers[i]
+                if self.told_done[reader] or self.peer_seq[reader] != call.seq:
+                    continue            # (told; or, as for END's repeats, not in this call)
+                self.told_done[reader] = 1
+                if not self.outcomes.tell_one(call.seq, &done, reader):
+                    return              # no memory: END and its repeats will have to do
+                self.n_done_notes += 1
 
     cdef void stay_for_readers(self, CallInfo* call) noexcept nogil:
         """No deadline: this rank has its result.  Say so to every peer, then

@@ -467,6 +467,8 @@ cdef class Channel:
         while not self.failed_elsewhere(call, err):
             if mpl_now() >= limit:
                 return False
+            if wait == NOTE_WAIT_ONCE and self.outcomes.said_done(s.peer, call.seq):
+                return False            # (its done note: after any error note of the call)
             mpl_yield()
         return True
 

@@ -1,6 +1,7 @@
-# One outcome per call on every rank: errors (and, without deadline,
-# completions) told over MPI, which loses nothing, beside what each channel
-# says in-band (the one-sided status block, ERROR datagrams).
+# One outcome per call on every rank: errors (and completions: without
+# deadline, and to the datagram channel's readers with one) told over MPI,
+# which loses nothing, beside what each channel says in-band (the one-sided
+# status block, ERROR and END datagrams).
 #
 # The rule: a call that fails on one rank fails on every rank.  A rank that
 # fails a call tells every peer.  A peer still in the call fails it too (the
@@ -76,25 +77,34 @@ cdef class Outcomes:
         """Send `err` (ERR_NONE: done with call `seq`) to every peer; the notes
         stay until MPI is done with them (reap)."""
         cdef int p
-        cdef ErrorNote* note
         self.reap()
         for p in range(self.size):
-            if p == self.rank:
-                continue
-            if self.nnotes == self.cap and not self.more():
+            if p != self.rank and not self.tell_one(seq, err, p):
                 return                  # no memory: the in-band paths will have to do
-            note = <ErrorNote*>malloc(sizeof(ErrorNote))
-            if note == NULL:
-                return
-            note.token = self.token
-            note.seq = seq
-            note.err = err[0]
-            if MPI_Isend(note, sizeof(ErrorNote), MPI_BYTE, p, ERROR_TAG, self.comm,
-                         &self.reqs[self.nnotes]) != MPI_SUCCESS:
-                free(note)
-                continue
-            self.bufs[self.nnotes] = note
-            self.nnotes += 1
+
+    cdef bint tell_one(self, uint64_t seq, const ErrorInfo* err, int peer) noexcept nogil:
+        """Send `err` about call `seq` to `peer`; False where memory ran out."""
+        cdef ErrorNote* note
+        if self.nnotes == self.cap and not self.more():
+            return False
+        note = <ErrorNote*>malloc(sizeof(ErrorNote))
+        if note == NULL:
+            return False
+        note.token = self.token
+        note.seq = seq
+        note.err = err[0]
+        if MPI_Isend(note, sizeof(ErrorNote), MPI_BYTE, peer, ERROR_TAG, self.comm,
+                     &self.reqs[self.nnotes]) != MPI_SUCCESS:
+            free(note)
+            return True
+        self.bufs[self.nnotes] = note
+        self.nnotes += 1
+        return True
+
+    cdef bint said_done(self, int peer, uint64_t seq) noexcept nogil:
+        """Has `peer` said (in a note heard by now) that it is done with call
+        `seq`: it sent what it will send of it?"""
+        return self.done_seq[peer] >= seq
 
     cdef bint more(self) noexcept nogil:
         cdef int cap = 2 * self.cap + self.size

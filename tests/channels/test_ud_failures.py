@@ -140,6 +140,32 @@ def test_lossy_calls_close_early_when_their_end_marks_are_lost(ranks):
     assert r["wrong"] == [0] * ranks, r
 
 
+# Half the END datagrams dropped, and a tenth of all datagrams.
+DROP_ENDS_AND_TENTH = ("table inet mpilossy_control {\n chain input {\n"
+                       "  type filter hook input priority 0; policy accept;\n"
+                       "  meta l4proto udp @ih,48,16 0x0500 numgen random mod 10 < 5 counter drop\n"
+                       "  meta l4proto udp numgen random mod 100 < 10 counter drop\n }\n}\n")
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_a_reader_stops_waiting_when_its_producer_leaves_with_its_end_marks_lost(ranks):
+    """Real drops only (a tenth of all datagrams, and half the ENDs), 1 s
+    deadline, direct all-reduce: the stage deadline is 0.4 s.  A producer
+    that has its result leaves the call; with both its ENDs and their
+    repeats lost, a reader still missing one of its blocks used to wait for
+    that deadline (the longest lossy call 0.40-0.41 s in each of 4 runs at 2
+    and 4 ranks).  Now the producer says over MPI that it is done with the
+    call, and the reader closes the stream: the longest 0.008-0.20 s in 7
+    runs each (0.2 s is the first stage's deadline, met where every END
+    repeat was lost while the producer was still in the call)."""
+    with namespace_dropping(DROP_ENDS_AND_TENTH) as name:
+        r = report(launch("ud_lost_ends.py", ranks, "real", timeout=90, namespace=name),
+                   "LOST_ENDS")
+    assert r["lossy_calls"] >= 10, r
+    assert r["max_s"] < 0.3 * r["timeout"], r
+    assert r["wrong"] == [0] * ranks, r
+
+
 # -- the third round (issue 38) -----------------------------------------------------
 # 10% of all UDP datagrams dropped at random.
 DROP_TENTH = ("table inet mpilossy_drop {\n chain input {\n"
