@@ -42,7 +42,8 @@ class State:
     public calls made on it, whatever their route."""
 
     def __init__(self, comm: MPI.Intracomm, config: Config, core: Core, channel: str,
-                 serial: int, layout: Optional[NodeLayout]) -> None:
+                 serial: int, layout: Optional[NodeLayout],
+                 trace_as: Optional[Tuple[int, str]] = None) -> None:
         self.comm, self.config, self.core, self.channel = comm, config, core, channel
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         self.serial = serial
@@ -59,14 +60,18 @@ class State:
         # reliable collectives (Communicator.barrier, bcast): elastic, on a duplicate
         # of their own, abandoned whole with a request in flight when ranks are lost
         self.exact = comm.Dup() if config.elastic else comm
-        self.trace = Trace.open(config.trace, serial, self.rank)
+        # a level of a hierarchy traces under its parent's rank and its own
+        # name: every level's rank 0 would share one file otherwise
+        rank, level = trace_as if trace_as is not None else (self.rank, "")
+        self.trace = Trace.open(config.trace, serial, rank, level)
         self.layout = layout
         self.hierarchy: Optional[Hierarchy] = None
         self.closed = False
 
     @classmethod
     def open(cls, comm: MPI.Intracomm, config: Config, serial: int, *, layout: bool,
-             two_levels: Optional[Run] = None) -> "State":
+             two_levels: Optional[Run] = None,
+             trace_as: Optional[Tuple[int, str]] = None) -> "State":
         """Collective over `comm` (duplicated here; the caller keeps its
         own): the whole state.  layout: detect the node layout; two_levels:
         where it has two levels, build the hierarchy's levels, whose calls
@@ -83,7 +88,7 @@ class State:
         try:
             if layout:
                 nodes, node = NodeLayout.detect(own)
-            state = cls(own, config, core, channel, serial, nodes)
+            state = cls(own, config, core, channel, serial, nodes, trace_as)
             if two_levels and node is not None and nodes is not None and nodes.hierarchical:
                 state.hierarchy = Hierarchy.build(own, nodes, node, state._level,
                                                   config.block_bytes, two_levels)
@@ -114,7 +119,8 @@ class State:
             config = dataclasses.replace(config, channel="rma", loss=(), compression=None,
                                          redundancy=None, rotate=False,
                                          block_bytes=WHOLE_SLICE)
-        level = State.open(comm, config, self.serial, layout=False)
+        level = State.open(comm, config, self.serial, layout=False,
+                           trace_as=(self.rank, "node" if within_node else "nodes"))
         if not within_node and level.channel == "ud":
             # the owners of a node's slices share its port
             pace(level.comm, level.core, config.ud_rate, senders=min(self.layout.sizes))

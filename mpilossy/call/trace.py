@@ -14,18 +14,23 @@ COLUMNS = ("seq", "algorithm", "bytes", "timeout", "start", "anchor_ms", "elapse
 
 
 class Trace:
-    """A tab-separated file per communicator and rank: trace-SERIAL-rankR.tsv."""
+    """A tab-separated file per communicator and rank: trace-SERIAL-rankR.tsv,
+    and for the levels of a hierarchical one trace-SERIAL-rankR-node.tsv (the
+    stages within the node) and trace-SERIAL-rankR-nodes.tsv (across nodes),
+    R the rank in the communicator the user made."""
 
-    def __init__(self, directory: str, serial: int, rank: int) -> None:
+    def __init__(self, directory: str, serial: int, rank: int, level: str = "") -> None:
         os.makedirs(directory, exist_ok=True)
-        path = os.path.join(directory, f"trace-{serial}-rank{rank}.tsv")
+        name = f"trace-{serial}-rank{rank}" + (f"-{level}" if level else "")
+        path = os.path.join(directory, name + ".tsv")
         self._file: Optional[TextIO] = open(path, "w", buffering=1)
         self._file.write("\t".join(COLUMNS) + "\n")
 
     @classmethod
-    def open(cls, directory: Optional[str], serial: int, rank: int) -> Optional["Trace"]:
+    def open(cls, directory: Optional[str], serial: int, rank: int,
+             level: str = "") -> Optional["Trace"]:
         """The trace, or None where no directory is set."""
-        return cls(directory, serial, rank) if directory else None
+        return cls(directory, serial, rank, level) if directory else None
 
     def write(self, result: Any, spec: Any) -> None:
         """One call: its CallResult and CallSpec."""

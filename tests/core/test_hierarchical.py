@@ -50,6 +50,40 @@ def test_fake_nodes_over_datagrams():
     assert result["others_call_with_sleeper_ms"] < 150, result
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("ranks,cliques", [(4, 2), (5, 2)])
+def test_each_rank_traces_each_level_in_a_file_of_its_own(ranks, cliques, tmp_path):
+    """MPILOSSY_TRACE with the hierarchy.  Before: every level's rank 0
+    (ranks 0 and 2 on 2 x 2, both levels) wrote trace-0-rank0.tsv, so the
+    lines of several processes ran into each other in one file."""
+    if not is_singleton():
+        pytest.skip("starts its own mpiexec: runs at size 1")
+    calls = 7
+    proc = run_mpi_script("trace_levels.py", ranks, str(calls), timeout=90,
+                          MPIR_CVAR_NUM_CLIQUES=str(cliques), MPILOSSY_TRACE=str(tmp_path))
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    names = {p.name for p in tmp_path.iterdir()}
+    across = {n for n in names if n.endswith("-nodes.tsv")}
+    # every rank its own file and its node level's; across nodes, the
+    # owners of a slice: as many per node as the smallest node has ranks
+    assert names - across == {f"trace-0-rank{r}{level}.tsv" for r in range(ranks)
+                              for level in ("", "-node")}, names
+    assert len(across) == cliques * (ranks // cliques), names
+    assert across <= {f"trace-0-rank{r}-nodes.tsv" for r in range(ranks)}, names
+    for r in range(ranks):
+        node = (tmp_path / f"trace-0-rank{r}-node.tsv").read_text().splitlines()
+        there = tmp_path / f"trace-0-rank{r}-nodes.tsv"
+        nodes = there.read_text().splitlines() if there.exists() else ["seq\t"]
+        for lines in (node, nodes):
+            assert lines[0].startswith("seq\t"), lines[:2]
+            assert all(len(line.split("\t")) == len(lines[0].split("\t")) for line in lines), lines
+            seqs = [int(line.split("\t")[0]) for line in lines[1:]]
+            assert seqs == list(range(1, len(seqs) + 1)), seqs
+        # within the node: reduce-scatter, the records' gather, all-gather a call
+        assert len(node) - 1 == 3 * calls, node
+        assert len(nodes) - 1 == (calls if there.exists() else 0), nodes
+
+
 # A rank one of whose stages closed at its deadline before another rank's
 # refusal reached it (6 ranks on 2 loaded cores, in CI: the stage within
 # the node has 15% of the 0.5 s) learns of the error only at its next call,
