@@ -17,7 +17,7 @@ one grow() and read at the next) before they are called in."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Dict, FrozenSet, List, Optional, Tuple
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -168,7 +168,7 @@ class Elastic:
         while self._may_grow():
             left = list(self.spares.left)           # (the same on every rank in)
             gone = failed_ranks(self.spares.parent)
-            silent: set = set()
+            silent: Set[int] = set()
             if self.membership.rank == 0:
                 calling = [spare for spare in left if spare not in gone][:self.places]
                 silent = self._silent(calling)
@@ -189,24 +189,18 @@ class Elastic:
                                     "called in; spares now %s", dead, self.spares.left)
         return state, ()
 
-    def _silent(self, spares: List[int]) -> set:
-        """On the lowest rank in: ping `spares` and wait up to SPARE_ANSWER
-        seconds (half of elastic_wait at most) for their answers, the
-        heartbeat going on; the spares that did not answer.  A spare
-        standing by answers within its poll (5 ms)."""
-        if not spares:
-            return set()
+    def _silent(self, spares: List[int]) -> Set[int]:
+        """On the lowest rank in: the spares among `spares` that did not
+        answer a ping within SPARE_ANSWER seconds (half of elastic_wait at
+        most), the heartbeat going on meanwhile."""
         assert self.spares is not None
-        number = self.spares.ping(spares)
         began = time.monotonic()
-        bound = min(SPARE_ANSWER, self.membership.wait / 2)
-        came: set = set()
-        while True:
-            came |= self.spares.answers(number)
-            if came >= set(spares) or time.monotonic() - began > bound:
-                return set(spares) - came
+
+        def between() -> None:
             self.membership.waiting(began)      # (suspects: the agreement's wait sees them)
             time.sleep(POLL)
+
+        return self.spares.silent(spares, min(SPARE_ANSWER, self.membership.wait / 2), between)
 
     def _drop_offers(self) -> None:
         """At a switch: the agreement on offers in flight belongs to the old

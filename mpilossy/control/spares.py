@@ -32,7 +32,7 @@ taken from that rank and never calls in a rank that has since left again.
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Set, Tuple
 
 from mpi4py import MPI
 
@@ -136,12 +136,29 @@ class Spares:
         """The spares whose answer to ping round `number` came so far (older
         rounds' answers are read and dropped)."""
         status = MPI.Status()
-        came = set()
+        came: Set[int] = set()
         while self.parent.iprobe(MPI.ANY_SOURCE, PONG, status):
             source = status.Get_source()
             if self.parent.recv(source=source, tag=PONG) == number:
                 came.add(source)
         return came
+
+    def silent(self, spares: List[int], bound: float,
+               between: Callable[[], None]) -> Set[int]:
+        """Ping `spares` and wait up to `bound` seconds for their answers,
+        calling `between` between two looks (the caller's heartbeat and
+        pause); the spares that did not answer.  A spare standing by
+        answers within its own poll (POLL)."""
+        if not spares:
+            return set()
+        number = self.ping(spares)
+        began = time.monotonic()
+        came: Set[int] = set()
+        while True:
+            came |= self.answers(number)
+            if came >= set(spares) or time.monotonic() - began > bound:
+                return set(spares) - came
+            between()
 
     def _file(self, source: int, number: int) -> None:
         if number > self.taken.get(source, 0):

@@ -607,11 +607,11 @@ cdef class DgramChannel(DgramEndpoint):
 
     cdef void tell_readers_done(self, CallInfo* call) noexcept nogil:
         """With a deadline: this rank leaves the call, and has sent all it
-        will send.  Say so over MPI to the readers of its slots that are
-        in the call (seen in it, not in a later one): a burst of loss can take every END, and the
-        repeats stop now, so a reader missing blocks would otherwise wait
-        for its stage's deadline (the hierarchy's stage across nodes under
-        microbursts: 0.35 of the call's deadline)."""
+        will send.  Say so over MPI to the readers of its slots that are in
+        the call (seen in it, not in a later one): a burst of loss can take
+        every END, and the repeats stop now, so a reader missing blocks
+        would otherwise wait for its stage's deadline (the hierarchy's
+        stage across nodes under microbursts: 0.35 of the call's deadline)."""
         cdef ErrorInfo done
         cdef int slot, i, reader
         cdef int* readers
