@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import pickle
 import socket
 import struct
 from typing import FrozenSet, Iterable, List, NamedTuple, Optional, Tuple, Union
@@ -215,7 +216,12 @@ class MpiSignals:
         try:
             while self.ctl.iprobe(MPI.ANY_SOURCE, MPI.ANY_TAG, status):
                 source, tag = status.Get_source(), status.Get_tag()
-                epoch, number, first, second = self.ctl.recv(source=source, tag=tag)
+                try:
+                    epoch, number, first, second = self.ctl.recv(source=source, tag=tag)
+                except (pickle.UnpicklingError, EOFError, ValueError, TypeError):
+                    # Not a signal: a message left on a freed communicator whose
+                    # context MPI gave to this duplicate.  Taken off, ignored.
+                    continue
                 found.append(Signal(source, tag, epoch, number, first, second,
                                     (self._name, source)))
         except MPI.Exception:

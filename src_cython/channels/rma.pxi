@@ -506,7 +506,8 @@ cdef class RmaChannel(RmaWindow):
             if p != self.rank and self.peer_base[p] != NULL:
                 shared += 1
         return {"channel": "rma", "window_bytes": self.capacity,
-                "shared_memory_peers": shared, "gets_outliving_their_call": self.nzombies}
+                "shared_memory_peers": shared, "gets_outliving_their_call": self.nzombies,
+                "done_notes": self.n_done_notes, "note_waits_out": self.n_note_waits_out}
 
     cdef void progress(self) noexcept nogil:
         # MPI_Iprobe moves messages; the window's own traffic (peers' gets of
@@ -542,6 +543,8 @@ cdef class RmaChannel(RmaWindow):
         cdef bint waiting
         if not failed and (self.nseen == self.size or (call.timeout < 0 and not call.injected)):
             self.all_entered = call.seq     # (wait_for_readers)
+        if call.timeout >= 0 and not failed:
+            self.tell_readers_done(call)
         if self.all_shared:
             return
         limit = linger_limit(call, failed, mpl_now())
@@ -570,6 +573,28 @@ cdef class RmaChannel(RmaWindow):
                 return
             self.progress()
             mpl_yield()
+
+    cdef void tell_readers_done(self, CallInfo* call) noexcept nogil:
+        """With a deadline: this rank leaves the call.  A reader behind it
+        (not in the call yet: a straggler) will find its records rewritten
+        two calls on and look for a failure note (Channel.told_failure), up
+        to NOTE_WAIT_LOSSY a call: it paid that in every call it was behind,
+        and fell further behind.  A done note to each reader not in the call
+        ends that wait (not on an elastic communicator: notes_to_absent).
+        Readers in the call get none: a note nobody reads before the
+        communicator is freed can reach the next one MPI gives its context."""
+        cdef int p
+        if self.outcomes is None or not self.notes_to_absent:
+            return
+        self.outcomes.reap()
+        for p in range(self.size):
+            if p == self.rank or not self.published_to[p] or self.seen[p]:
+                continue
+            if (self.peer_base[p] != NULL and
+                    mpl_load_acquire(&(<mpl_status_t*>self.peer_base[p]).seq) >= call.seq):
+                continue                # in the call (or past it) after all
+            if not self.tell_done(call.seq, p):
+                return                  # no memory: readers wait as before
 
     cdef void send_done(self, int peer, CallInfo* call, double limit) noexcept nogil:
         cdef int flag = 1

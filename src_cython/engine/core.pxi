@@ -128,6 +128,7 @@ cdef class Core:
             rma = RmaChannel()
             rma.setup(comm.ob_mpi, config.capacity, config.rma_shm)
             self.chan = rma
+        self.chan.notes_to_absent = not config.elastic
 
     @property
     def seq(self) -> int:

@@ -1,5 +1,5 @@
 # One outcome per call on every rank: errors (and completions: without
-# deadline, and to the datagram channel's readers with one) told over MPI,
+# deadline, and to a channel's readers with one: Channel.tell_done) told over MPI,
 # which loses nothing, beside what each channel says in-band (the one-sided
 # status block, ERROR and END datagrams).
 #

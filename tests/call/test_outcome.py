@@ -210,3 +210,37 @@ def test_notes_of_a_freed_communicator(comm, channel):
                 np.testing.assert_array_equal(out, want)
             with pytest.raises(ValueError):
                 lc.allreduce(x, out, op="bogus")
+
+
+# -- a rank behind its peers ---------------------------------------------------------
+
+@pytest.mark.mpi(min_size=2)
+@pytest.mark.timeout(60)
+def test_a_rank_behind_does_not_wait_for_notes_of_calls_its_peers_left(comm):
+    """The last rank sleeps through calls 2-4 of its peers (50 ms deadline),
+    then makes them.  In call 2 it finds its peers' records rewritten (two
+    calls on: the slots alternate) and must know whether they failed that
+    call.  Their done notes, sent to it because it was not in the call,
+    say they did not: it does not wait for a failure note.  Without them it
+    waited NOTE_WAIT_LOSSY (5 ms) in that call, every call it was behind
+    (`note_waits_out` 1 on the late rank at 2 and 4 ranks), which kept a
+    straggler behind for good.  rma only: the datagram channel tells only
+    readers in the call (docs/ud.md)."""
+    late = comm.rank == comm.size - 1
+    x = small_ints(10_000, comm.rank, np.float64)
+    out = np.empty_like(x)
+    delivered = []
+    with mpilossy.Communicator(comm, channel="rma", timeout=0.05, loss=None,
+                               algorithm="direct") as lc:
+        comm.Barrier()
+        for call in (1, 2, 3, 4):
+            if late and call == 2:
+                time.sleep(0.5)
+            delivered.append(lc.allreduce(x, out).delivered)
+        comm.Barrier()
+        info = lc.channel_info()
+    seen = comm.allgather((info["note_waits_out"], info["done_notes"], delivered))
+    assert [waits for waits, _, _ in seen] == [0] * comm.size, seen
+    # each of the others told the late rank, absent from calls 2-4, it was done with them
+    assert all(notes >= 3 for _, notes, _ in seen[:-1]), seen
+    assert all(1 / comm.size <= d <= 1 for _, _, ds in seen for d in ds), seen
