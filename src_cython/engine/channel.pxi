@@ -324,6 +324,7 @@ cdef class Channel:
     cdef ErrorInfo error          # set when a poll returns POLL_FAIL
     cdef Outcomes outcomes        # errors told over MPI (outcome.pxi); None offline
     cdef uint64_t gone_waited     # the last call that waited for a gone producer's note
+                                  # (the test suite's judges)
     # Done notes (tell_done) to readers not in the call (rma): a rank behind
     # (a straggler) then knows at once that a producer that moved on did not
     # fail the call, instead of waiting NOTE_WAIT_LOSSY for a note.  Off on
@@ -332,7 +333,6 @@ cdef class Channel:
     cdef bint notes_to_absent
     cdef uint64_t n_done_notes
     cdef uint64_t n_note_waits_out    # waits for a gone producer's note that ran out
-                                  # (the test suite's judges)
     cdef uint64_t past_seq[PAST_CALLS]  # this rank's last calls and their signatures
     cdef uint64_t past_sig[PAST_CALLS]  # (0: failed before its layout; never compared)
 
