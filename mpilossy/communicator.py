@@ -167,8 +167,23 @@ class Communicator(ElasticFront):
     def auto_timeouts(self) -> Dict[Tuple[str, str, int], float]:
         """timeout="auto": the deadline in force per kind of call
         (collective, algorithm, bit length of the byte count)."""
-        return {(COLLECTIVE_NAMES[c], ALGORITHM_NAMES[a], b): t
-                for (c, a, b), t in self._live().auto.snapshot().items()}
+        return _named(self._live().auto.snapshot())
+
+    @property
+    def auto_timeouts_by_level(self) -> Dict[str, Dict[Tuple[str, str, int], float]]:
+        """timeout="auto": the deadline in force per kind of call, for each
+        level whose calls learn one.  "flat": this communicator's own (what
+        auto_timeouts holds; for a hierarchical kind, the bound of the whole
+        call: the cap).  Where the hierarchy runs, "node" (the stages within
+        this rank's node) and "network" (the stage across nodes; only on the
+        ranks that own a slice), each learned by its own level."""
+        state = self._live()
+        levels = {"flat": _named(state.auto.snapshot())}
+        if state.hierarchy is not None:
+            levels["node"] = _named(state.hierarchy.intra.auto.snapshot())
+            if state.hierarchy.inter is not None:
+                levels["network"] = _named(state.hierarchy.inter.auto.snapshot())
+        return levels
 
     @property
     def loss_rate(self) -> Optional[float]:
@@ -435,3 +450,8 @@ def allgather(sendbuf: Any, recvbuf: Any, *, timeout: Any = UNSET,
     """mpilossy.Communicator.allgather on default_communicator()."""
     return default_communicator().allgather(sendbuf, recvbuf, timeout=timeout,
                                             redundancy=redundancy)
+
+
+def _named(snapshot: Dict[Tuple[int, int, int], float]) -> Dict[Tuple[str, str, int], float]:
+    """A deadline snapshot's kinds with the collectives' and algorithms' names."""
+    return {(COLLECTIVE_NAMES[c], ALGORITHM_NAMES[a], b): t for (c, a, b), t in snapshot.items()}

@@ -4,7 +4,7 @@ buffers, the two-level order of chunks (docs/hierarchy.md)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Protocol, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -17,6 +17,9 @@ from ..call.stats import CollectiveStats
 from ..errors import MPILossyError
 from .layout import NodeLayout, Pieces
 
+if TYPE_CHECKING:
+    from ..control.deadline import AutoDeadline
+
 __all__ = ["Hierarchy", "Level", "Run"]
 
 
@@ -24,6 +27,7 @@ class Level(Protocol):
     """What a stage needs of a level (mpilossy/state.py's State)."""
 
     config: Config
+    auto: AutoDeadline          # its own learned deadline (Communicator.auto_timeouts_by_level)
 
     @property
     def max_block(self) -> int: ...

@@ -38,6 +38,7 @@ def test_learned_deadline_is_agreed_and_shrinks(comm, monkeypatch):
             walls.append(time.monotonic() - began)
             used.append(stats.timeout)
         kinds = lc.auto_timeouts
+        levels = lc.auto_timeouts_by_level      # one node: no hierarchy, one level
         learned, rule, agreed = learned_as_documented(lc, stats)
     everyone = comm.allgather(used)
     assert all(u == everyone[0] for u in everyone), "ranks used different deadlines"
@@ -49,6 +50,7 @@ def test_learned_deadline_is_agreed_and_shrinks(comm, monkeypatch):
     first = deadline.PERIOD + deadline.LAG                  # first call under an agreed deadline
     assert used[first - 2] == 2.0 and used[first - 1] < 2.0
     assert list(kinds.values()) == [learned]
+    assert levels == {"flat": kinds}
 
 
 @pytest.mark.mpi(min_size=2)

@@ -56,6 +56,8 @@ def waited_for(report: dict, elastic: bool = False) -> list:
     for rank, row in enumerate(report["ranks"]):
         if elastic and row["excluded"] != []:
             problems.append((rank, "excluded", row["excluded"]))
+        if report["algorithm"] == "hierarchical" and row["level"] != "network":
+            problems.append((rank, "no deadline of the stage across nodes", row["level"]))
         if row["delivered"] < 0.95:
             problems.append((rank, "delivered", row["delivered"]))
         if deadline.PATIENCE * row["deadline"] < 0.02:

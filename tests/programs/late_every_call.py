@@ -40,13 +40,12 @@ with mpilossy.Communicator(comm, timeout="auto", channel=args.channel,
         delivered.append(stats.delivered)
         excluded += stats.excluded
         exact.append(bool(np.all(out == (comm.size + 1) / 2)))
-    state = lc._state
-    inner = getattr(state, "hierarchy", None)
-    hierarchical = args.algorithm == "hierarchical" and inner is not None
-    auto = inner.inter.auto if hierarchical and inner.inter is not None else state.auto
-    deadline = max(auto.snapshot().values(), default=None)
+    levels = lc.auto_timeouts_by_level
+    level = "network" if args.algorithm == "hierarchical" and "network" in levels else "flat"
+    deadline = max(levels[level].values(), default=None)
+    cap = lc.config.auto_cap
 rows = comm.gather({"delivered": float(np.mean(delivered[-args.last:])),
                     "exact": float(np.mean(exact[-args.last:])), "deadline": deadline,
-                    "cap": auto.cap, "excluded": excluded}, root=0)
+                    "level": level, "cap": cap, "excluded": excluded}, root=0)
 if comm.rank == 0:
     print(json.dumps({"algorithm": args.algorithm, "channel": args.channel, "ranks": rows}))

@@ -21,7 +21,6 @@ from mpi4py import MPI
 
 import mpilossy
 import mpilossy.torch as mt
-from mpilossy.hierarchy import NodeLayout
 from mpilossy.reliable import again
 
 from . import corpus as corpus_mod
@@ -94,29 +93,6 @@ class Config:
                                       # its chunk of the optimizer's state (sharded; soak.py)
 
 
-# The deadline where the learned one would run the hierarchy: on fake 2 x 2
-# nodes a rank late into its calls goes missing from its node peers' results
-# under timeout="auto" (docs/deadlines.md, "The learned deadline"); 0.4 s
-# is the fixed deadline measured at 2 x 2 under background traffic.
-HIERARCHY_DEADLINE = 0.4
-
-
-def deadline_for(cfg: Config, comm: MPI.Comm) -> Union[float, str, None]:
-    """cfg.timeout, except "auto" on a job that runs the hierarchical
-    all-reduce (several nodes, several ranks on some node): a fixed
-    HIERARCHY_DEADLINE there, said on rank 0.  Collective."""
-    if cfg.timeout != "auto" or cfg.algorithm not in ("auto", "hierarchical"):
-        return cfg.timeout
-    layout, node = NodeLayout.detect(comm)
-    node.Free()
-    if not layout.hierarchical:
-        return cfg.timeout
-    if comm.rank == 0:
-        print(f"deadline: {HIERARCHY_DEADLINE} s, not auto, with the hierarchical all-reduce "
-              "(docs/deadlines.md)", file=sys.stderr)
-    return HIERARCHY_DEADLINE
-
-
 def pinned_reducers(cfg: Config) -> bool:
     """Whether each chunk's reducer is its owner: one hop for the sharded
     mode's gradients, and the owner's own contribution never lost.  The
@@ -161,7 +137,7 @@ def lossy_communicator(cfg: Config, comm: MPI.Intracomm, elastic: bool) -> mpilo
         target["delivered_target"] = cfg.delivered_target
     if cfg.elastic_wait is not None:
         target["elastic_wait"] = cfg.elastic_wait
-    return mpilossy.Communicator(comm, timeout=deadline_for(cfg, comm), loss=models,
+    return mpilossy.Communicator(comm, timeout=cfg.timeout, loss=models,
                                  block_bytes=cfg.block_bytes, algorithm=cfg.algorithm,
                                  channel=cfg.channel,
                                  scaling="zero-fill" if plain else "unbiased",
@@ -562,11 +538,14 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                                      "critical_ended": tolerance.critical_ended}
         if lc is not None:
             result["fabric"] = comm.allgather(fabric(lc))
-            result["timeout"] = lc.timeout          # the deadline used (deadline_for)
+            result["timeout"] = lc.timeout          # the deadline asked for
             if lc.timeout == "auto":
-                # the learned deadline of each kind of call at the end (seconds)
-                result["auto_deadlines"] = {" ".join(map(str, kind)): seconds
-                                            for kind, seconds in lc.auto_timeouts.items()}
+                # the learned deadline of each level and kind of call at the end
+                # (seconds; rank 0's: it owns a slice where the hierarchy runs)
+                result["auto_deadlines"] = {
+                    " ".join(map(str, (level, *kind))): seconds
+                    for level, kinds in lc.auto_timeouts_by_level.items()
+                    for kind, seconds in kinds.items()}
             if lc.config.redundancy == "auto":
                 # what the agreed loss rate called for at the end of training
                 result["redundancy_auto"] = {"loss_rate": lc.loss_rate,
