@@ -56,6 +56,7 @@ def waited_for(report: dict, elastic: bool = False) -> list:
     for rank, row in enumerate(report["ranks"]):
         if elastic and row["excluded"] != []:
             problems.append((rank, "excluded", row["excluded"]))
+        # (an elastic communicator runs flat: it builds no hierarchy)
         if not elastic and report["algorithm"] == "hierarchical" and row["level"] != "network":
             problems.append((rank, "no deadline of the stage across nodes", row["level"]))
         if row["delivered"] < 0.95:
