@@ -260,15 +260,21 @@ def test_spares_a_spare_takes_the_killed_ranks_place(tmp_path, mode):
 @pytest.mark.skipif(not reports_failures(), reason="this MPI does not report failed ranks")
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])
 def test_soak_stopped_ranks_come_back_and_an_exit_is_replaced(tmp_path, mode):
-    """--soak 30 at 4 working ranks and a spare, 120 steps: three failures,
-    in turn, the third an exit; a stopped rank wakes, is told it is out and
-    comes back as the next spare, taking the next lost rank's place (with
+    """--soak 30 at 4 working ranks and two spares, 120 steps: three
+    failures, in turn, the third an exit; the two pre-launched spares fill
+    the first two places, and the rank stopped first wakes, is told it is
+    out and comes back as a spare, taking the third lost rank's place (with
     a new wrapper of its optimizer; sharded: its chunk).  The run ends at
-    full size with one model, every failure's place filled."""
+    full size with one model, every failure's place filled.
+
+    Two spares, not one: a failure finds a spare standing by whatever the
+    step time.  With one, the third failure's place waits for the second
+    failure's rank to wake (2 s after it stopped), which at 9 ms a step
+    came after the run's end (steps to full size None; seen in CI)."""
     out = tmp_path / "result.json"
-    done = run_bounded([mpiexec(), "-disable-auto-cleanup", "-n", "5", sys.executable, "-m",
+    done = run_bounded([mpiexec(), "-disable-auto-cleanup", "-n", "6", sys.executable, "-m",
                         "mpilossy.examples.lm", *TINY, "--steps", "120", "--mode", mode,
-                        "--spares", "1", "--soak", "30", "--soak-hang", "2",
+                        "--spares", "2", "--soak", "30", "--soak-hang", "2",
                         "--soak-exits", "1", "--elastic-wait", "1", "--json", out],
                        timeout=240, env=clean_subprocess_env(OMP_NUM_THREADS="1"), cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
@@ -276,10 +282,10 @@ def test_soak_stopped_ranks_come_back_and_an_exit_is_replaced(tmp_path, mode):
     soak = r["soak"]
     assert soak["failures"] == 3 and soak["exits"] == 1, soak
     # back at four ranks within 3 steps of each failure, and at the end; among
-    # them a rank that was excluded and came back (not the pre-launched spare, 4)
+    # them a rank that was excluded and came back (not a pre-launched spare, 4 or 5)
     assert r["ranks"] == 4 and len(set(r["members"])) == 4, r
     assert all(back is not None and back <= 3 for _, _, back in soak["costs"]["each"]), soak
-    assert any(a >= 1 for m, a in zip(r["members"], soak["arrivals"]) if m != 4), r
+    assert any(a >= 1 for m, a in zip(r["members"], soak["arrivals"]) if m < 4), r
     assert r["train_loss_last"] < r["train_loss_first"] - 0.5, r
     ppl = r["val_perplexity_ranks"]
     assert all(math.isfinite(p) and 1 < p < 100 for p in ppl), r
