@@ -19,10 +19,12 @@ from typing import Any, Deque, List, NamedTuple
 
 from mpi4py import MPI
 
-__all__ = ["PERIOD", "LAG", "Agreement", "finish", "reap", "linger"]
+__all__ = ["PERIOD", "LAG", "Agreement", "wait", "finish", "reap", "linger"]
 
 PERIOD = 16             # calls between agreements
 LAG = 8                 # calls between an agreement's start and the call it applies at
+WAIT_FIRST_SLEEP = 50e-6    # seconds between wait()'s tests of an agreement, at first...
+WAIT_MAX_SLEEP = 5e-3       # ...and at most
 
 
 class Agreement(NamedTuple):
@@ -44,6 +46,22 @@ class Agreement(NamedTuple):
 # finds the buffers where the collective left them.
 _lingering: List[Agreement] = []
 ctypes.pythonapi.Py_IncRef(ctypes.py_object(_lingering))
+
+
+def wait(agreement: Agreement, limit: float) -> float:
+    """Test `agreement` until it completes or `limit` seconds have passed,
+    sleeping between tests (from WAIT_FIRST_SLEEP, doubling to
+    WAIT_MAX_SLEEP): the late peer it waits for may share the cores, and a
+    loop of Test() holding the GIL and a core would starve it.  Returns the
+    seconds waited; the agreement is done if its request tests true."""
+    began = time.monotonic()
+    pause = WAIT_FIRST_SLEEP
+    while not agreement.request.Test():
+        if time.monotonic() - began > limit:
+            break
+        time.sleep(pause)
+        pause = min(2 * pause, WAIT_MAX_SLEEP)
+    return time.monotonic() - began
 
 
 def reap(limit: float = 0.0) -> int:

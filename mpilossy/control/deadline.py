@@ -31,6 +31,11 @@ power of two):
   of the deadline) needs to cover the lateness of peers that most calls
   see (late_peers): a rank late into every call is waited for, a rare
   straggler is cut;
+- a rank that starts an agreement while ``AHEAD`` are still pending (a
+  peer is PERIOD + LAG calls or more behind it) waits for that peer, at
+  most the cap, and asks for the cap for one period (_catch_up): outrun,
+  a late peer would never catch up, and the agreements that should
+  lengthen the deadline would complete later and later;
 - until the first agreement, and for kinds never seen complete, the
   deadline is ``cap``.
 
@@ -84,7 +89,7 @@ import numpy as np
 from mpi4py import MPI
 
 from .._core import PATIENCE     # of a deadline, the wait for peers not yet in the call
-from .agreement import LAG, PERIOD, Agreement, _lingering, finish, reap  # noqa: F401
+from .agreement import LAG, PERIOD, Agreement, _lingering, finish, reap, wait  # noqa: F401
 
 WINDOW = 64
 FACTOR = 4.0
@@ -101,6 +106,7 @@ SETTLE_SHARE = 0.25     # of a deadline, at most, spent completing an agreement
 STEP_UP = 2.0           # largest growth of the scale per agreement
 STEP_DOWN = 0.75        # its shrinking per agreement while the cut is well below target
 EARLY_ANCHOR = 0.25     # a call's cut counts if every peer was seen within this share of it
+AHEAD = 2               # agreements pending when a rank waits for the peer behind (_catch_up)
 
 Key = Tuple[int, int, int]
 
@@ -210,10 +216,30 @@ class AutoDeadline:
         # Agreement k starts at call k * PERIOD on every rank, whatever is
         # still pending: the collectives match by order, so none is skipped.
         if self.calls % PERIOD == 0:
-            self._start()
+            behind = auto and len(self.pending) >= AHEAD
+            if behind:
+                spent += self._catch_up()
+            self._start(behind)
         return spent
 
-    def _start(self) -> None:
+    def _catch_up(self) -> float:
+        """AHEAD agreements are still pending: some peer has not started
+        the oldest, PERIOD + LAG calls or more behind this rank.  Racing on
+        leaves it behind for good: every call loses it, and the agreements
+        that would lengthen the deadline complete only as it gets to them,
+        later and later.  So wait for it here, at most the cap, and apply
+        what completed; the agreement started next asks for the cap (_start)."""
+        waited = wait(self.pending[0], self.cap)
+        while self.pending and self.pending[0].request.Test():
+            self._apply(self.pending.popleft().recv)
+        return waited
+
+    def _start(self, behind: bool = False) -> None:
+        """Start the next agreement.  `behind`: a peer is PERIOD + LAG calls
+        or more behind this rank (_catch_up): the kinds that missed a peer
+        since the last agreement ask for the cap, for one period, so that
+        the ranks wait for it until it has caught up; the calls after that
+        measure how late it comes (late_peers)."""
         # [percentile of every kind | 1 + each rank's mean cut, 0 if it had
         # no call to count]: MAX gives the largest percentiles and, in the
         # ranks' own places, everyone's cut.
@@ -222,10 +248,15 @@ class AutoDeadline:
             if durations:
                 send[_slot(key)] = float(np.percentile(list(durations), PERCENTILE))
         for key in set(self.skews) | set(self.absent):
-            needed = late_peers(self.skews.get(key, deque()), self.absent.pop(key, (0, 0, 0.0)))
+            absent = self.absent.pop(key, (0, 0, 0.0))
+            needed = late_peers(self.skews.get(key, deque()), absent)
+            if behind and absent[1]:
+                needed = math.inf
             if needed:
-                # in the units of the stages' percentile (deadline = FACTOR * scale * it)
-                send[_slot(key)] = max(send[_slot(key)], needed / (PATIENCE * FACTOR))
+                # in the units of the stages' percentile (deadline = FACTOR * scale * it;
+                # the cap at most, which a scale >= 1 keeps)
+                send[_slot(key)] = max(send[_slot(key)], min(needed / (PATIENCE * FACTOR),
+                                                             self.cap / FACTOR))
         if self.cut_calls:
             send[_SLOTS + self.rank] = 1.0 + self.cut / self.cut_calls
         self.cut, self.cut_calls = 0.0, 0

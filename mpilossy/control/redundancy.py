@@ -33,7 +33,6 @@ the code must cover the reader that loses most.
 from __future__ import annotations
 
 import math
-import time
 from collections import deque
 from typing import Any, Deque, Optional, Tuple
 
@@ -42,7 +41,7 @@ from mpi4py import MPI
 
 from .._core import fec_check
 from ..errors import MPILossyError
-from .agreement import LAG, PERIOD, Agreement, finish
+from .agreement import LAG, PERIOD, Agreement, finish, wait
 
 __all__ = ["AutoRedundancy", "residual_loss", "choose", "largest_m", "AUTO_K", "AUTO_MAX_M"]
 
@@ -50,8 +49,6 @@ WINDOW = 64             # calls per rank in the measured rate
 AUTO_K = 8              # data blocks per group (the measured (8, 2) rows)
 AUTO_MAX_M = 6          # at most 75% more bytes, as the (4, 3) rows at 30% loss
 AGREE_WAIT = 30.0       # seconds a rank waits at the due call for a late peer
-WAIT_FIRST_SLEEP = 50e-6    # seconds between its tests of the agreement, at first...
-WAIT_MAX_SLEEP = 5e-3       # ...and at most
 
 Code = Optional[Tuple[int, int]]
 
@@ -132,22 +129,16 @@ class AutoRedundancy:
         return spent
 
     def _wait(self, agreement: Agreement) -> float:
-        """Test the agreement until it completes, sleeping between tests
-        (from WAIT_FIRST_SLEEP, doubling to WAIT_MAX_SLEEP): a late peer on
-        the same cores must get the CPU to reach its call, which a loop of
-        Test() holding the GIL and a core would starve."""
-        began = time.monotonic()
-        pause = WAIT_FIRST_SLEEP
-        while not agreement.request.Test():
-            time.sleep(pause)
-            pause = min(2 * pause, WAIT_MAX_SLEEP)
-            if time.monotonic() - began > AGREE_WAIT:
-                raise MPILossyError(
-                    f"redundancy='auto': call {self.calls} needs the loss rate agreed at call "
-                    f"{agreement.due - LAG}, and some rank has not reached that call after "
-                    f"{AGREE_WAIT:.0f} s (it is more than {LAG} calls behind, or gone); the "
-                    f"ranks cannot pick the same code without it")
-        return time.monotonic() - began
+        """Wait for the agreement (sleeping between tests: agreement.wait),
+        at most AGREE_WAIT seconds, then raise."""
+        waited = wait(agreement, AGREE_WAIT)
+        if not agreement.request.Test():
+            raise MPILossyError(
+                f"redundancy='auto': call {self.calls} needs the loss rate agreed at call "
+                f"{agreement.due - LAG}, and some rank has not reached that call after "
+                f"{AGREE_WAIT:.0f} s (it is more than {LAG} calls behind, or gone); the "
+                f"ranks cannot pick the same code without it")
+        return waited
 
     def observe(self, result: Any) -> None:
         """Learn from a call that ended (the core's CallResult)."""
