@@ -74,7 +74,7 @@ def run(state: State, request: Request) -> CollectiveStats:
     result = core.collective(bufs.send, bufs.recv, spec)
     bufs.finish(ok=not result.err_kind)
     _settle(state, spec, result)
-    return stats_of(result, spec, state.rank, state.size)
+    return stats_of(result, spec, state.rank, state.size, spent)
 
 
 def _settle(state: State, spec: Any, result: Any) -> None:

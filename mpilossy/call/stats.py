@@ -80,15 +80,18 @@ class CollectiveStats(NamedTuple):
 AllreduceStats = CollectiveStats
 
 
-def stats_of(result: CallResult, spec: Any, rank: int, size: int) -> CollectiveStats:
-    """The statistics of a call that succeeded (`spec`: its CallSpec)."""
+def stats_of(result: CallResult, spec: Any, rank: int, size: int,
+             spent: float = 0.0) -> CollectiveStats:
+    """The statistics of a call that succeeded (`spec`: its CallSpec;
+    `spent`: seconds of the call before the core's part, its agreements'
+    waits, which come out of its deadline and count in its time)."""
     contributors = None
     if spec.algorithm == DIRECT:
         contributors = Contributors(
             result.contributors, size=size, rank=rank, count=spec.elements,
             chunks=(rank,) if spec.collective == REDUCE_SCATTER else tuple(range(size)))
     return CollectiveStats(
-        delivered=result.delivered, elapsed=result.elapsed, deadline_hit=result.deadline_hit,
+        delivered=result.delivered, elapsed=result.elapsed + spent, deadline_hit=result.deadline_hit,
         fallback=result.fallback, min_contributors=result.min_contributors,
         algorithm=ALGORITHM_NAMES[spec.algorithm], nbytes=spec.nbytes, seq=result.seq,
         lost_blocks=result.lost_blocks, collective=COLLECTIVE_NAMES[spec.collective],

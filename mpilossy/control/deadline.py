@@ -184,6 +184,7 @@ class AutoDeadline:
         self.cut = 0.0              # this period's cut shares, summed over its calls
         self.cut_calls = 0
         self.auto_call = False      # whether the current call uses the auto deadline
+        self.waited_behind = False  # the current call waited for a peer far behind (_catch_up)
         self.last_key: Any = None   # the kind of the latest call that asked its deadline
         self.pending: Deque[Agreement] = deque()
         self.started = 0            # agreements started (one per PERIOD calls)
@@ -200,6 +201,7 @@ class AutoDeadline:
         which the call takes out of its deadline."""
         self.calls += 1
         self.auto_call = auto
+        self.waited_behind = False
         spent = 0.0
         for agreement in self.pending:
             agreement.request.Test()     # drive MPI progress: shared-memory calls make none
@@ -219,6 +221,7 @@ class AutoDeadline:
             behind = auto and len(self.pending) >= AHEAD
             if behind:
                 spent += self._catch_up()
+                self.waited_behind = True
             self._start(behind)
         return spent
 
@@ -228,7 +231,10 @@ class AutoDeadline:
         leaves it behind for good: every call loses it, and the agreements
         that would lengthen the deadline complete only as it gets to them,
         later and later.  So wait for it here, at most the cap, and apply
-        what completed; the agreement started next asks for the cap (_start)."""
+        what completed; the agreement started next asks for the cap (_start).
+        The call that waited has the cap as its deadline (timeout()), the
+        wait coming out of it like any agreement's: it ends within the
+        deadline it reports."""
         waited = wait(self.pending[0], self.cap)
         while self.pending and self.pending[0].request.Test():
             self._apply(self.pending.popleft().recv)
@@ -307,14 +313,21 @@ class AutoDeadline:
         self._set_timeouts()
 
     def timeout(self, key: Key) -> float:
-        """The deadline of this call, of this kind."""
+        """The deadline of this call, of this kind: the cap for a call that
+        waited for a peer far behind (_catch_up), whose wait may have taken
+        up to the cap."""
         self.last_key = key
-        return self.timeouts.setdefault(key, self.cap)
+        learned = self.timeouts.setdefault(key, self.cap)
+        return self.cap if self.waited_behind else learned
+
+    def _in_force(self, key: Key) -> float:
+        """The deadline the current call had (timeout(), without side effects)."""
+        return self.cap if self.waited_behind else self.timeouts.get(key, self.cap)
 
     def may_grow(self) -> bool:
         """The current call uses the learned deadline, and it is below the
         cap: a peer late into every call may yet be waited for (late_peers)."""
-        return self.auto_call and self.timeouts.get(self.last_key, self.cap) < self.cap
+        return self.auto_call and self._in_force(self.last_key) < self.cap
 
     def observe(self, key: Key, result: Any) -> None:
         """Learn from a call that ended (the core's CallResult) in which every
@@ -328,7 +341,7 @@ class AutoDeadline:
             if anchor >= 0:
                 _injected, late, gone, torn = result.lost_blocks
                 self.record(key, end - anchor, not (result.deadline_hit or gone or torn))
-                timeout = self.timeouts.get(key, self.cap)
+                timeout = self._in_force(key)
                 if self.auto_call:
                     self._skew(key, start, max(end, anchor), seen)
                 early = anchor - start <= EARLY_ANCHOR * timeout

@@ -172,4 +172,5 @@ def test_injected_loss_is_not_cut_and_the_deadline_is_learned(comm, monkeypatch)
         learned, rule, _ = learned_as_documented(lc, stats[-1])
     assert min(s.delivered for s in stats) < 1.0             # the loss happened
     assert learned == pytest.approx(rule) and learned < 0.5, (learned, rule)   # learned
-    assert scale == 1.0
+    # (blocks really late under load do count: say how many there were)
+    assert scale == 1.0, (scale, "blocks late:", sum(s.lost_blocks[1] for s in stats))
