@@ -41,7 +41,10 @@ def run(state: State, request: Request) -> CollectiveStats:
     spec: Any = None
     route: Optional[Route] = None
     try:
-        spent = state.count_call(request)
+        # (the hierarchy's stages wait for their own agreements: the
+        # parent's learned deadline bounds no part of its calls)
+        spent = state.count_call(request, waits=plan(
+            collective, request.algorithm, None, state.routing) is not Route.HIERARCHICAL)
         began = time.perf_counter()
         bufs = state.buffers.take(collective, request.sendbuf, request.recvbuf)
         compression = (state.config.compression if request.compression is UNSET
@@ -66,7 +69,7 @@ def run(state: State, request: Request) -> CollectiveStats:
             raise
         raise error from None
     if route is Route.HIERARCHICAL:
-        return _hierarchical(state, request, bufs)
+        return _hierarchical(state, request, bufs, spent)
     if route is Route.PIPELINED:
         return _pipelined(state, request, bufs, spec, spent, began)
     if spec.residual is not None:
@@ -133,9 +136,10 @@ def _pipelined(state: State, request: Request, bufs: Any, spec: Any, spent: floa
                                 spent + time.perf_counter() - began, state.rank, state.size)
 
 
-def _hierarchical(state: State, request: Request, bufs: Any) -> CollectiveStats:
+def _hierarchical(state: State, request: Request, bufs: Any, spent: float) -> CollectiveStats:
     """The two-level stages (mpilossy/hierarchy/) on host arrays: the
-    request checked against what the layout takes, on every rank."""
+    request checked against what the layout takes, on every rank; `spent`:
+    seconds of the call gone before."""
     h = state.hierarchy
     assert h is not None
     collective = request.collective
@@ -165,9 +169,9 @@ def _hierarchical(state: State, request: Request, bufs: Any) -> CollectiveStats:
     ok = False
     try:
         if collective == REDUCE_SCATTER:
-            stats = hierarchical_reduce_scatter(h, checked, bufs.send, bufs.recv)
+            stats = hierarchical_reduce_scatter(h, checked, bufs.send, bufs.recv, spent)
         else:
-            stats = hierarchical_allreduce(h, checked, bufs.send, bufs.recv)
+            stats = hierarchical_allreduce(h, checked, bufs.send, bufs.recv, spent)
         for k in range(len(bufs.segments or ())):
             bufs.deliver(k)
         ok = True

@@ -143,12 +143,15 @@ class State:
     def scaling(self) -> str:
         return self.config.scaling
 
-    def count_call(self, request: Request) -> float:
+    def count_call(self, request: Request, waits: bool = True) -> float:
         """Count one call on every control loop: every rank, every call,
         before anything about it is checked.  Returns the seconds spent
-        on agreements (they come out of the call's deadline)."""
+        on agreements (they come out of the call's deadline).  `waits`:
+        the call may wait for a due agreement of the learned deadline
+        (False: one whose stages use other communicators' deadlines looks
+        once, like a call without the learned deadline)."""
         self.calls += 1
-        spent = self.auto.tick(self.resolver.asks_for_auto(request.timeout))
+        spent = self.auto.tick(waits and self.resolver.asks_for_auto(request.timeout))
         if self.codes is not None:
             spent += self.codes.tick()
         return spent

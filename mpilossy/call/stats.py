@@ -42,7 +42,10 @@ class CollectiveStats(NamedTuple):
     close) and it never came; 'torn' changed while being read."""
     collective: str = "allreduce"
     timeout: Optional[float] = None
-    """The deadline this call had (with timeout="auto": the learned one)."""
+    """The deadline this call had, None without one.  With timeout="auto":
+    the learned one (the cap for a call that waited for a peer far behind);
+    a hierarchical call's is what went before its stages and the sum of
+    theirs, each as far as its share of the cap let it run."""
     agreed: float = 1.0
     """Fraction of all contributions in the blocks whose reduced value
     arrived (fallbacks left out): what the reduction itself kept."""

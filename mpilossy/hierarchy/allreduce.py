@@ -65,7 +65,7 @@ def node_weight(stage_1: Optional[CollectiveStats], own: float) -> float:
 
 
 def allreduce(h: Hierarchy, request: Request, send: np.ndarray,
-              recv: np.ndarray) -> CollectiveStats:
+              recv: np.ndarray, spent: float = 0.0) -> CollectiveStats:
     """One hierarchical all-reduce of the host arrays `send` into `recv`
     (`request` checked by the caller and check(); the same array in
     place): request.timeout the call's deadline in seconds, None, or
@@ -74,12 +74,12 @@ def allreduce(h: Hierarchy, request: Request, send: np.ndarray,
     float32 as long as `send` (zeroed by the caller), for error feedback of
     stage 2's compression.  A stage that fails on this rank is refused in
     the stages after it, and the call raises on every rank."""
-    began = time.perf_counter()
+    began = time.perf_counter() - spent     # (spent: before the stages, Deadline)
     layout, lead, j = h.layout, h.leaders, h.layout.local_rank
     h.calls += 1
     count = send.size
     op, residual = request.op, request.residual
-    deadline = Deadline(request.timeout, h.cap)
+    deadline = Deadline(request.timeout, h.cap, spent)
     weighted = weighs_nodes(h, request, send)
     w = 1.0 if request.weight is None else float(request.weight)
     # (what every rank must share beyond what travels: a rank that passes a
@@ -187,7 +187,7 @@ def allreduce(h: Hierarchy, request: Request, send: np.ndarray,
         min_contributors=int(held.min()) if held.size else h.total,
         algorithm="hierarchical", nbytes=send.nbytes, seq=h.calls,
         lost_blocks=tuple(sum(s.lost_blocks[k] for s in stats) for k in range(4)),
-        collective="allreduce", timeout=deadline.seconds, agreed=agreed,
+        collective="allreduce", timeout=stages.timeout(), agreed=agreed,
         contributors=record, rebuilt=s2.rebuilt if s2 else 0,
         redundancy=s2.redundancy if s2 else None)
 

@@ -35,13 +35,13 @@ __all__ = ["reduce_scatter"]
 
 
 def reduce_scatter(h: Hierarchy, request: Request, send: np.ndarray,
-                   recv: np.ndarray) -> CollectiveStats:
+                   recv: np.ndarray, spent: float = 0.0) -> CollectiveStats:
     """One two-level reduce-scatter of `send` into this rank's chunk `recv`
     (`request` checked by the caller; nodes of equal size).  A stage that
     fails on this rank is refused in the stage after it, and the call
     raises on every rank; recv is written only when both stages
     succeeded."""
-    began = time.perf_counter()
+    began = time.perf_counter() - spent     # (spent: before the stages, Deadline)
     layout = h.layout
     h.calls += 1
     op, residual = request.op, request.residual
@@ -52,7 +52,7 @@ def reduce_scatter(h: Hierarchy, request: Request, send: np.ndarray,
     part = h.buffer("part", send.dtype, nodes * width)
     piece = h.buffer("piece", send.dtype, width)
     feedback = None if residual is None else h.buffer("feedback", np.float32, nodes * width)
-    deadline = Deadline(request.timeout, h.cap)
+    deadline = Deadline(request.timeout, h.cap, spent)
     weighted = weighs_nodes(h, request, send)
     w = 1.0 if request.weight is None else float(request.weight)
     tag = ((TAG_WEIGHTED if request.weight is not None else 0)
@@ -94,5 +94,5 @@ def reduce_scatter(h: Hierarchy, request: Request, send: np.ndarray,
         min_contributors=int(held.min()) if held.size else h.total,
         algorithm="hierarchical", nbytes=send.nbytes, seq=h.calls,
         lost_blocks=tuple(sum(s.lost_blocks[k] for s in stats) for k in range(4)),
-        collective="reduce_scatter", timeout=deadline.seconds, agreed=delivered,
+        collective="reduce_scatter", timeout=stages.timeout(), agreed=delivered,
         contributors=record, rebuilt=s2.rebuilt, redundancy=s2.redundancy)

@@ -80,6 +80,7 @@ class Stages:
     def __init__(self, hierarchy: Hierarchy, failure: Optional[Failure],
                  deadline: "Deadline") -> None:
         self.h, self.failure, self.deadline = hierarchy, failure, deadline
+        self.had = 0.0      # the stages' deadlines so far, each as far as its limit let it run
 
     def intra(self, request: Callable[["Deadline"], Request]) -> Any:
         """Stage within the node: `request(deadline)` is its call."""
@@ -101,10 +102,31 @@ class Stages:
             level.refuse_next(request(self.deadline), self.failure.proxy())
             return None
         try:
-            return self.h.run(level, request(self.deadline))
+            call = request(self.deadline)
+            stats = self.h.run(level, call)
         except BaseException as exc:
             self.failure = Failure.of_stage(exc, where, ranks, self.h.layout.rank)
             return None
+        if stats.timeout is not None:
+            # (a stage that waited for a peer far behind has its level's
+            # cap, past its share: control/deadline.py, _catch_up)
+            limit = call.limit
+            if limit is None or level.auto.waited_behind:
+                self.had += stats.timeout
+            else:
+                self.had += min(stats.timeout, limit)
+        return stats
+
+    def timeout(self) -> Optional[float]:
+        """The deadline the call had, for its stats: the one given; with
+        "auto", what went before the stages (Deadline's `spent`) and each
+        stage's learned deadline as far as its share let it run (the cap
+        for one that waited for a peer far behind); None without a
+        deadline."""
+        deadline = self.deadline
+        if deadline.seconds is not None or deadline.bound is None:
+            return deadline.seconds
+        return deadline.spent + self.had
 
 
 Bound = Tuple[Any, Optional[float]]      # (a stage's timeout=, its limit in seconds)
@@ -116,14 +138,16 @@ class Deadline:
     its share of T.  "auto" gives each stage its own learned deadline,
     limited to the share it would get of the learned deadline's cap, so
     that the whole call, like a flat one, ends within about the cap.
-    None goes to every stage as it is."""
+    None goes to every stage as it is.  `spent`: seconds of the call
+    gone before its stages (the parent's agreements), out of the deadline."""
 
-    def __init__(self, total: Any, cap: float) -> None:
+    def __init__(self, total: Any, cap: float, spent: float = 0.0) -> None:
         self.total = total
         self.seconds: Optional[float] = total if isinstance(total, float) else None
         self.bound = self.seconds if self.seconds is not None else (
             cap if total == "auto" else None)
-        self.began = time.perf_counter()
+        self.spent = spent
+        self.began = time.perf_counter() - spent
 
     def _left(self) -> float:
         assert self.bound is not None

@@ -47,7 +47,9 @@ def test_a_rank_that_misses_stage_one_leaves_every_block_the_mean_of_its_record(
 
 @pytest.mark.timeout(200)
 def test_a_hierarchical_call_under_auto_ends_within_the_cap():
-    """Item 7 (2x2, MPILOSSY_AUTO_CAP=0.2, a rank asleep 1 s)."""
+    """Item 7 (2x2, MPILOSSY_AUTO_CAP=0.2, a rank asleep 1 s); and every call
+    within the deadline it reports (before 2026-12-01 a hierarchical call
+    under "auto" reported none)."""
     scenario("auto-cap", 4, 2, MPILOSSY_AUTO_CAP="0.2")
 
 

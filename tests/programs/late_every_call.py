@@ -5,9 +5,8 @@ line from rank 0: per rank, the mean delivered over the last LAST calls and
 the deadline in force at the end (the hierarchy's: the stage across nodes),
 and how far its longest call ran past the bound of its reported deadline
 (FLOOR_SHARE more: what is gone of a deadline before the call comes out of
-it down to that share), measured around the call.  (A hierarchical call on
-the learned deadline reports none: its stages have their own, the whole
-bounded by about the cap, which is the bound taken for it.)
+it down to that share), measured around the call.  (A hierarchical call
+reports the sum of its stages' deadlines.)
 Used by tests/control/test_late_peers.py and for docs/deadlines.md."""
 
 import argparse
@@ -38,7 +37,6 @@ excluded = []
 overrun = -1.0          # the longest call's seconds past (1 + FLOOR_SHARE) * its deadline
 with mpilossy.Communicator(comm, timeout="auto", channel=args.channel,
                            elastic=args.elastic) as lc:
-    cap = lc.config.auto_cap
     for call in range(args.aligned + args.late):
         if call < args.aligned:
             comm.Barrier()
@@ -46,14 +44,14 @@ with mpilossy.Communicator(comm, timeout="auto", channel=args.channel,
             time.sleep(args.delay)
         began = time.perf_counter()
         stats = lc.allreduce(x, out, algorithm=args.algorithm, op="avg")
-        bound = cap if stats.timeout is None else stats.timeout
-        overrun = max(overrun, time.perf_counter() - began - (1 + FLOOR_SHARE) * bound)
+        overrun = max(overrun, time.perf_counter() - began - (1 + FLOOR_SHARE) * stats.timeout)
         delivered.append(stats.delivered)
         excluded += stats.excluded
         exact.append(bool(np.all(out == (comm.size + 1) / 2)))
     levels = lc.auto_timeouts_by_level
     level = "network" if args.algorithm == "hierarchical" and "network" in levels else "flat"
     deadline = max(levels[level].values(), default=None)
+    cap = lc.config.auto_cap
 rows = comm.gather({"delivered": float(np.mean(delivered[-args.last:])),
                     "exact": float(np.mean(exact[-args.last:])), "deadline": deadline,
                     "level": level, "cap": cap, "excluded": excluded,
