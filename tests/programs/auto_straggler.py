@@ -24,6 +24,9 @@ p.add_argument("--prob", type=float, default=0.05)
 p.add_argument("--algorithm", default="ring")
 p.add_argument("--channel", default="rma")
 p.add_argument("--timeout", default="auto", help="'auto' or seconds")
+p.add_argument("--fixed", action="store_true",
+               help="sleep DELAY exactly (default: at least 3 deadlines in force, so that each "
+                    "sleep makes a straggler; before the first agreement that is 3 x the cap)")
 args = p.parse_args()
 
 comm = MPI.COMM_WORLD
@@ -44,11 +47,15 @@ with mpilossy.Communicator(comm, timeout=timeout, channel=args.channel) as lc:
             straggled += 1
             if comm.rank == sleeper:
                 # (past the deadline in force, so that each sleep is a straggler)
-                time.sleep(max(args.delay, 3 * used) if used else args.delay)
+                time.sleep(max(args.delay, 3 * used) if used and not args.fixed else args.delay)
         began = time.perf_counter()
         stats = lc.allreduce(x, out, algorithm=args.algorithm)
         took = time.perf_counter() - began
         used = stats.timeout
+        if timeout == "auto":
+            # (the learned deadline: a call that waited for a peer far behind
+            # has the cap, and 3 s sleeps would make the straggler a stopped rank)
+            used = max(lc.auto_timeouts.values(), default=used)
         if comm.rank != sleeper:
             rows.append((took, stats.timeout, stats.delivered, late, since))
     auto = lc._state.auto
