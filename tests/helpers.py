@@ -212,6 +212,34 @@ def run_mpi_script(script: str, nprocs: int, *args: str, timeout: float = 120,
     return run_bounded(cmd, timeout, clean_subprocess_env(**env))
 
 
+def join_after_loss(job: list, env: dict, port: Path, **kwargs) -> list:
+    """Run tests/programs/join_by_port.py: `job` (its launcher command for
+    the "job" role) in the background, then the newcomer as a singleton
+    outside it, both bounded; assert the newcomer succeeded; return every
+    JSON line both printed (check_joined checks them)."""
+    proc = subprocess.Popen([str(c) for c in job], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True, **kwargs)
+    try:
+        new = run_bounded([sys.executable, str(PROGRAMS / "join_by_port.py"), "new", str(port)],
+                          60, clean_subprocess_env())
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:         # (a launcher killed alone leaves its ranks)
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert new.returncode == 0, new.stdout + new.stderr[-2000:]
+    return json_reports(out + new.stdout)
+
+
+def check_joined(lines: list, survivors: int) -> None:
+    """tests/programs/join_by_port.py's lines: every survivor and the newcomer report one merged communicator of
+    survivors + 1 ranks, the newcomer last, and the sum over it."""
+    size = survivors + 1
+    assert sorted(r["rank"] for r in lines) == list(range(size)), lines
+    for r in lines:
+        assert r["size"] == size and r["sum"] == size * (size + 1) // 2, r
+        assert (r["role"] == "new") == (r["rank"] == size - 1), r
+
+
 def last_report(stdout: str, stderr: str = "") -> dict:
     """The last JSON object a program printed on a line of its own (a
     library may print warnings on stdout too: UCX at MPI_Finalize)."""

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from cluster_helpers import JOBS, cluster_fixture
-from helpers import PROGRAMS, is_singleton, json_reports, run_bounded
+from helpers import (PROGRAMS, check_joined, is_singleton, join_after_loss, json_reports,
+                     run_bounded)
 from mpilossy import _core
 
 pytestmark = [pytest.mark.skipif(not is_singleton(), reason="starts its own Slurm: runs at size 1"),
@@ -282,6 +283,19 @@ def test_srun_reports_no_exit_and_lossy_calls_go_on_by_heartbeat(slurm, tmp_path
         # (with the exit reported it would be call 6)
         assert [e["excluded"] for e in r["exclusions"]] == [[2]], r
         assert r["exclusions"][0]["call"] >= 6 + 4, r
+
+
+def test_srun_a_process_started_after_a_loss_connects_to_the_survivors(slurm, tmp_path):
+    """Under srun (PMI2, --no-kill) too, MPI's ports reach the survivors of
+    an exit from a process started outside the job step
+    (tests/programs/join_by_port.py; the mpiexec case and the check:
+    tests/control/test_join_by_port.py)."""
+    env = slurm.env(PATH=str(Path(sys.executable).parent) + ":" + slurm.env()["PATH"])
+    port = tmp_path / "port"
+    lines = join_after_loss(["srun", "--mpi=pmi2", "--no-kill", "--kill-on-bad-exit=0", "-n", "3",
+                             "-t", "1", sys.executable, PROGRAMS / "join_by_port.py", "job", port],
+                            env, port, cwd=str(tmp_path))
+    check_joined(lines, 2)
 
 
 def test_srun_a_rank_that_hung_comes_back(slurm, tmp_path):
