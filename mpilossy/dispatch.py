@@ -42,7 +42,9 @@ def run(state: State, request: Request) -> CollectiveStats:
     route: Optional[Route] = None
     try:
         # (the hierarchy's stages wait for their own agreements: the
-        # parent's learned deadline bounds no part of its calls)
+        # parent's learned deadline bounds no part of its calls.  The route
+        # without a dtype, the same on every rank before intake; on uneven
+        # nodes an integer call that then runs flat only looks once)
         spent = state.count_call(request, waits=plan(
             collective, request.algorithm, None, state.routing) is not Route.HIERARCHICAL)
         began = time.perf_counter()

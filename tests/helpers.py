@@ -231,8 +231,9 @@ def join_after_loss(job: list, env: dict, port: Path, **kwargs) -> list:
 
 
 def check_joined(lines: list, survivors: int) -> None:
-    """tests/programs/join_by_port.py's lines: every survivor and the newcomer report one merged communicator of
-    survivors + 1 ranks, the newcomer last, and the sum over it."""
+    """tests/programs/join_by_port.py's lines: every survivor and the
+    newcomer report one merged communicator of survivors + 1 ranks, the
+    newcomer last, and the sum over it."""
     size = survivors + 1
     assert sorted(r["rank"] for r in lines) == list(range(size)), lines
     for r in lines:

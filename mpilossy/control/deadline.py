@@ -317,8 +317,8 @@ class AutoDeadline:
         waited for a peer far behind (_catch_up), whose wait may have taken
         up to the cap."""
         self.last_key = key
-        learned = self.timeouts.setdefault(key, self.cap)
-        return self.cap if self.waited_behind else learned
+        self.timeouts.setdefault(key, self.cap)
+        return self._in_force(key)
 
     def _in_force(self, key: Key) -> float:
         """The deadline the current call had (timeout(), without side effects)."""

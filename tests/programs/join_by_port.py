@@ -3,7 +3,7 @@ ports (MPI_Open_port, MPI_Comm_accept, MPI_Comm_connect), the port name
 published in a file: the building block docs/elastic.md ("Growing back")
 weighs against hot spares and MPI_Comm_spawn.  MPI only, no mpilossy.
 
-  job FILE [SECONDS]   under mpiexec/srun (3 or more ranks): the last rank
+  job FILE             under mpiexec/srun (3 or more ranks): the last rank
                        exits at once; the others build their communicator
                        (MPI_Comm_create_group, as an exclusion does), the
                        lowest opens a port and writes its name to FILE,
@@ -13,7 +13,7 @@ weighs against hot spares and MPI_Comm_spawn.  MPI only, no mpilossy.
 
 Every process prints one JSON line {"rank", "role", "size", "sum", "seconds"}
 (seconds: from its start to the merged communicator).  SECONDS bounds the
-wait for FILE (default 30)."""
+newcomer's wait for FILE (default 30)."""
 
 import json
 import os
