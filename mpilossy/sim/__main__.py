@@ -7,6 +7,7 @@ docs/scale.md.
     python -m mpilossy.sim all --out docs/results/scale --plot docs/scale.png
     python -m mpilossy.sim plot --out docs/results/scale --plot docs/scale.png   # from the JSON
     python -m mpilossy.sim heartbeat [--nodes 1,8,16,64,1024] [--ppn 8] [--out DIR]
+    python -m mpilossy.sim scale [--nodes 64,256,1024] [--out DIR]
 
 Each scenario runs in a process of its own (SimGrid keeps one engine per
 process); --jobs runs that many at once.
@@ -27,6 +28,8 @@ from .heartbeat import simulate_heartbeat
 from .runner import run_all, run_each
 
 MiB = 1 << 20
+PROJECT_BACKGROUND = "100/400:1"
+SCALE_BACKGROUND = "20/180:4:aligned"     # MPI_Allreduce p99/p50 about 3 (docs/scale.md)
 
 
 def _rate(text: str) -> float:
@@ -98,16 +101,20 @@ def _fat_tree(nodes: int) -> tuple:
     return (2, 8, nodes // 8, 1, 8, 1, 1)
 
 
+def _at_scale(args: argparse.Namespace, nodes: int, nbytes: int, **more: Any) -> Scenario:
+    """The hierarchy on the fat tree as the command line sets it."""
+    return Scenario(nodes=nodes, ppn=args.ppn, rate=_rate(args.rate), nbytes=nbytes,
+                    algorithm="hierarchical", deadline=args.deadline, calls=args.calls,
+                    latency=1e-6, memory=100e9, tree=_fat_tree(nodes),
+                    seal_rate=args.seal_rate, payload=args.payload, **more)
+
+
 def project(args: argparse.Namespace) -> Dict[str, Any]:
     rate = _rate(args.rate)
     scenarios = []
     for nodes in args.nodes:
         for nbytes in args.sizes:
-            base = Scenario(nodes=nodes, ppn=args.ppn, rate=rate, nbytes=nbytes,
-                            algorithm="hierarchical", deadline=args.deadline, calls=args.calls,
-                            latency=1e-6, memory=100e9, pieces=4, tree=_fat_tree(nodes),
-                            seal_rate=args.seal_rate,
-                            payload=args.payload)
+            base = _at_scale(args, nodes, nbytes, pieces=4)
             scenarios.append(base)
             if args.background:
                 scenarios.append(replace(base, background=Background.parse(args.background)))
@@ -129,6 +136,85 @@ def project(args: argparse.Namespace) -> Dict[str, Any]:
     result = {"rows": rows, "mechanisms": limits}
     _save(args, "projection.json", result)
     return result
+
+
+def scale(args: argparse.Namespace) -> Dict[str, Any]:
+    """The hierarchy at node level (aggregate.py) up to 1,024 nodes: a fixed
+    deadline on a quiet network, then beside the background (aligned on/off
+    TCP flows, tuned so that MPI's all-reduce sees p99/p50 of about 3) with
+    the fixed deadline and with the learned one, against MPICH's
+    MPI_Allreduce and a ring among the leaders."""
+    _check_maps(max(args.nodes) * args.calls)
+    bg = Background.parse(args.background) if args.background else None
+    scenarios = []
+    for nodes in args.nodes:
+        for nbytes in args.sizes:
+            base = _at_scale(args, nodes, nbytes, pieces=1, fanout=args.fanout,
+                             ring_steps=args.ring_steps)
+            scenarios.append(replace(base, calls=min(args.calls, 8)))
+            if bg:
+                scenarios += [replace(base, background=bg), replace(base, background=bg, auto=True)]
+    rows = run_all(scenarios, args.jobs)
+    # the rows of other node counts that an earlier run left in --out stay
+    # (a 1,024-node row takes as long as all the smaller ones together)
+    earlier = Path(args.out or ".") / "scale.json"
+    if args.out and earlier.exists():
+        kept = [r for r in json.loads(earlier.read_text())["rows"]
+                if r["scenario"]["nodes"] not in args.nodes]
+        rows = sorted(kept + rows, key=lambda r: r["scenario"]["nodes"])
+    result = {"rows": rows}
+    _save(args, "scale.json", result)
+    scale_table(rows, args.step_compute, args.buckets)
+    return result
+
+
+def _check_maps(node_calls: int) -> None:
+    """Each node's reducer actor leaves two memory maps behind per call
+    (SimGrid's Python actors; not traced to its cause): refuse a run that
+    would pass the kernel's limit and fail half-way, and say how to raise it."""
+    needed = 2 * node_calls + 50_000
+    path = Path("/proc/sys/vm/max_map_count")
+    limit = int(path.read_text()) if path.exists() else needed
+    if limit < needed:
+        raise SystemExit(f"this run needs about {needed:,} memory maps, the kernel allows "
+                         f"{limit:,}: `sudo sysctl -w vm.max_map_count={1 << 20}` (or fewer "
+                         f"--calls or --nodes)")
+
+
+def scale_table(rows: List[Dict[str, Any]], compute: float, buckets: int) -> None:
+    """The table of `scale` (and the step it implies: `compute` seconds of
+    computation and `buckets` all-reduces, not overlapped)."""
+    print("| nodes x ranks | bucket | background | deadline | MPI_Allreduce p50 / p99 (ms) | "
+          "ring p50 / p99 (ms) | mpilossy p50 / p99 (ms) | mean time vs ring, vs MPI | "
+          "delivered | learned deadline (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    steps = []
+    for whole in rows:
+        s = whole["scenario"]
+        # a learned deadline's row: the calls after its first agreement
+        row = whole["learned"] if s["auto"] else whole
+        m, r, u = row["mpi"], row["ring"], row["lossy"]
+        kind = "quiet" if not s["background"] else str(Background(**s["background"]))
+        calls = u["calls"] // s["nodes"]
+        learned = "-"
+        if s["auto"]:
+            tail = whole["timeouts"][-calls:]
+            learned = f"{min(tail) * 1e3:.1f}-{max(tail) * 1e3:.1f}"
+        print(f"| {s['nodes']} x {s['ppn']} | {s['nbytes'] >> 20} MiB | {kind} | "
+              f"{'auto' if s['auto'] else 'fixed'} <= {s['deadline']:g} s, {calls} calls | "
+              f"{m['p50'] * 1e3:.2f} / {m['p99'] * 1e3:.2f} | {r['p50'] * 1e3:.2f} / "
+              f"{r['p99'] * 1e3:.2f} | {u['p50'] * 1e3:.2f} / {u['p99'] * 1e3:.2f} | "
+              f"{u['mean'] / r['mean']:.2f}x, {u['mean'] / m['mean']:.2f}x | "
+              f"{row['delivered']:.3f} | {learned} |")
+        if s["auto"]:
+            step = {k: compute + buckets * row[k]["mean"] for k in ("lossy", "ring", "mpi")}
+            steps.append((s, step))
+    for s, step in steps:
+        print(f"\nstep at {s['nodes']} x {s['ppn']} ({compute * 1e3:g} ms of compute, {buckets} "
+              f"buckets of {s['nbytes'] >> 20} MiB, not overlapped), learned deadline: "
+              f"mpilossy {step['lossy'] * 1e3:.1f} ms, ring {step['ring'] * 1e3:.1f} ms "
+              f"({step['lossy'] / step['ring']:.3f}x), MPI_Allreduce {step['mpi'] * 1e3:.1f} ms "
+              f"({step['lossy'] / step['mpi']:.3f}x)")
 
 
 def heartbeat(args: argparse.Namespace) -> Dict[str, Any]:
@@ -198,7 +284,8 @@ def plot(calibration: Dict[str, Any], projection: Dict[str, Any], path: Path) ->
 def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpilossy.sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("calibrate", "project", "all", "plot", "heartbeat"))
+    parser.add_argument("what", choices=("calibrate", "project", "all", "plot", "heartbeat",
+                                         "scale"))
     parser.add_argument("--out", default="", help="folder for the JSON results (and the plot)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--calls", type=int, default=40, help="calls per calibration row (at most)")
@@ -215,17 +302,36 @@ def main(argv: Sequence[str] = ()) -> int:
                         help="datagram payload at scale (jumbo frames / UD verbs: 4096-8192)")
     parser.add_argument("--seal-rate", type=float, default=1.6e9,
                         help="bytes/s one rank seals and checks (docs/ud.md: 1.6 GB/s a core)")
-    parser.add_argument("--background", default="100/400:1")
+    parser.add_argument("--background", default=None,
+                        help=f"project: {PROJECT_BACKGROUND}; scale: {SCALE_BACKGROUND}; '' none")
     parser.add_argument("--plot", default="", help="where to write the plot (all)")
+    parser.add_argument("--fanout", type=int, default=8,
+                        help="scale: flows per node and stage-2 phase (aggregate.py)")
+    parser.add_argument("--ring-steps", type=int, default=16,
+                        help="scale: steps the leaders' ring is simulated in")
+    parser.add_argument("--step-compute", type=float, default=0.1,
+                        help="scale: seconds of computation in the step it prints")
+    parser.add_argument("--buckets", type=int, default=4,
+                        help="scale: all-reduces in the step it prints")
+    parser.add_argument("--table-only", action="store_true",
+                        help="scale: print the table of the scale.json in --out")
     args = parser.parse_args(list(argv) or None)
+    if args.background is None:
+        args.background = SCALE_BACKGROUND if args.what == "scale" else PROJECT_BACKGROUND
     if args.nodes is None:
-        args.nodes = [1, 8, 16, 64, 1024] if args.what == "heartbeat" else [8, 16, 32]
+        args.nodes = {"heartbeat": [1, 8, 16, 64, 1024], "scale": [64, 256, 1024]}.get(
+            args.what, [8, 16, 32])
     if args.what == "plot":               # from the JSON files a run left in --out
         folder = Path(args.out or ".")
         plot(json.loads((folder / "calibration.json").read_text()),
              json.loads((folder / "projection.json").read_text()), Path(args.plot or "scale.png"))
     elif args.what == "heartbeat":
         heartbeat(args)
+    elif args.what == "scale" and args.table_only:
+        rows = json.loads((Path(args.out) / "scale.json").read_text())["rows"]
+        scale_table(rows, args.step_compute, args.buckets)
+    elif args.what == "scale":
+        scale(args)
     elif args.what == "calibrate":
         calibrate(args)
     elif args.what == "project":

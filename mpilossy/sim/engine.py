@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import _simgrid
 from .mpich import mpi_allreduce
@@ -156,20 +156,43 @@ class _Pacer:
     queued (the core's token bucket is one FIFO), a row's messages to other
     nodes sharing the rank's pace; nothing leaves after the call's budget."""
 
-    def __init__(self, world: _World, me: int, until: float) -> None:
+    def __init__(self, world: _World, me: int, until: float, pace: float = -1.0,
+                 local: Optional[Callable[[int], bool]] = None) -> None:
+        """`pace`: bytes/s (default: the rank's); `local(dest)`: whether a
+        destination shares the sender's memory (default: the rank's node)."""
         self.w, self.me, self.until = world, me, until
+        self.rows: Dict[int, List[Any]] = {}      # comms of the rows queued, by sending actor
+        self.pace = world.pace if pace < 0 else pace
+        self.local = local or (lambda dest: world.same_node(me, dest))
         sg = world.sg
         self.queue = sg.Mailbox.by_name(f"pace:{me}:{id(self)}")
         self.actor = sg.Actor.create(f"pacer{me}", sg.this_actor.get_host(), self._run)
         self.queue.set_receiver(self.actor)
 
-    def send(self, row: Sequence[Tuple[str, int, float]]) -> None:
-        """Queue one row: (key, destination rank, bytes) each."""
-        self.queue.put_init(list(row), 0).detach()
+    def send(self, row: Optional[Sequence[Tuple[str, int, float]]]) -> None:
+        """Queue one row: (key, destination rank, bytes) each.  An actor
+        that sends rows calls settle() before it ends."""
+        # (not detached: a detached comm keeps its sender alive for good, and
+        # with it the actor's stack, two memory maps: a reducer's rows took a
+        # 256-node run past the kernel's 65,530 maps)
+        me = self.w.sg.this_actor.get_pid()
+        message = None if row is None else list(row)      # None: the end
+        self.rows.setdefault(me, []).append(self.queue.put_async(message, 0))
+
+    def settle(self) -> None:
+        """Wait until the pacer has taken the rows this actor queued."""
+        for comm in self.rows.pop(self.w.sg.this_actor.get_pid(), []):
+            comm.wait()
 
     def close(self) -> None:
-        self.queue.put_init(None, 0).detach()
+        self.send(None)
         self.actor.join()
+        self.settle()
+        # (the mailbox's receiver, and references to the actor, which its
+        # code holds in turn through this object, would keep it alive too)
+        self.queue.set_receiver(None)
+        self.actor = None
+        self.rows.clear()
 
     def _run(self) -> None:
         w, sg = self.w, self.w.sg
@@ -181,14 +204,17 @@ class _Pacer:
                 break
             if clock() >= self.until:
                 continue                           # unsent: past the budget
-            remote = [nbytes for _, dest, nbytes in row if not w.same_node(self.me, dest)]
-            rate = w.pace / len(remote) if w.pace and remote else 0.0
-            flying += [w.put(key, nbytes, 0.0 if w.same_node(self.me, dest) else rate)
+            remote = [nbytes for _, dest, nbytes in row if not self.local(dest)]
+            # the pace split in proportion to the bytes, so that every message
+            # of the row ends when the row's time at the pace does
+            share = self.pace / sum(remote) if self.pace and remote else 0.0
+            flying += [w.put(key, nbytes, 0.0 if self.local(dest) else share * nbytes)
                        for key, dest, nbytes in row]
-            if w.pace and remote:
+            if self.pace and remote:
                 # the token bucket lets the row out at the pace, whether or
                 # not the network keeps up (the switch queues the rest)
-                sg.this_actor.sleep_for(min(sum(remote) / w.pace, max(0.0, self.until - clock())))
+                sg.this_actor.sleep_for(min(sum(remote) / self.pace,
+                                            max(0.0, self.until - clock())))
         _wait(flying, self.until, clock)
 
 
@@ -248,6 +274,7 @@ def _direct(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: 
             arrived = _wait(gets0[i], end0, clock)
             counts.append(1.0 + (1 - drop) * sum(arrived))
             pacer.send([(call.key(tag, 1, me, o, i), o, wire) for o in others])
+        pacer.settle()
 
     reducer = sg.Actor.create(f"r{me}", sg.this_actor.get_host(), reduce_and_send)
     total = 0.0
@@ -289,6 +316,7 @@ def _ring(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: fl
             else:
                 reduced[i] = 1.0 + (1 - drop) * got * _chain_mean(j - 1, drop)
                 pacer.send([(call.key(tag, "ag", me, o, i), o, wire) for o in members if o != me])
+        pacer.settle()
 
     host = sg.this_actor.get_host()
     helpers = [sg.Actor.create(f"p{me}.{j}", host, position, j) for j in range(1, P)]
@@ -345,6 +373,7 @@ def _tree(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: fl
             else:
                 pacer.send([(call.key(tag, "dn", me, members[c], i), members[c], wire)
                             for c in children])
+        pacer.settle()
 
     climber = sg.Actor.create(f"u{me}", sg.this_actor.get_host(), upward)
     total = 0.0
@@ -415,13 +444,6 @@ def simulate(scenario: Scenario) -> Outcome:
     barrier = sg.Barrier(s.size)
     P = s.size
 
-    def sink(node: int) -> None:
-        def idle() -> None:
-            sg.this_actor.sleep_for(1e9)
-        actor = sg.Actor.create(f"sink{node}", world.hosts[node], idle)
-        actor.daemonize()
-        sg.Mailbox.by_name(f"sink-{node}").set_receiver(actor)
-
     def rank(me: int) -> None:
         for n in range(s.calls):
             barrier.wait()
@@ -445,7 +467,7 @@ def simulate(scenario: Scenario) -> Outcome:
         world.done = True
 
     if s.background:
-        start_background(world, sink)
+        start_background(world)
     for r in range(P):
         sg.Actor.create(f"rank{r}", world.host_of(r), rank, r)
     engine.run()

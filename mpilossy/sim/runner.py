@@ -17,15 +17,35 @@ __all__ = ["one", "run_all", "run_each"]
 
 
 def one(scenario: Scenario) -> Dict[str, Any]:
-    out = simulate(scenario)
+    """One scenario, on the node-level engine where it asks for it (fanout)."""
+    if scenario.fanout:
+        from .aggregate import simulate_nodes
+        out = simulate_nodes(scenario)
+    else:
+        out = simulate(scenario)
     row: Dict[str, Any] = {"scenario": asdict(scenario), "label": scenario.label(),
                            "messages": out.events}
-    for name in ("lossy", "mpi"):
-        values = np.array(getattr(out, name))
+    row.update(_summary(out, 0))
+    if out.timeouts:
+        row["timeouts"] = out.timeouts
+    if scenario.auto:
+        # the calls under a learned deadline: from the first agreement's on
+        from ..control.agreement import LAG, PERIOD
+        row["learned"] = _summary(out, (PERIOD + LAG) * scenario.nodes)
+    return row
+
+
+def _summary(out: Any, skip: int) -> Dict[str, Any]:
+    """p50, p99 and mean of each kind of call, and the mean delivered, over
+    the records after the first `skip` (records are call-major)."""
+    row: Dict[str, Any] = {}
+    for name in ("lossy", "mpi", "ring"):
+        values = np.array(getattr(out, name)[skip:])
         if values.size:
             row[name] = {"p50": float(np.percentile(values, 50)),
-                         "p99": float(np.percentile(values, 99)), "calls": int(values.size)}
-    row["delivered"] = float(np.mean(out.delivered)) if out.delivered else None
+                         "p99": float(np.percentile(values, 99)),
+                         "mean": float(values.mean()), "calls": int(values.size)}
+    row["delivered"] = float(np.mean(out.delivered[skip:])) if out.delivered[skip:] else None
     return row
 
 

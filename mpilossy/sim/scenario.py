@@ -34,6 +34,12 @@ class Scenario:
     core_rate: float = 0.0              # bytes/s one core sends through the stack
     seal_rate: float = 0.0              # bytes/s a rank seals and checks (datagrams' MAC); 0: free
     seed: int = 1
+    # the node-level engine (aggregate.py)
+    fanout: int = 0                     # flows per node and stage-2 phase; 0: per-rank engine
+    ring_steps: int = 0                 # >0: also a ring among the leaders, in this many steps
+    auto: bool = False                  # stage 2 under the learned deadline (`deadline`: its cap)
+    floor: float = 1e-3                 # the learned deadline's floor...
+    target: float = 0.99                # ...and its delivered target
 
     @property
     def size(self) -> int:
@@ -42,8 +48,9 @@ class Scenario:
     def label(self) -> str:
         bg = f" bg {self.background}" if self.background else ""
         drop = f" drop {self.drop:g}" if self.drop else ""
+        deadline = f"auto<={self.deadline:g}" if self.auto else f"{self.deadline:g}"
         return (f"{self.nodes}x{self.ppn} {self.rate / 1e6:g}Mbit {self.algorithm} "
-                f"{self.nbytes >> 10}KiB T={self.deadline:g}{bg}{drop}")
+                f"{self.nbytes >> 10}KiB T={deadline}{bg}{drop}")
 
 
 @dataclass
@@ -53,6 +60,8 @@ class Outcome:
     delivered: List[float] = field(default_factory=list)
     mpi: List[float] = field(default_factory=list)
     events: int = 0                                         # messages simulated
+    timeouts: List[float] = field(default_factory=list)     # stage 2's deadline per call
+    ring: List[float] = field(default_factory=list)         # MPI as a ring (ring_steps)
 
 
 def fat_tree(scenario: Scenario) -> Tuple[int, List[int], List[int], List[int]]:

@@ -7,22 +7,10 @@ scenario runs in a fresh process (one SimGrid engine per process)."""
 
 import pytest
 
-from helpers import unavailable
-from mpilossy.sim import _simgrid
 from mpilossy.sim.engine import UD_HEADERS, Scenario
 from mpilossy.sim.mpich import TCP_FRAME, TCP_PAYLOAD
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def run():
-    try:
-        _simgrid.load()
-    except ImportError as e:
-        unavailable(str(e))
-    from mpilossy.sim.runner import run_all
-    return lambda *scenarios: run_all(list(scenarios), jobs=2)
 
 
 def pace_seconds(s: Scenario, nbytes: float) -> float:
