@@ -141,7 +141,8 @@ def _given_up(arrived: List[float], froms: List[Tuple[int, int]]) -> Tuple[float
     (early close, docs/deadlines.md), so only late blocks hold it to the
     deadline; gone ones do not count as the deadline's cut.  (Both END
     copies dropped, which makes the rank wait for the END's repeat 2 ms
-    later, is left out.)"""
+    later, is left out.)  Rounds `arrived` in place: a share within QUEUED
+    of whole arrived whole."""
     for j, a in enumerate(arrived):
         if a >= 1.0 - QUEUED:
             arrived[j] = 1.0
@@ -187,9 +188,6 @@ def _stage2(call: _Call, nd: _Nodes, node: int, begin: float, budget: float,
             pacer.send([(call.key("r", node, dest, d, i), dest, count_d * block)
                         for d, (dest, count_d) in enumerate(sends)])
         pacer.settle()
-        # (comms this actor waited on refer to it, and its code to them:
-        # dropped, or the actor and its stack outlive the call)
-        gets0.clear()
 
     reducer = sg.Actor.create(f"r{node}", sg.this_actor.get_host(), reduce_and_send)
     total = 0.0
@@ -257,7 +255,6 @@ def _mpi(world: _World, n: int, node: int, ring: bool) -> None:
     if ring and N > 1:
         real = 2 * (N - 1)                  # reduce-scatter, then all-gather
         steps = min(s.ring_steps, real)
-        hop = 2 * s.latency * (len(s.tree) // 3 + 1)
         for j in range(steps):
             share = real * (j + 1) // steps - real * j // steps
             g = world.get(f"{tag}:{j}:{(node - 1) % N}:{node}")
@@ -266,7 +263,7 @@ def _mpi(world: _World, n: int, node: int, ring: bool) -> None:
             g.comm.wait()
             c.wait()
             # the latencies of the ring steps this one stands for, after its first
-            world.sg.this_actor.sleep_for(hop * (share - 1))
+            world.sg.this_actor.sleep_for(world.route_latency * (share - 1))
     else:
         _reduce_scatter_allgather(exchange, node, list(range(N)), s.nbytes)
     if copies:

@@ -86,6 +86,12 @@ class _World:
         caps = [r for r in (pace, self.cpu, scenario.seal_rate) if r > 0]
         self.pace = min(caps) if caps else 0.0
 
+    @property
+    def route_latency(self) -> float:
+        """One way between two nodes at the far ends of the tree (an upper
+        bound for the nearer ones)."""
+        return 2 * self.s.latency * (len(self.s.tree) // 3 + 1)
+
     def host_of(self, rank: int) -> Any:
         return self.hosts[rank // self.s.ppn]
 
@@ -123,7 +129,7 @@ class _Arrival:
         ideal = self.world.ideal.pop(self.key, 0.0)
         took = self.comm.finish_time - self.comm.start_time
         # (plus the route's latency: a flow at its pace takes that too)
-        slack = 2 * self.world.s.latency * (len(self.world.s.tree) // 3 + 1)
+        slack = self.world.route_latency
         return min(1.0, (ideal + slack) / took) if ideal > 0 and took > 0 else 1.0
 
 
