@@ -8,6 +8,7 @@ docs/scale.md.
     python -m mpilossy.sim plot --out docs/results/scale --plot docs/scale.png   # from the JSON
     python -m mpilossy.sim heartbeat [--nodes 1,8,16,64,1024] [--ppn 8] [--out DIR]
     python -m mpilossy.sim scale [--nodes 64,256,1024] [--out DIR]
+    python -m mpilossy.sim choose [--nodes 16,64,256,1024] [--ppns 1,8] [--out DIR]
 
 Each scenario runs in a process of its own (SimGrid keeps one engine per
 process); --jobs runs that many at once.
@@ -25,11 +26,14 @@ from typing import Any, Dict, List, Sequence
 from . import mechanisms
 from .engine import Background, Scenario
 from .heartbeat import simulate_heartbeat
+from .scenario import two_level_tree
 from .runner import run_all, run_each
 
 MiB = 1 << 20
 PROJECT_BACKGROUND = "100/400:1"
 SCALE_BACKGROUND = "20/180:4:aligned"     # MPI_Allreduce p99/p50 about 3 (docs/scale.md)
+DEFAULT_SIZES = [25 * MiB, 100 * MiB]
+CHOOSE_SIZES = [4 << 10, 64 << 10, MiB, 25 * MiB]
 
 
 def _rate(text: str) -> float:
@@ -93,19 +97,11 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
-def _fat_tree(nodes: int) -> tuple:
-    """Two levels: leaf switches of 8 nodes, each with one link up to each of
-    8 spines (full bisection); one switch below 9 nodes."""
-    if nodes <= 8:
-        return ()
-    return (2, 8, nodes // 8, 1, 8, 1, 1)
-
-
 def _at_scale(args: argparse.Namespace, nodes: int, nbytes: int, **more: Any) -> Scenario:
     """The hierarchy on the fat tree as the command line sets it."""
     return Scenario(nodes=nodes, ppn=args.ppn, rate=_rate(args.rate), nbytes=nbytes,
                     algorithm="hierarchical", deadline=args.deadline, calls=args.calls,
-                    latency=1e-6, memory=100e9, tree=_fat_tree(nodes),
+                    latency=1e-6, memory=100e9, tree=two_level_tree(nodes),
                     seal_rate=args.seal_rate, payload=args.payload, **more)
 
 
@@ -168,6 +164,23 @@ def scale(args: argparse.Namespace) -> Dict[str, Any]:
     return result
 
 
+def choose(args: argparse.Namespace) -> Dict[str, Any]:
+    """Which algorithm "auto" should pick: every algorithm the model runs at
+    each node count and bucket, quiet network, against the library's pick."""
+    from .choice import candidates, print_table
+    base = Scenario(rate=_rate(args.rate), deadline=args.deadline, calls=args.calls,
+                    latency=1e-6, memory=100e9, seal_rate=args.seal_rate,
+                    payload=args.payload, datagram_cost=args.datagram_cost, drop=args.drop)
+    cands = candidates(base, args.nodes, args.ppns, args.sizes, args.max_messages,
+                       args.fanout)
+    ran = iter(run_all([c.scenario for c in cands if c.scenario is not None], args.jobs))
+    rows = [next(ran) if c.scenario is not None else None for c in cands]
+    points = print_table(cands, rows)
+    result = {"points": points, "rows": [r for r in rows if r is not None]}
+    _save(args, "choice.json", result)
+    return result
+
+
 def _check_maps(node_calls: int) -> None:
     """Each node's reducer actor leaves two memory maps behind per call
     (SimGrid's Python actors; not traced to its cause): refuse a run that
@@ -227,7 +240,7 @@ def heartbeat(args: argparse.Namespace) -> Dict[str, Any]:
         for span in (2, 0):
             if span == 0 and nodes * args.ppn > args.all_peers_up_to:
                 continue
-            calls.append((nodes, args.ppn, span, rate, _fat_tree(nodes)))
+            calls.append((nodes, args.ppn, span, rate, two_level_tree(nodes)))
     rows = run_each(simulate_heartbeat, calls, args.jobs)
     print("| nodes x ranks | heartbeat to | datagrams per call | per call: p50 / slowest rank (us) |")
     print("|---|---|---|---|")
@@ -285,7 +298,7 @@ def main(argv: Sequence[str] = ()) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpilossy.sim", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("what", choices=("calibrate", "project", "all", "plot", "heartbeat",
-                                         "scale"))
+                                         "scale", "choose"))
     parser.add_argument("--out", default="", help="folder for the JSON results (and the plot)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--calls", type=int, default=40, help="calls per calibration row (at most)")
@@ -296,7 +309,7 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--ppn", type=int, default=8)
     parser.add_argument("--rate", default="100gbit")
     parser.add_argument("--sizes", type=lambda t: [_size(x) for x in t.split(",")],
-                        default=[25 * MiB, 100 * MiB])
+                        default=DEFAULT_SIZES, help="default 25M,100M; choose: 4K,64K,1M,25M")
     parser.add_argument("--deadline", type=float, default=1.0)
     parser.add_argument("--payload", type=int, default=8192,
                         help="datagram payload at scale (jumbo frames / UD verbs: 4096-8192)")
@@ -313,14 +326,28 @@ def main(argv: Sequence[str] = ()) -> int:
                         help="scale: seconds of computation in the step it prints")
     parser.add_argument("--buckets", type=int, default=4,
                         help="scale: all-reduces in the step it prints")
+    parser.add_argument("--ppns", type=lambda t: [int(x) for x in t.split(",")],
+                        default=[1, 8], help="choose: ranks per node")
+    parser.add_argument("--datagram-cost", type=float, default=0.0,
+                        help="seconds of a rank's CPU per datagram (choose: 1e-6, "
+                             "mechanisms.UNIT's datagram_s)")
+    parser.add_argument("--drop", type=float, default=0.0,
+                        help="choose: random datagram drops on the switch")
+    parser.add_argument("--max-messages", type=int, default=300_000,
+                        help="choose: the per-rank engine's budget of messages a call")
     parser.add_argument("--table-only", action="store_true",
                         help="scale: print the table of the scale.json in --out")
     args = parser.parse_args(list(argv) or None)
     if args.background is None:
         args.background = SCALE_BACKGROUND if args.what == "scale" else PROJECT_BACKGROUND
     if args.nodes is None:
-        args.nodes = {"heartbeat": [1, 8, 16, 64, 1024], "scale": [64, 256, 1024]}.get(
-            args.what, [8, 16, 32])
+        args.nodes = {"heartbeat": [1, 8, 16, 64, 1024], "scale": [64, 256, 1024],
+                      "choose": [16, 64, 256, 1024]}.get(args.what, [8, 16, 32])
+    if args.what == "choose":
+        args.calls = min(args.calls, 2)
+        args.datagram_cost = args.datagram_cost or mechanisms.UNIT["datagram_s"]
+        if args.sizes == DEFAULT_SIZES:
+            args.sizes = CHOOSE_SIZES
     if args.what == "plot":               # from the JSON files a run left in --out
         folder = Path(args.out or ".")
         plot(json.loads((folder / "calibration.json").read_text()),
@@ -332,6 +359,8 @@ def main(argv: Sequence[str] = ()) -> int:
         scale_table(rows, args.step_compute, args.buckets)
     elif args.what == "scale":
         scale(args)
+    elif args.what == "choose":
+        choose(args)
     elif args.what == "calibrate":
         calibrate(args)
     elif args.what == "project":

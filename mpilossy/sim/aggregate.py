@@ -170,9 +170,11 @@ def _stage2(call: _Call, nd: _Nodes, node: int, begin: float, budget: float,
              for i in range(K)]
     gets1 = [[w.get(call.key("r", src, node, d, i)) for d, (src, _) in enumerate(froms)]
              for i in range(K)]
-    pacer = _Pacer(w, node, begin + budget, nd.pace, nd.local(node))
+    # (a flow stands for `count` peers' streams from each of the node's owners)
+    L = s.ppn
+    pacer = _Pacer(w, node, begin + budget, nd.pace, nd.local(node), sharers=L)
     for i in range(K):
-        pacer.send([(call.key("c", node, dest, d, i), dest, count * block)
+        pacer.send([(call.key("c", node, dest, d, i), dest, count * block, count * L)
                     for d, (dest, count) in enumerate(sends)])
     own: List[float] = []
     lost = [0.0, 0.0]                           # late, gone
@@ -185,7 +187,7 @@ def _stage2(call: _Call, nd: _Nodes, node: int, begin: float, budget: float,
             count = 1.0 + (1 - drop) * sum(c * a for (_, c), a in zip(froms, arrived))
             nd.counts[(call.n, node, i)] = count
             own.append(count)
-            pacer.send([(call.key("r", node, dest, d, i), dest, count_d * block)
+            pacer.send([(call.key("r", node, dest, d, i), dest, count_d * block, count_d * L)
                         for d, (dest, count_d) in enumerate(sends)])
         pacer.settle()
 
@@ -271,13 +273,16 @@ def _mpi(world: _World, n: int, node: int, ring: bool) -> None:
 
 
 def simulate_nodes(scenario: Scenario) -> Outcome:
-    """Run one hierarchical scenario at node level (one SimGrid engine: call
+    """Run one hierarchical (or flat direct) scenario at node level (one SimGrid engine: call
     in a fresh process).  Outcome.lossy, .mpi and .ring hold one time per
     node and call (a node's ranks end together in this model); .timeouts
     stage 2's deadline per call (0: what the fixed deadline leaves it)."""
     s = scenario
-    if s.algorithm != "hierarchical":
-        raise ValueError("the node-level engine models the hierarchy only")
+    # (at one rank per node the hierarchy's memory stages are empty and its
+    # stage 2 is the flat direct all-reduce among all ranks)
+    if not (s.algorithm == "hierarchical" or (s.algorithm == "direct" and s.ppn == 1)):
+        raise ValueError("the node-level engine models the hierarchy, and direct at one "
+                         "rank per node")
     if s.fanout < 1:
         raise ValueError("the node-level engine needs fanout >= 1")
     sg = _simgrid.load()

@@ -47,6 +47,7 @@ class _World:
         self.events = 0
         self.holders: List[Any] = []
         self.ideal: Dict[str, float] = {}
+        self.partials: Dict[str, float] = {}        # a partial sum's contributors, by sender
         self.done = False
         root = sg.NetZone.create_full_zone("world")
         self.hosts: Dict[int, Any] = {}
@@ -163,20 +164,22 @@ class _Pacer:
     nodes sharing the rank's pace; nothing leaves after the call's budget."""
 
     def __init__(self, world: _World, me: int, until: float, pace: float = -1.0,
-                 local: Optional[Callable[[int], bool]] = None) -> None:
+                 local: Optional[Callable[[int], bool]] = None, sharers: int = 1) -> None:
         """`pace`: bytes/s (default: the rank's); `local(dest)`: whether a
         destination shares the sender's memory (default: the rank's node)."""
         self.w, self.me, self.until = world, me, until
         self.rows: Dict[int, List[Any]] = {}      # comms of the rows queued, by sending actor
         self.pace = world.pace if pace < 0 else pace
         self.local = local or (lambda dest: world.same_node(me, dest))
+        # the ranks whose CPUs send this pacer's rows (a node's, at node level)
+        self.sharers = sharers
         sg = world.sg
         self.queue = sg.Mailbox.by_name(f"pace:{me}:{id(self)}")
         self.actor = sg.Actor.create(f"pacer{me}", sg.this_actor.get_host(), self._run)
         self.queue.set_receiver(self.actor)
 
-    def send(self, row: Optional[Sequence[Tuple[str, int, float]]]) -> None:
-        """Queue one row: (key, destination rank, bytes) each.  An actor
+    def send(self, row: Optional[Sequence[Tuple[Any, ...]]]) -> None:
+        """Queue one row: (key, destination rank, bytes[, streams]) each.  An actor
         that sends rows calls settle() before it ends."""
         # (not detached: a detached comm keeps its sender alive for good, and
         # with it the actor's stack, two memory maps: a reducer's rows took a
@@ -200,6 +203,21 @@ class _Pacer:
         self.actor = None
         self.rows.clear()
 
+    def _row_time(self, remote: Sequence[Tuple[float, int]]) -> float:
+        """Seconds a row of messages to other nodes takes to leave: its wire
+        bytes at the pace, or its datagrams at `datagram_cost` each where
+        that is longer (0: unpaced and free).  Each message: (wire bytes, how
+        many rank-level streams of equal size it stands for)."""
+        if not remote:
+            return 0.0
+        at_pace = sum(nbytes for nbytes, _ in remote) / self.pace if self.pace else 0.0
+        cost = self.w.s.datagram_cost
+        if not cost:
+            return at_pace
+        frame = self.w.s.payload * self.w.ud_frame
+        datagrams = sum(n * math.ceil(nbytes / n / frame - 1e-9) for nbytes, n in remote)
+        return max(at_pace, datagrams * cost / self.sharers)
+
     def _run(self) -> None:
         w, sg = self.w, self.w.sg
         clock = _clock(sg)
@@ -210,17 +228,16 @@ class _Pacer:
                 break
             if clock() >= self.until:
                 continue                           # unsent: past the budget
-            remote = [nbytes for _, dest, nbytes in row if not self.local(dest)]
-            # the pace split in proportion to the bytes, so that every message
-            # of the row ends when the row's time at the pace does
-            share = self.pace / sum(remote) if self.pace and remote else 0.0
-            flying += [w.put(key, nbytes, 0.0 if self.local(dest) else share * nbytes)
-                       for key, dest, nbytes in row]
-            if self.pace and remote:
+            remote = [(m[2], m[3] if len(m) > 3 else 1) for m in row if not self.local(m[1])]
+            took = self._row_time(remote)
+            # the row's time split in proportion to the bytes, so that every
+            # message of the row ends when the row does
+            flying += [w.put(m[0], m[2], 0.0 if self.local(m[1]) or not took else m[2] / took)
+                       for m in row]
+            if took:
                 # the token bucket lets the row out at the pace, whether or
                 # not the network keeps up (the switch queues the rest)
-                sg.this_actor.sleep_for(min(sum(remote) / self.pace,
-                                            max(0.0, self.until - clock())))
+                sg.this_actor.sleep_for(min(took, max(0.0, self.until - clock())))
         _wait(flying, self.until, clock)
 
 
@@ -352,7 +369,8 @@ def _chain_mean(position: int, drop: float) -> float:
 
 def _tree(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: float,
           budget: float, tag: str, drop: float, radix: int = 4) -> Tuple[float, float]:
-    """The k-ary tree: partial sums up, the result down, piece by piece."""
+    """The k-ary tree: partial sums up, the result down, piece by piece:
+    (expected contributors summed over my result's pieces; the pieces)."""
     from .patterns import tree_depth, tree_levels, tree_shape
     w, sg, P, k, K, clock = _among(call, me, members)
     if P == 1:
@@ -371,12 +389,15 @@ def _tree(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: fl
 
     def upward() -> None:
         for i in range(K):
-            for lv, g in zip(levels, up[i]):
+            for c, lv, g in zip(children, levels, up[i]):
                 ok = _wait([g], call.stage_deadline(begin, (lv + 1) / nst, budget), clock)[0]
-                subtree[i] += (1 - drop) * ok
+                # (a child's partial sum carries its subtree's contributors)
+                subtree[i] += (1 - drop) * ok * w.partials.pop(call.key(tag, members[c], i), 1.0)
             if parent >= 0:
+                w.partials[call.key(tag, me, i)] = subtree[i]
                 pacer.send([(call.key(tag, "up", me, members[parent], i), members[parent], wire)])
             else:
+                w.partials[call.key(tag, "root", i)] = subtree[i]
                 pacer.send([(call.key(tag, "dn", me, members[c], i), members[c], wire)
                             for c in children])
         pacer.settle()
@@ -389,13 +410,17 @@ def _tree(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: fl
             if children:
                 pacer.send([(call.key(tag, "dn", me, members[c], i), members[c], wire)
                             for c in children])
-            # the whole result, in expectation over the hops above me; else my subtree
-            total += got * P * (1 - drop) ** depth + (1 - got) * subtree[i]
+            # the root's result if every hop above me kept it (in expectation),
+            # else my subtree's partial sum
+            kept = (1 - drop) ** depth
+            whole = w.partials[call.key(tag, "root", i)] if got else 0.0
+            total += got * (kept * whole + (1 - kept) * subtree[i]) + (1 - got) * subtree[i]
     climber.join()
     if parent < 0:
         total = sum(subtree)
     pacer.close()
-    return total, float(P * K)
+    # (every piece is the whole vector: K results of up to P contributors)
+    return total, float(K)
 
 
 def _hierarchical(call: _Call, me: int, nbytes: float, budget: float,

@@ -8,7 +8,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 from .traffic import Background
 
-__all__ = ["Scenario", "Outcome", "fat_tree"]
+__all__ = ["Scenario", "Outcome", "fat_tree", "two_level_tree"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Scenario:
     cores: int = 0                      # >0: all ranks share this many cores (the emulated cluster)
     core_rate: float = 0.0              # bytes/s one core sends through the stack
     seal_rate: float = 0.0              # bytes/s a rank seals and checks (datagrams' MAC); 0: free
+    datagram_cost: float = 0.0          # s of a rank's CPU per datagram it sends and its peer reads
     seed: int = 1
     # the node-level engine (aggregate.py)
     fanout: int = 0                     # flows per node and stage-2 phase; 0: per-rank engine
@@ -70,3 +71,12 @@ def fat_tree(scenario: Scenario) -> Tuple[int, List[int], List[int], List[int]]:
     levels = scenario.tree[0]
     rest = list(scenario.tree[1:])
     return levels, rest[:levels], rest[levels:2 * levels], rest[2 * levels:3 * levels]
+
+
+def two_level_tree(nodes: int) -> Tuple[int, ...]:
+    """Scenario.tree of the projections: leaf switches of 8 nodes, each with
+    one link up to each of 8 spines (full bisection); one switch below 9
+    nodes."""
+    if nodes <= 8:
+        return ()
+    return (2, 8, nodes // 8, 1, 8, 1, 1)

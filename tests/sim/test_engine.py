@@ -1,6 +1,6 @@
 """The scale model's engine on SimGrid (mpilossy.sim.engine): a call takes
 at least what its bytes need at the rank's pace, a lossless call delivers
-everything, a deadline shorter than the transfer ends the call on time with
+everything (the tree too, and under drops what its hops keep), a deadline shorter than the transfer ends the call on time with
 blocks missing, and MPI_Allreduce (recursive halving and doubling at a
 power of two) takes what its bytes need.  Each
 scenario runs in a fresh process (one SimGrid engine per process)."""
@@ -35,6 +35,34 @@ def test_direct_and_ring_take_what_their_bytes_need_and_deliver_everything(run):
         if P == 4:
             mpi_least = 2 * s.nbytes * (P - 1) / P * TCP_FRAME / TCP_PAYLOAD / (s.rate / 8)
             assert mpi_least <= row["mpi"]["p50"] <= 1.3 * mpi_least, row
+
+
+@pytest.mark.timeout(120)
+def test_the_tree_delivers_everything_and_what_its_hops_keep_under_drops(run):
+    from dataclasses import replace
+    # a rank's MAC (1.6 GB/s) well below its port: a parent's 3 children fit
+    # through its port (the model drops what a port cannot carry, no queue)
+    quiet = Scenario(nodes=6, ppn=1, rate=100e9, nbytes=MiB, algorithm="tree", deadline=1.0,
+                     calls=2, mpi=False, seal_rate=1.6e9, latency=1e-6, payload=8192, pieces=4)
+    tree, lossy_tree, lossy_direct = run(quiet, replace(quiet, drop=0.05),
+                                         replace(quiet, drop=0.05, algorithm="direct"))
+    # 6 ranks, radix 4: the root's 4 children (one with a child of its own)
+    # send it the whole vector, then it sends each the result: 4 vectors out
+    # at its pace bound the call, the pieces pipelining the rest
+    frame = (quiet.payload + UD_HEADERS) / quiet.payload
+    least = 4 * quiet.nbytes * frame / quiet.seal_rate
+    assert least <= tree["lossy"]["p50"] <= 2 * least, (least, tree)
+    assert tree["delivered"] == pytest.approx(1.0)
+    # under drops, in expectation (q: a hop kept): the root holds itself, its 3
+    # leaves and rank 4's partial (4 and its child 5) as far as they came; a
+    # leaf or rank 4 gets the root's result with q, else its own partial;
+    # rank 5, two hops below, with q^2
+    q = 1 - 0.05
+    root = 1 + 3 * q + q * (1 + q)
+    ranks = [root] + 3 * [q * root + (1 - q)] + [q * root + (1 - q) * (1 + q),
+                                                 q * q * root + (1 - q * q)]
+    assert lossy_tree["delivered"] == pytest.approx(sum(ranks) / 36), lossy_tree
+    assert 0.8 < lossy_direct["delivered"] < 1.0, lossy_direct
 
 
 @pytest.mark.timeout(120)
