@@ -328,8 +328,8 @@ def main(argv: Sequence[str] = ()) -> int:
                         help="scale: all-reduces in the step it prints")
     parser.add_argument("--ppns", type=lambda t: [int(x) for x in t.split(",")],
                         default=[1, 8], help="choose: ranks per node")
-    parser.add_argument("--datagram-cost", type=float, default=0.0,
-                        help="seconds of a rank's CPU per datagram (choose: 1e-6, "
+    parser.add_argument("--datagram-cost", type=float, default=mechanisms.UNIT["datagram_s"],
+                        help="choose: seconds of a rank's CPU per datagram (default: "
                              "mechanisms.UNIT's datagram_s)")
     parser.add_argument("--drop", type=float, default=0.0,
                         help="choose: random datagram drops on the switch")
@@ -345,7 +345,6 @@ def main(argv: Sequence[str] = ()) -> int:
                       "choose": [16, 64, 256, 1024]}.get(args.what, [8, 16, 32])
     if args.what == "choose":
         args.calls = min(args.calls, 2)
-        args.datagram_cost = args.datagram_cost or mechanisms.UNIT["datagram_s"]
         if args.sizes == DEFAULT_SIZES:
             args.sizes = CHOOSE_SIZES
     if args.what == "plot":               # from the JSON files a run left in --out

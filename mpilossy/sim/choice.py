@@ -6,8 +6,8 @@ Each algorithm runs on the engine that reaches furthest with it: the
 hierarchy, and direct at one rank per node (the hierarchy's stage 2
 alone), on the node-level engine (aggregate.py); the tree and the ring,
 and direct with several ranks per node, on the per-rank engine, up to a
-message budget (`max_messages` a call): what would pass it is reported as
-not simulated, with its message count.  Every datagram costs its rank
+message budget (`max_messages` a call) and MAX_ACTORS threads: what would
+pass either is reported as not simulated, with what it would need.  Every datagram costs its rank
 `datagram_cost` of CPU (sent, and read by its peer), so that an
 algorithm's message count shows in its time where its bytes do not.
 """

@@ -228,12 +228,14 @@ class _Pacer:
                 break
             if clock() >= self.until:
                 continue                           # unsent: past the budget
-            remote = [(m[2], m[3] if len(m) > 3 else 1) for m in row if not self.local(m[1])]
+            sends = [(m[0], m[1], m[2], m[3] if len(m) > 3 else 1) for m in row]
+            remote = [(nbytes, streams) for _, dest, nbytes, streams in sends
+                      if not self.local(dest)]
             took = self._row_time(remote)
             # the row's time split in proportion to the bytes, so that every
             # message of the row ends when the row does
-            flying += [w.put(m[0], m[2], 0.0 if self.local(m[1]) or not took else m[2] / took)
-                       for m in row]
+            flying += [w.put(key, nbytes, 0.0 if self.local(dest) or not took else nbytes / took)
+                       for key, dest, nbytes, _ in sends]
             if took:
                 # the token bucket lets the row out at the pace, whether or
                 # not the network keeps up (the switch queues the rest)
