@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 from typing import Any, Callable, Dict, Optional, Tuple, Union, cast
 
 import numpy as np
@@ -26,7 +27,8 @@ from .errors import EvictedError, MPILossyError
 from .hierarchy import NodeLayout
 from .state import State
 from .elasticity import ElasticFront, open_communicators as _live
-from .survivors import Elastic, SpareSeat
+from .control.rendezvous import Rendezvous, directory_problem
+from .survivors import Elastic, SpareSeat, arrive
 
 __all__ = ["Communicator", "CollectiveStats", "AllreduceStats", "allreduce",
            "reduce_scatter", "allgather", "default_communicator"]
@@ -64,7 +66,9 @@ class Communicator(ElasticFront):
     hierarchy; each rank's heartbeat goes to the heartbeat_span ranks on
     each side of it: docs/elastic.md); spares=k (with elastic=True: the
     last k ranks of `comm` wait outside as hot spares, stand_by(), until
-    an exclusion frees a place; on_growth).
+    an exclusion frees a place; on_growth); rendezvous=DIR (with
+    elastic=True, instead of spares: processes started after a loss join
+    through that directory with Communicator.join(DIR)).
 
     Construction and free() are collective over `comm`.
     """
@@ -83,7 +87,9 @@ class Communicator(ElasticFront):
                  evict_after: int = DEFAULTS.evict_after,
                  elastic_wait: float = DEFAULTS.elastic_wait,
                  heartbeat_span: int = DEFAULTS.heartbeat_span,
-                 spares: int = DEFAULTS.spares) -> None:
+                 spares: int = DEFAULTS.spares,
+                 rendezvous: Union[str, "os.PathLike[str]", None] = DEFAULTS.rendezvous
+                 ) -> None:
         if comm is None:
             comm = MPI.COMM_WORLD
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
@@ -94,11 +100,15 @@ class Communicator(ElasticFront):
         self._elastic: Optional[Elastic] = None
         self._bounded: Optional[reliable.BoundedComm] = None
         self._seat: Optional[SpareSeat] = None      # spares=k
+        self._joined = 0                            # Communicator.join: 1
         self._serial = next(_serials)
         config, env = agree(comm, arguments)
         environment.configure_logging(env, comm.Get_rank())
         environment.warn_from_environment(env, MPI.COMM_WORLD.Get_rank(), tuple(
             name for name in ("loss", "timeout") if arguments[name] is UNSET))
+        if config.rendezvous is not None and (not config.elastic or config.spares):
+            raise ValueError("rendezvous= needs elastic=True and no spares: newcomers started "
+                             "after a loss fill the places that exclusions free")
         if config.spares:
             self._seat = SpareSeat(comm, config)
             comm = cast(MPI.Intracomm, self._seat.workers)
@@ -112,15 +122,59 @@ class Communicator(ElasticFront):
             if config.spares:
                 comm.Free()
         if config.elastic:
+            meeting = None if config.rendezvous is None else Rendezvous(config.rendezvous)
             try:
-                self._elastic = Elastic(state, self._seat.spares if self._seat else None)
+                self._elastic = Elastic(state, self._seat.spares if self._seat else None,
+                                        rendezvous=meeting)
             except BaseException:
                 self.free()
                 raise
+            if meeting is not None and state.rank == 0:
+                meeting.opened()
         _live.add(self)
         environment.log.info("communicator of %d ranks: channel=%s timeout=%s loss=%s "
                              "block_bytes=%d", state.size, state.channel, config.timeout,
                              list(config.loss) or None, config.block_bytes)
+
+    @classmethod
+    def join(cls, rendezvous: Union[str, "os.PathLike[str]"], comm: Optional[MPI.Comm] = None,
+             *, timeout: float = 60.0) -> Optional["Communicator"]:
+        """On a process started after a loss, outside the job (a rank's
+        process restarted by a wrapper script, an ``srun -n 1`` step): wait
+        until the ranks of the running elastic Communicator built with the
+        same `rendezvous` directory take it in at their grow(), where a
+        place is free, and return its Communicator there (the last
+        rank(s); every setting the ranks in agreed on is theirs; the
+        reliable calls the survivors make after grow() to send it their
+        state, this process makes after join returns).  None if the job
+        freed its communicator meanwhile, or `timeout` seconds passed.
+        Collective over `comm` (default COMM_SELF: one process): its
+        processes come in together, where as many places are free."""
+        if comm is None:
+            comm = MPI.COMM_SELF
+        if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
+            raise TypeError("comm must be an mpi4py intracommunicator")
+        directory = Config.build({"rendezvous": rendezvous})[0].rendezvous
+        assert directory is not None
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
+                not timeout > 0:
+            raise ValueError(f"timeout must be seconds > 0, not {timeout!r}")
+        problem = directory_problem(directory)
+        if problem is not None:
+            raise ValueError(problem)
+        lc = cls.__new__(cls)
+        lc._state, lc._elastic, lc._bounded, lc._seat = None, None, None, None
+        lc._serial = next(_serials)
+        lc._joined = 0
+        arrived = arrive(directory, comm, float(timeout), lc._serial)
+        if arrived is None:
+            return None
+        lc._state, lc._elastic = arrived
+        lc._joined = 1
+        _live.add(lc)
+        environment.log.warning("joined through %s: rank %d of %d", directory,
+                                lc._state.rank, lc._state.size)
+        return lc
 
     # -- properties ----------------------------------------------------------
     @property
@@ -234,6 +288,8 @@ class Communicator(ElasticFront):
                 if self._seat is not None and self._state.rank == 0:
                     # (every rank still in is done)
                     self._seat.spares.release(self._elastic.membership.members)
+                if self._elastic.rendezvous is not None and self._state.rank == 0:
+                    self._elastic.rendezvous.close()
             except EvictedError:
                 pass
         state, self._state = self._state, None

@@ -24,6 +24,7 @@ class ElasticFront:
     _elastic: Optional[Elastic]
     _seat: Optional[SpareSeat]
     _serial: int
+    _joined: int
 
     def _live(self) -> State:       # (Communicator's: the state, or why there is none)
         raise NotImplementedError
@@ -36,10 +37,17 @@ class ElasticFront:
 
     @property
     def newcomer(self) -> bool:
-        """spares=k: this rank was a spare and an exclusion called it in
-        (mpilossy.torch's DistributedOptimizer built on it then receives
-        the survivors' parameters and optimizer state)."""
-        return self._seat is not None and self._seat.newcomer
+        """spares=k: this rank was a spare and an exclusion called it in;
+        rendezvous: it came in through Communicator.join (mpilossy.torch's
+        DistributedOptimizer built on it then receives the survivors'
+        parameters and optimizer state)."""
+        return bool(self._joined) or (self._seat is not None and self._seat.newcomer)
+
+    @property
+    def grows(self) -> bool:
+        """elastic=True with spares or a rendezvous: grow() may take
+        newcomers in where exclusions freed places."""
+        return self._elastic is not None and self._elastic.grows
 
     def stand_by(self, timeout: Optional[float] = None) -> bool:
         """On a spare (spares=k: the last k ranks of `comm`): wait until the
@@ -94,18 +102,23 @@ class ElasticFront:
         """spares=k: how many times exclusions called this rank in (a spare,
         or a rank that came back after it was excluded); 0 on a rank in from
         the start that never left."""
-        return 0 if self._seat is None else self._seat.arrivals
+        return self._joined + (0 if self._seat is None else self._seat.arrivals)
 
     def grow(self) -> Tuple[int, ...]:
-        """elastic=True with spares: collective over the ranks in, at a
-        point of the program where a newcomer can follow (the end of a
-        step: right after this, the survivors send it what it needs, with
-        reliable calls it makes after stand_by()).  Where exclusions freed
-        places and spares are left, the ranks agree and call spares in
-        (the on_growth callbacks run); returns the spares that joined
-        (ranks of the communicator this one was built on), () almost
-        always, at no cost then.  Every rank in must call it after the same
-        lossy calls, within elastic_wait seconds of the first."""
+        """elastic=True with spares or a rendezvous: collective over the
+        ranks in, at a point of the program where a newcomer can follow
+        (the end of a step: right after this, the survivors send it what it
+        needs, with reliable calls it makes after stand_by() or join()).
+        Where exclusions freed places and spares are left, the ranks agree
+        and call spares in; with a rendezvous, while a place is free, they
+        agree on whether a process started since waits there (one small
+        all-reduce each grow()) and accept it (the on_growth callbacks
+        run); returns the members that joined (spares: ranks of the
+        communicator this one was built on; through the rendezvous:
+        numbers from its size on, in order of arrival), () almost always,
+        at no cost while no place is free.  Every rank in must call it
+        after the same lossy calls, within elastic_wait seconds of the
+        first."""
         state = self._live()
         if self._elastic is None:
             return ()
@@ -133,7 +146,9 @@ class ElasticFront:
     @property
     def members(self) -> Tuple[int, ...]:
         """The ranks (in the communicator this Communicator was built on)
-        still in: all of them unless elastic=True excluded some."""
+        still in: all of them unless elastic=True excluded some; newcomers
+        through a rendezvous (Communicator.join) are numbered from that
+        communicator's size on, in order of arrival."""
         if self.spare:
             return ()
         if self._elastic is None:

@@ -12,11 +12,18 @@ and the switch to a state built on the survivors and the spares called
 in (control/spares.py); while a place is free and no spare is left, the
 offers of excluded ranks that woke, agreed at grow() (one nonblocking
 MPI_Iallreduce on a duplicate of the survivors' communicator, started at
-one grow() and read at the next) before they are called in."""
+one grow() and read at the next) before they are called in.  With a
+rendezvous instead of spares, the newcomers are processes started after
+the loss: while a place is free, each grow() agrees on whether one is
+waiting (one small MPI_Iallreduce), and the growth accepts it through MPI's
+ports (control/rendezvous.py); newcomers are numbered from the size of the
+user's communicator on, in order of arrival."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import fields
 from typing import Any, Callable, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import numpy as np
@@ -29,11 +36,12 @@ from .call.config import Config
 from .control.agreement import Agreement, linger
 from .control.elastic import POLL, Membership, check_elastic
 from .control.failures import failed_ranks, survivors
+from .control.rendezvous import Refused, Rendezvous, directory_problem
 from .control.spares import Spares
 from .dispatch import alone
 from .state import State
 
-__all__ = ["Elastic", "SpareSeat", "Callback", "SPARE_ANSWER"]
+__all__ = ["Elastic", "SpareSeat", "Callback", "SPARE_ANSWER", "arrive", "shared_settings"]
 
 SPARE_ANSWER = 1.0      # seconds a spare about to be called in has to answer a ping
 
@@ -45,14 +53,25 @@ class Elastic:
 
     def __init__(self, state: State, spares: Optional[Spares] = None,
                  joining: Optional[Dict[str, Any]] = None,
-                 offers: Optional[MPI.Intracomm] = None) -> None:
+                 offers: Optional[MPI.Intracomm] = None,
+                 rendezvous: Optional[Rendezvous] = None) -> None:
         """Collective over the state's communicator (the deadline is checked
         on every rank first; the other settings were agreed in Config).
         `joining`: on a spare called in, its call-in (control/spares.py),
+        or on a newcomer through `rendezvous`, what the ranks in sent it;
         and `offers`, the duplicate of the grown communicator that agrees
-        on offers (made by every rank in at the growth: Elastic._grow)."""
+        on offers and knocks (made by every rank in at the growth)."""
         if joining is None:             # (a spare's settings were checked with everyone's)
             problem = check_elastic(state.config.timeout)
+            if problem is None and rendezvous is not None:
+                where = directory_problem(rendezvous.directory)
+                problem = None if where is None else ValueError(where)
+            if problem is None and rendezvous is not None and state.channel != "ud":
+                # (tried: 6 of 22 newcomers stayed in; a survivor waited in a reliable
+                # collective the others had left until elastic_wait: docs/elastic.md)
+                problem = ValueError(f"rendezvous= needs channel='ud' (this one is "
+                                     f"{state.channel!r}): one-sided calls with a process "
+                                     f"started outside the job stall")
             errors = [(r, e) for r, e in enumerate(
                 state.comm.allgather(None if problem is None else str(problem))) if e]
             if errors:
@@ -70,6 +89,12 @@ class Elastic:
         self.before: Optional[State] = None     # the state they belong to
         self.spares = spares
         self.places = 0                     # ranks excluded and not replaced yet
+        # (a rendezvous: the knock the lowest rank found, the processes agreed to
+        # come at this grow(), and the number the next newcomer gets as a member)
+        self.rendezvous = rendezvous
+        self.knock: Optional[str] = None
+        self.arriving = 0
+        self.next_id = state.size
         # (spares: agreeing on the offers of excluded ranks that woke; the agreement
         # in flight, started at one grow() and read at the next)
         self.offer_comm = offers
@@ -78,6 +103,7 @@ class Elastic:
             self.membership.epoch = joining["epoch"]
             self.membership.reliable_done = joining["reliable_done"]
             self.places = joining["places"]
+            self.next_id = joining.get("next_id", self.next_id)
 
     @property
     def evicted(self) -> Optional[str]:
@@ -103,10 +129,17 @@ class Elastic:
         fresh, excluded, _ = self._exclude(state, suspects, grow=False)
         return fresh, stats._replace(excluded=excluded) if excluded else stats
 
+    @property
+    def grows(self) -> bool:
+        """Whether exclusions leave places that newcomers can fill."""
+        return self.spares is not None or self.rendezvous is not None
+
     def _may_grow(self) -> bool:
-        """Places to fill and spares to fill them: the same on every rank
-        still in (they follow from agreed exclusions)."""
-        return bool(self.places and self.spares is not None and self.spares.left)
+        """Places to fill and spares (or an agreed newcomer) to fill them:
+        the same on every rank still in (they follow from agreed
+        exclusions and agreements)."""
+        return bool(self.places and ((self.spares is not None and self.spares.left)
+                                     or self.arriving))
 
     def grow(self, state: State) -> Tuple[State, Tuple[int, ...], Tuple[int, ...]]:
         """Communicator.grow(): where places are free and spares left, the
@@ -119,7 +152,11 @@ class Elastic:
             state, excluded = self._take_offers(state)
             if excluded:
                 return state, excluded, ()
-        if self._may_grow():
+        if self.places and self.rendezvous is not None:
+            state, excluded = self._hear_knocks(state)
+            if excluded:
+                return state, excluded, ()
+        if self._may_grow() and self.spares is not None:
             state, excluded = self._drop_lost_spares(state)
             if excluded:
                 return state, excluded, ()
@@ -155,6 +192,43 @@ class Elastic:
                                   send, recv, 0)
         return state, ()
 
+    def _hear_knocks(self, state: State) -> Tuple[State, Tuple[int, ...]]:
+        """A place is free and a rendezvous set: the lowest rank in looks
+        for a newcomer waiting whose processes fit the places, and the
+        ranks in agree on it (one small MPI_Iallreduce, waited for here,
+        the heartbeat going on).  (the state, the ranks excluded meanwhile:
+        the agreement abandoned)"""
+        assert self.rendezvous is not None
+        self.knock, self.arriving = None, 0
+        send = np.zeros(1, dtype=np.int64)
+        if self.membership.rank == 0:
+            for knock, size in self.rendezvous.knocks():
+                if size <= self.places:
+                    self.knock, send[0] = knock, size
+                    break
+        recv, switched = self._agree_max(state, send)
+        if switched is not None:
+            return switched
+        self.arriving = int(recv[0])
+        return state, ()
+
+    def _agree_max(self, state: State, send: np.ndarray
+                   ) -> Tuple[np.ndarray, Optional[Tuple[State, Tuple[int, ...]]]]:
+        """The elementwise MAX of `send` over the ranks in (one small
+        MPI_Iallreduce on the duplicate for offers, waited for here, the
+        heartbeat going on): (it, None), or (_, (the survivors' state, the
+        ranks excluded)) if ranks were excluded meanwhile (the agreement
+        abandoned)."""
+        assert self.offer_comm is not None
+        recv = np.zeros_like(send)
+        request = self.offer_comm.Iallreduce(send, recv, op=MPI.MAX)
+        outcome = self.wait(state, request, closing=False)
+        if outcome is None:
+            return recv, None
+        linger(request, send, recv)
+        fresh, excluded, _ = outcome
+        return recv, (fresh, excluded)
+
     def _drop_lost_spares(self, state: State) -> Tuple[State, Tuple[int, ...]]:
         """Before spares are called in: the ranks in agree on the spares
         that any of them sees reported failed by MPI, or that did not
@@ -174,13 +248,9 @@ class Elastic:
                 silent = self._silent(calling)
             send = np.array([spare in gone or spare in silent for spare in left],
                             dtype=np.int64)
-            recv = np.zeros_like(send)
-            request = self.offer_comm.Iallreduce(send, recv, op=MPI.MAX)
-            outcome = self.wait(state, request, closing=False)
-            if outcome is not None:
-                linger(request, send, recv)
-                fresh, excluded, _ = outcome
-                return fresh, excluded
+            recv, switched = self._agree_max(state, send)
+            if switched is not None:
+                return switched
             dead = [spare for spare, lost in zip(left, recv) if lost]
             if not dead:
                 break
@@ -256,15 +326,21 @@ class Elastic:
         out, failed, behind, grow = membership.agree(suspects, grow and self._may_grow())
         excluded = tuple(membership.members[r] for r in sorted(out))
         reported = [membership.members[r] for r in sorted(failed)]
-        if self.spares is not None:
+        if self.grows:
             self.places += len(out)
         joined: Tuple[int, ...] = ()
-        if grow and self._may_grow():      # (agreed: every rank going on can)
+        # (the newcomer's knock is on the lowest rank: if that rank is out, it waits
+        # for the next growth)
+        if grow and self.arriving and 0 not in out:
+            fresh, joined = self._admit(state, out)
+        elif grow and self._may_grow() and not self.arriving:  # (agreed: every rank going on can)
             fresh, joined = self._grow(state, out)
         elif out:
             fresh = self._switch(state, out)
         else:
+            self.arriving = 0
             return state, (), ()
+        self.arriving = 0
         self.owed = [calls + k for k in range(behind, 0, -1)]
         self.before = state                 # (calls owed are the old layout's)
         if out:
@@ -275,8 +351,9 @@ class Elastic:
                 f"; this rank answers its next {behind} call(s) alone to line up with "
                 f"the others" if behind else "")
         if joined:
-            environment.log.warning("spares %s called in after call %d: %d ranks go on",
-                                    list(joined), calls, fresh.size)
+            environment.log.warning("%s %s %s after call %d: %d ranks go on",
+                                    "spares" if self.spares else "newcomers", list(joined),
+                                    "called in" if self.spares else "joined", calls, fresh.size)
         return fresh, excluded, joined
 
     def notify(self, excluded: Tuple[int, ...], joined: Tuple[int, ...] = ()) -> None:
@@ -300,7 +377,7 @@ class Elastic:
         kept = [m for r, m in enumerate(membership.members) if r not in out]
         places = min(self.places, len(self.spares.left))
         self.places -= places
-        info = dict(epoch=membership.epoch, reliable_done=membership.reliable_done,
+        info: Dict[str, Any] = dict(epoch=membership.epoch, reliable_done=membership.reliable_done,
                     across_nodes=not membership.signals.reliable, places=self.places)
         grown, joined = self.spares.grown(
             kept, places, kept.index(membership.members[membership.rank]), info)
@@ -316,6 +393,45 @@ class Elastic:
         membership.rebind(fresh.comm, out, joined)
         return fresh, joined
 
+    def _admit(self, state: State, out: FrozenSet[int]) -> Tuple[State, Tuple[int, ...]]:
+        """Collective over the survivors and the newcomer agreed on
+        (_hear_knocks): accepted through the rendezvous and merged, the
+        state built on them all, as _grow builds it.  (the state, the
+        newcomer's members)"""
+        assert self.rendezvous is not None
+        membership = self.membership
+        size, self.arriving = self.arriving, 0
+        knock, self.knock = self.knock, None
+        joined = tuple(range(self.next_id, self.next_id + size))
+        self.next_id += size
+        self.places -= size
+        kept = [m for r, m in enumerate(membership.members) if r not in out]
+        info: Dict[str, Any] = dict(epoch=membership.epoch, reliable_done=membership.reliable_done,
+                    across_nodes=not membership.signals.reliable, places=self.places,
+                    members=kept + list(joined), next_id=self.next_id,
+                    learned=state.learned(), settings=shared_settings(state.config))
+        self._drop_offers()
+        rest = survivors(state.comm, out)
+        try:
+            grown = self.rendezvous.admit(rest, knock if rest.Get_rank() == 0 else None, info)
+        except Refused as exc:
+            environment.log.warning("the newcomer at %s could not be taken in: %s",
+                                    knock or "the rendezvous", exc)
+            self.next_id -= size
+            self.places += size
+            return (self._switch(state, out) if out else state), ()
+        finally:
+            rest.Free()
+        try:
+            fresh = State.open(grown, state.config, state.serial, layout=True)
+            self.offer_comm = grown.Dup()
+        finally:
+            grown.Free()
+        fresh.warm(info["learned"])
+        state.abandon()
+        membership.rebind(fresh.comm, out, joined)
+        return fresh, joined
+
     def _switch(self, state: State, out: frozenset) -> State:
         """Collective over the survivors: a state built whole on their
         communicator, without hierarchy (its levels, states of their own,
@@ -326,7 +442,7 @@ class Elastic:
         self._drop_offers()
         try:
             fresh = State.open(rest, state.config, state.serial, layout=True)
-            if self.spares is not None:
+            if self.grows:
                 self.offer_comm = rest.Dup()
         finally:
             rest.Free()
@@ -392,3 +508,35 @@ class SpareSeat:
         me = self.spares.parent.Get_rank()
         self.spares.offer([m for m in members if m != me])
         self.standing, self.newcomer = True, False
+
+
+def shared_settings(config: Config) -> Dict[str, Any]:
+    """What a newcomer through a rendezvous takes from the ranks in: every
+    Communicator argument and every setting that must agree (the rest,
+    such as the datagram domain, is its host's own)."""
+    return {f.name: getattr(config, f.name) for f in fields(config)
+            if f.metadata["argument"] or f.metadata["agreed"]}
+
+
+def arrive(directory: str, comm: MPI.Intracomm, bound: float, serial: int
+           ) -> Optional[Tuple[State, Elastic]]:
+    """Communicator.join on a newcomer's processes (collective over
+    `comm`): knock at the rendezvous `directory`, and once the ranks in
+    accepted it, its state on the merged communicator, warmed with what
+    they learned, and its membership; None if the job ended or nobody took
+    it in within `bound` seconds."""
+    rendezvous = Rendezvous(directory)
+    admitted = rendezvous.knock_and_connect(comm, bound)
+    if admitted is None:
+        return None
+    grown, info = admitted
+    try:
+        own, env = Config.build({})
+        config = dataclasses.replace(own, **info["settings"])
+        environment.configure_logging(env, grown.Get_rank())
+        state = State.open(grown, config, serial, layout=True)
+        offers = grown.Dup()                    # (as the ranks in: Elastic._admit)
+    finally:
+        grown.Free()
+    state.warm(info["learned"])
+    return state, Elastic(state, None, joining=info, offers=offers, rendezvous=rendezvous)

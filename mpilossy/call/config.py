@@ -165,6 +165,18 @@ def _text(name: str, value: Any) -> Optional[str]:
     return value
 
 
+def _directory(name: str, value: Any) -> Optional[str]:
+    if value is None:
+        return None
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise TypeError(f"{name} must be a directory's path (str or os.PathLike), "
+                        f"not {value!r}")
+    return os.fspath(value)     # type: ignore[return-value]
+
+
+_directory.accepts = "a directory's path"                           # type: ignore[attr-defined]
+
+
 def _rate(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or \
             not math.isfinite(value) or value < 0:
@@ -244,6 +256,7 @@ class Config:
     heartbeat_span: int = setting(2, check=_int_in(1, words="an int >= 1 (ranks on each side)"),
                                   agreed=True)
     spares: int = setting(0, check=_int_in(0, words="an int >= 0 (ranks)"), agreed=True)
+    rendezvous: Optional[str] = setting(None, check=_directory, agreed=True)
     # from the environment only
     rma_shm: bool = setting(
         True, check=_bool, env="MPILOSSY_RMA_SHM", convert=to_switch, argument=False,

@@ -24,11 +24,12 @@ def lossy_communicator(communicator: Optional[Communicator]) -> Communicator:
 
 
 def spares_problem(lc: Communicator, what: str) -> Optional[Exception]:
-    """`what` cannot follow a communicator that grows back (spares=k)."""
-    if lc.config.spares:
-        return ValueError(f"{what} does not take spares in yet (Communicator(spares=k): "
-                          f"docs/elastic.md, 'Growing back'); DistributedOptimizer and "
-                          f"ShardedOptimizer do")
+    """`what` cannot follow a communicator that grows back (spares=k, or
+    rendezvous=DIR)."""
+    if lc.grows:
+        return ValueError(f"{what} does not take newcomers in yet (Communicator(spares=k) or "
+                          f"rendezvous=DIR: docs/elastic.md, 'Growing back'); "
+                          f"DistributedOptimizer and ShardedOptimizer do")
     return None
 
 

@@ -172,7 +172,7 @@ class Engine:
         """spares=k, at the end of a step: Communicator.grow(); if spares
         joined, the collectives a newcomer's construction makes (its
         checks, made again here), then the state it needs (share())."""
-        if not self.lc.config.spares:
+        if not self.lc.grows:
             return
         joined = self.lc.grow()
         if not joined:
@@ -417,9 +417,10 @@ def DistributedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any
             and tolerance.redundancy_target is not None and lc.config.redundancy != "auto"):
         problem = ValueError("tolerance's redundancy_target needs a communicator built with "
                              "redundancy='auto'")
-    if problem is None and lc.config.spares and (tolerance is not None or error_feedback or
-                                                 compute_deadline is not None or compression):
-        problem = ValueError("with spares (Communicator(spares=k)), tolerance, error_feedback, "
+    if problem is None and lc.grows and (tolerance is not None or error_feedback or
+                                         compute_deadline is not None or compression):
+        problem = ValueError("with spares or a rendezvous (Communicator(spares=k), "
+                             "rendezvous=DIR), tolerance, error_feedback, "
                              "compute_deadline and compression do not take newcomers in yet "
                              "(docs/elastic.md, 'Growing back')")
     if problem is None and tolerance is not None and error_feedback:

@@ -439,9 +439,10 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
                or feedback_problem(lc, error_feedback)
                or deadline_problem(lc, op, compute_deadline, error_feedback)
                or compression_problem(compression, error_feedback, lc))
-    if problem is None and lc.config.spares and (error_feedback or compute_deadline is not None
-                                                 or compression):
-        problem = ValueError("with spares (Communicator(spares=k)), error_feedback, "
+    if problem is None and lc.grows and (error_feedback or compute_deadline is not None
+                                         or compression):
+        problem = ValueError("with spares or a rendezvous (Communicator(spares=k), "
+                             "rendezvous=DIR), error_feedback, "
                              "compute_deadline and compression do not take newcomers in yet "
                              "(docs/elastic.md, 'Growing back')")
     if problem is None and missed not in MISSED:

@@ -73,6 +73,7 @@ BAD_ARGUMENTS = {
     "delivered_target": (1.0, ValueError), "pipeline_bytes": (-1, ValueError),
     "elastic": ("yes", TypeError), "evict_after": (0, ValueError), "elastic_wait": (0, ValueError),
     "heartbeat_span": (0, ValueError), "spares": (-1, ValueError),
+    "rendezvous": (3, TypeError),
 }
 
 
@@ -94,7 +95,8 @@ def test_the_agreed_settings_are_marked_on_the_fields():
     assert labels == ["channel", "block_bytes", "capacity", "tree_radix", "scaling", "rotate",
                       "compression", "compression_group", "redundancy", "redundancy_target",
                       "delivered_target", "pipeline_bytes", "elastic", "evict_after",
-                      "elastic_wait", "heartbeat_span", "spares", "MPILOSSY_RMA_SHM",
+                      "elastic_wait", "heartbeat_span", "spares", "rendezvous",
+                      "MPILOSSY_RMA_SHM",
                       "datagram provider", "MPILOSSY_UD_MTU"]
     assert "timeout" not in labels and "MPILOSSY_UD_DOMAIN" not in labels   # may differ
 

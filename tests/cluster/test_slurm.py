@@ -9,15 +9,18 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from cluster_helpers import JOBS, cluster_fixture
-from helpers import (PROGRAMS, check_joined, is_singleton, join_after_loss, json_reports,
-                     run_bounded)
+from helpers import (PROGRAMS, check_joined, clean_subprocess_env, is_singleton,
+                     join_after_loss, json_reports, run_bounded)
 from mpilossy import _core
 
 pytestmark = [pytest.mark.skipif(not is_singleton(), reason="starts its own Slurm: runs at size 1"),
@@ -296,6 +299,37 @@ def test_srun_a_process_started_after_a_loss_connects_to_the_survivors(slurm, tm
                              "-t", "1", sys.executable, PROGRAMS / "join_by_port.py", "job", port],
                             env, port, cwd=str(tmp_path))
     check_joined(lines, 2)
+
+
+@needs_ud
+def test_srun_a_process_started_after_a_loss_takes_its_place(slurm, tmp_path):
+    """The library's rendezvous under srun (PMI2, --no-kill: the exit is
+    found as a silent rank): 3 tasks on ud, rank 1 exits before call 10, a
+    process started outside the step (a singleton) joins as member 3;
+    every block right, everyone back at 3 ranks
+    (tests/programs/elastic_rejoin.py; the mpiexec cases:
+    tests/control/test_rejoin.py)."""
+    env = slurm.env(PATH=str(Path(sys.executable).parent) + ":" + slurm.env()["PATH"])
+    directory = tmp_path / "rendezvous"
+    directory.mkdir()
+    program = [sys.executable, str(PROGRAMS / "elastic_rejoin.py")]
+    job = subprocess.Popen(["srun", "--mpi=pmi2", "--no-kill", "--kill-on-bad-exit=0", "-n", "3",
+                            "-t", "1"] + program + ["job", "ud", str(directory), "1@10", "30"],
+                           env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        new = run_bounded(program + ["new", str(directory), "60"], 90, clean_subprocess_env())
+        out, err = job.communicate(timeout=90)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    output = out[-2000:] + err[-3000:] + new.stdout[-2000:] + new.stderr[-3000:]
+    lines = {r["member"]: r for r in json_reports(out + new.stdout, '{"member"')}
+    assert sorted(lines) == [0, 2, 3], output
+    for line in lines.values():
+        assert line["members"] == [0, 2, 3] and line["size"] == 3, line
+        assert line["wrong"] == 0 and line["calls"] == lines[0]["calls"], line
+    assert lines[3]["role"] == "new" and lines[3]["joined"] == lines[0]["joined"], output
 
 
 def test_srun_a_rank_that_hung_comes_back(slurm, tmp_path):

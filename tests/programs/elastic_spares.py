@@ -34,6 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpilossy
+from member_calls import averaged_call
 from mpilossy import EvictedError
 
 comm = MPI.COMM_WORLD
@@ -94,20 +95,7 @@ while state["call"] < calls:
             result = f"EvictedError: {exc}"
         print(json.dumps({"rank": me, "woken": result}), flush=True)
         os._exit(0)
-    x[:] = me + 1 + call / 1000
-    out = np.empty(N)
-    state["call"] = call
-    members = lc.members            # (the record numbers the ranks of the call's communicator)
-    stats = lc.allreduce(x, out, op="avg", algorithm="direct")
-    if not stats.alone:
-        firsts, lengths = stats.contributors.blocks()
-        for first, length, row in zip(firsts, lengths, stats.contributors.members()):
-            ranks = [members[r] for r in np.flatnonzero(row)]
-            if length and not (ranks and np.allclose(
-                    out[first:first + length], np.mean([r + 1 + call / 1000 for r in ranks]),
-                    rtol=0, atol=1e-9)):
-                state["wrong"] += 1
-        model += out
+    averaged_call(lc, me, call, x, model, state)
     if lc.grow():           # (at the end of the step: its result is in the model sent)
         send_state()
 

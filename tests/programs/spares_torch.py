@@ -25,6 +25,11 @@ construction) every rank sums the pictures and the momentum it holds now
 over all ranks ("checks"): cutting again must move the momentum, not
 change it.  At the end each rank compares its parameters with rank 0's.
 
+With $SPARES_RENDEZVOUS=DIR there is no spare: the job's communicator
+takes newcomers through that rendezvous, and CHANNEL "join" starts one (a
+process outside the job: Communicator.join(DIR)), which plays the
+spare's part (its rank in the JSON: its member number).
+
 Every rank still running prints one JSON line: its rank, whether it was a
 spare, the steps it made and the first of them, the growths its steps
 reported, the largest difference from rank 0, and the least delivered
@@ -50,12 +55,22 @@ steps = int(sys.argv[3]) if len(sys.argv) > 3 else 20
 sharded = len(sys.argv) > 4 and sys.argv[4] == "sharded"
 share_victim = int(sys.argv[5]) if len(sys.argv) > 5 else None
 victim, at = (int(v) for v in lose.split("@"))
-me = comm.rank
-lc = mpilossy.Communicator(comm, channel=channel, timeout=2.0, elastic=True, evict_after=5,
-                           elastic_wait=2.0, spares=1)
-was_spare = lc.spare
+directory = os.environ.get("SPARES_RENDEZVOUS")
+if channel == "join":
+    joined_lc = mpilossy.Communicator.join(directory, timeout=120.0)
+    if joined_lc is None:
+        print(json.dumps({"rank": -1, "spare": True, "called": False}), flush=True)
+        os._exit(0)
+    lc, was_spare = joined_lc, True
+    me = lc.members[lc.rank]
+else:
+    me = comm.rank
+    lc = mpilossy.Communicator(comm, channel=channel, timeout=2.0, elastic=True, evict_after=5,
+                               elastic_wait=2.0, spares=0 if directory else 1,
+                               rendezvous=directory)
+    was_spare = lc.spare
 model = make_model(seed=7 if was_spare else 0)
-if was_spare and not lc.stand_by(timeout=120.0):
+if lc.spare and not lc.stand_by(timeout=120.0):
     print(json.dumps({"rank": me, "spare": True, "called": False}), flush=True)
     os._exit(0)
 size = sum(p.numel() for p in model.parameters())

@@ -3,6 +3,9 @@ spares: a rank lost and a spare taking its place mid-run
 (tests/programs/spares_torch.py, under its own
 ``mpiexec -disable-auto-cleanup``; docs/elastic.md, "Growing back")."""
 
+import os
+import signal
+import subprocess
 import sys
 
 import pytest
@@ -13,7 +16,7 @@ from mpi4py import MPI  # noqa: E402
 
 import mpilossy  # noqa: E402
 import mpilossy.torch  # noqa: E402,F401
-from mpilossy import MPILossyError  # noqa: E402
+from mpilossy import MPILossyError, _core  # noqa: E402
 from mpilossy.control.failures import reports_failures  # noqa: E402
 from helpers import (PROGRAMS, clean_subprocess_env, is_singleton, json_reports,  # noqa: E402
                      mpiexec, run_bounded)
@@ -108,6 +111,42 @@ def test_a_rank_lost_as_the_growth_sends_the_state(mode):
         assert line["delivered_after"] == 1.0, line
     assert lines[3]["joined"] == growth, lines[3]
     assert lines[4]["spare"] and lines[4]["first"] == growth[0][0] + 1, lines[4]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("mode", ["replicated", "sharded"])
+def test_a_process_started_outside_the_job_takes_over_a_lost_ranks_training(mode, tmp_path):
+    """No spare: 3 ranks on a rendezvous (channel ud), rank 1 exits before
+    step 5; a process started beside the job (mpiexec -n 1, join()) takes
+    its place as member 3, receives the step count, parameters and
+    optimizer state, and trains on: the same checks as a spare's (sharded:
+    the momentum moved, not changed, when the chunks are cut again)."""
+    if not _core.HAVE_DATAGRAM_AUTH:
+        pytest.skip("channel='ud' needs OpenSSL's libcrypto at build time")
+    if not is_singleton():
+        pytest.skip("starts its own mpiexec: runs at size 1")
+    if not reports_failures():
+        pytest.skip("this MPI does not report failed ranks")
+    env = clean_subprocess_env(SPARES_RENDEZVOUS=str(tmp_path))
+    program = [sys.executable, str(PROGRAMS / "spares_torch.py")]
+    job = subprocess.Popen([mpiexec(), "-disable-auto-cleanup", "-n", "3"] + program
+                           + ["ud", "1@5", "15", mode], env=env, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        new = run_bounded([mpiexec(), "-n", "1"] + program + ["join", "1@0", "15", mode],
+                          120, env)
+        out, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    output = out + err + new.stdout + new.stderr
+    lines = {r["rank"]: r for r in json_reports(out + new.stdout)}
+    _, newcomer = check_growth(lines, output, 4, "1@5")
+    if mode == "sharded":
+        for line in lines.values():
+            check = line["checks"][0]
+            assert len(line["checks"]) == 1 and check["moved"] == 0.0, line
+        assert lines[newcomer]["checks"][0]["mine"] > 0, lines[newcomer]
 
 
 @pytest.mark.mpi(min_size=2)

@@ -1,0 +1,186 @@
+"""Processes started after a loss take the lost ranks' places through a
+rendezvous directory: Communicator(elastic=True, rendezvous=DIR) and
+Communicator.join(DIR) (docs/elastic.md, "Growing back";
+tests/programs/elastic_rejoin.py)."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from mpi4py import MPI
+
+import mpilossy
+from mpilossy import _core
+from mpilossy.control.rendezvous import STALE, Rendezvous
+from helpers import (PROGRAMS, all_ranks_raise, clean_subprocess_env, json_reports, mpiexec,
+                     run_bounded)
+from test_spares import skip_unless_own_job
+
+PROGRAM = PROGRAMS / "elastic_rejoin.py"
+
+
+def run_rejoin(tmp_path, ranks, channel, losses, calls, newcomers, *, delay=0.0,
+               launcher=True, **env):
+    """The job under its own mpiexec, and `newcomers` processes started
+    `delay` seconds after it, one after another (each under `mpiexec -n 1`,
+    or as a singleton); every JSON line printed, and the output."""
+    directory = tmp_path / "rendezvous"
+    directory.mkdir()
+    environ = clean_subprocess_env(**env)
+    job = subprocess.Popen([mpiexec(), "-disable-auto-cleanup", "-n", str(ranks),
+                            sys.executable, str(PROGRAM), "job", channel, str(directory), losses,
+                            str(calls)], env=environ, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    started = []
+    try:
+        time.sleep(delay)
+        for _ in range(newcomers):
+            start = [mpiexec(), "-n", "1"] if launcher else []
+            started.append(subprocess.Popen(
+                start + [sys.executable, str(PROGRAM), "new", str(directory), "60"],
+                env=environ, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                start_new_session=True))
+            time.sleep(0.5)
+        outputs = [p.communicate(timeout=90) for p in [job] + started]
+    finally:
+        for p in [job] + started:
+            if p.poll() is None:
+                os.killpg(p.pid, 9)
+    text = "".join(out + err for out, err in outputs)
+    lines = json_reports("".join(out for out, _ in outputs), '{"member"')
+    return lines, text, [p.returncode for p in [job] + started]
+
+
+def check_back_at_full_size(lines, ranks, members, output):
+    """Every process in at the end made every call, each block the mean over
+    the members its call records; they agree on the members, on each
+    growth and on the state sent at it; a newcomer holds the model of the
+    rank that sent it (the results differ between ranks only at the calls
+    that lost a rank)."""
+    assert sorted(line["member"] for line in lines) == members, output
+    for line in lines:
+        assert line["members"] == members and line["size"] == ranks, line
+        assert line["wrong"] == 0 and line["calls"] == lines[0]["calls"], line
+        assert line["arrivals"] == (line["role"] == "new"), line
+    job = sorted((line for line in lines if line["role"] == "job"), key=lambda l: l["member"])
+    for line in lines:      # (a newcomer's model is the lowest rank's, sent at its growth)
+        if line["role"] == "new":
+            assert line["model"] == pytest.approx(job[0]["model"], rel=1e-12), line
+    assert all(line["joined"] == job[0]["joined"] for line in job), output
+    growths = [call for call, _ in job[0]["joined"]]
+    for line in lines:
+        if line["role"] == "new":
+            # (a newcomer sees its own growth and those after it)
+            mine = next(i for i, (_, who) in enumerate(job[0]["joined"])
+                        if who == [line["member"]])
+            assert line["joined"] == job[0]["joined"][mine:], output
+            assert line["sent"] == job[0]["sent"][mine:], output
+    assert len(growths) == len(members) - len(job), output
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("ranks,channel,losses,newcomers,delay,members", [
+    # one newcomer waiting before the loss: taken in at the grow() after the exclusion
+    (4, "ud", "1@10", 1, 0.0, [0, 2, 3, 4]),
+    # two losses, two newcomers started after them, one after the other
+    (3, "ud", "1@5,2@12", 2, 3.0, [0, 3, 4]),
+])
+def test_processes_started_outside_the_job_take_the_lost_ranks_places(
+        tmp_path, ranks, channel, losses, newcomers, delay, members):
+    skip_unless_own_job(channel)
+    lines, output, codes = run_rejoin(tmp_path, ranks, channel, losses, 30, newcomers,
+                                      delay=delay)
+    assert codes[1:] == [0] * newcomers, output
+    check_back_at_full_size(lines, ranks, members, output)
+    assert not [p for p in (tmp_path / "rendezvous").iterdir()
+                if p.name.startswith(("knock.", "port."))], output
+
+
+@pytest.mark.timeout(150)
+def test_a_second_singleton_is_refused_and_the_job_goes_on(tmp_path):
+    """Two newcomers started without a launcher: MPI takes the second for
+    the first and cannot accept it; it raises, the ranks in go on without
+    it (every result exact) and end at the size they reached."""
+    skip_unless_own_job("ud")
+    lines, output, codes = run_rejoin(tmp_path, 4, "ud", "1@5,2@8", 20, 2, delay=1.0,
+                                      launcher=False, REJOIN_EXTRA="150")
+    assert codes[2] != 0 and "two singletons look alike to MPI" in output, output
+    assert sorted(line["member"] for line in lines) == [0, 3, 4], output
+    for line in lines:
+        assert line["wrong"] == 0 and line["calls"] == 170 and line["size"] == 3, line
+    models = {line["member"]: line["model"] for line in lines}
+    assert models[4] == pytest.approx(models[0], rel=1e-12), output
+
+
+@pytest.mark.timeout(120)
+def test_a_newcomer_waiting_when_the_job_ends_is_told_so(tmp_path):
+    """Nobody lost: no place is ever free; the newcomer's join() returns
+    None when the job frees its communicator, long before its bound."""
+    skip_unless_own_job("ud")
+    lines, output, codes = run_rejoin(tmp_path, 2, "ud", "", 60, 1, REJOIN_EXTRA="0")
+    assert codes == [0, 0], output
+    assert [line["member"] for line in lines if line["role"] == "job"].count(0) == 1, output
+    ended = json_reports(output, '{"role": "new"')
+    assert ended and ended[0]["joined"] is False and ended[0]["seconds"] < 30, output
+    assert not list((tmp_path / "rendezvous").glob("knock.*")), output
+
+
+@pytest.mark.mpi(min_size=1)
+@pytest.mark.timeout(60)
+def test_a_rendezvous_needs_elastic_no_spares_the_datagram_channel_and_a_directory(tmp_path):
+    """Clear errors on every rank, whatever the suite's size (the directory
+    is the same path on every rank: rank 0's)."""
+    comm = MPI.COMM_WORLD
+    here = comm.bcast(str(tmp_path))
+    all_ranks_raise(comm, lambda: mpilossy.Communicator(
+        comm, channel="ud", timeout=0.5, rendezvous=here), ValueError)
+    if comm.size > 1:
+        all_ranks_raise(comm, lambda: mpilossy.Communicator(
+            comm, channel="ud", timeout=0.5, elastic=True, spares=1, rendezvous=here),
+            ValueError)
+    message = all_ranks_raise(comm, lambda: mpilossy.Communicator(
+        comm, channel="rma", timeout=0.5, elastic=True, rendezvous=here), ValueError)
+    assert "channel='ud'" in message
+    if _core.HAVE_DATAGRAM_AUTH:
+        message = all_ranks_raise(comm, lambda: mpilossy.Communicator(
+            comm, channel="ud", timeout=0.5, elastic=True,
+            rendezvous=here + "/missing"), ValueError)
+        assert "not a directory" in message
+    all_ranks_raise(comm, lambda: mpilossy.Communicator(
+        comm, channel="ud", timeout=0.5, elastic=True, rendezvous=3), TypeError)
+
+
+@pytest.mark.timeout(60)
+def test_join_checks_its_arguments_and_gives_up_after_its_timeout(tmp_path):
+    """On one process (COMM_SELF): clear errors for a bad directory or
+    timeout; with nobody there, None after the timeout and no knock left."""
+    with pytest.raises(ValueError, match="not a directory"):
+        mpilossy.Communicator.join(tmp_path / "missing")
+    for bad in (0, -1, float("nan"), True, "1"):
+        with pytest.raises(ValueError, match="timeout"):
+            mpilossy.Communicator.join(tmp_path, timeout=bad)
+    with pytest.raises(TypeError):
+        mpilossy.Communicator.join(tmp_path, comm="world")
+    began = time.monotonic()
+    assert mpilossy.Communicator.join(tmp_path, timeout=0.3) is None
+    assert 0.3 <= time.monotonic() - began < 5
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_ranks_in_see_waiting_newcomers_oldest_first_and_drop_the_gone(tmp_path):
+    """Rendezvous.knocks: knocks in the order they came (their names), a
+    knock not touched for STALE seconds removed (its newcomer is gone),
+    files half written or not knocks ignored."""
+    (tmp_path / "knock.2.0.h.2").write_text('{"size": 1}')
+    (tmp_path / "knock.1.0.h.1").write_text('{"size": 2}')
+    gone = tmp_path / "knock.0.5.h.3"
+    gone.write_text('{"size": 1}')
+    old = time.time() - STALE - 1
+    os.utime(gone, (old, old))
+    (tmp_path / "knock.3.0.h.4.tmp").write_text('{"si')
+    (tmp_path / "knock.4.0.h.5").write_text('{"si')
+    (tmp_path / "run.json").write_text("{}")
+    assert Rendezvous(str(tmp_path)).knocks() == [("knock.1.0.h.1", 2), ("knock.2.0.h.2", 1)]
+    assert not gone.exists()
