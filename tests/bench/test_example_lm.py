@@ -369,3 +369,38 @@ def test_kill_rank_the_others_go_on(tmp_path, mode):
     assert r["members"] == [0, 2] and r["ranks"] == 2, r
     assert r["train_loss_last"] < r["train_loss_first"] - 0.5, r
     assert all(math.isfinite(p) and 1 < p < 100 for p in r["val_perplexity_ranks"]), r
+
+
+def test_a_spares_warm_up_leaves_the_model_and_the_random_state_as_they_were(monkeypatch):
+    """The spare's warm-up step (before it stands by) trains a copy: the
+    model it will receive the survivors' state into, and the random draws
+    of the run, are untouched; the copy did move (a step was taken)."""
+    import copy
+
+    import numpy as np
+    import torch
+
+    from mpilossy.examples.lm import corpus as corpus_mod
+    from mpilossy.examples.lm.model import TinyGPT
+    from mpilossy.examples.lm.train import Config, warm_up
+
+    cfg = Config(width=32, layers=1, heads=2, context=32, batch=8)
+    model = TinyGPT(corpus_mod.VOCAB, cfg.context, cfg.width, cfg.layers, cfg.heads)
+    before = copy.deepcopy(model.state_dict())
+    rng = torch.get_rng_state()
+    text = np.arange(4096, dtype=np.int64) % corpus_mod.VOCAB
+    copies = []
+    deepcopy = copy.deepcopy
+
+    def kept(obj, *args):
+        twin = deepcopy(obj, *args)
+        if obj is model:
+            copies.append(twin)
+        return twin
+
+    monkeypatch.setattr(copy, "deepcopy", kept)
+    warm_up(model, cfg, text, torch.device("cpu"))
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert copies and any(not torch.equal(before[k], v)
+                          for k, v in copies[0].state_dict().items())

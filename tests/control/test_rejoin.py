@@ -99,6 +99,23 @@ def test_processes_started_outside_the_job_take_the_lost_ranks_places(
 
 
 @pytest.mark.timeout(150)
+def test_a_newcomer_starts_from_the_learned_deadline_and_loss_rate(tmp_path):
+    """timeout="auto", redundancy="auto": rank 1 exits after the first
+    agreements; the newcomer starts from the survivors' learned deadlines
+    (below the 1 s cap) and agreed loss rate, the same as theirs when the
+    state is sent, not from the cap."""
+    skip_unless_own_job("ud")
+    lines, output, _ = run_rejoin(tmp_path, 4, "ud", "1@40", 60, 1, REJOIN_TIMEOUT="auto",
+                                  REJOIN_REDUNDANCY="auto")
+    check_back_at_full_size(lines, 4, [0, 2, 3, 4], output)
+    sent = [line["sent"] for line in lines]
+    assert all(len(s) == 1 and s[0] == sent[0][0] for s in sent), sent
+    _, _, deadlines, loss_rate = sent[0][0]
+    assert deadlines and all(t < 1.0 for _, t in deadlines), deadlines
+    assert loss_rate is not None, sent
+
+
+@pytest.mark.timeout(150)
 def test_a_second_singleton_is_refused_and_the_job_goes_on(tmp_path):
     """Two newcomers started without a launcher: MPI takes the second for
     the first and cannot accept it; it raises, the ranks in go on without

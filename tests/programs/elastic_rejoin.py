@@ -7,7 +7,8 @@ Communicator.join(DIR) (docs/elastic.md, "Growing back").
 
 Rank V exits (os._exit) before call C.  Every rank holds a "model" (a
 vector); each call is an all-reduce (direct, op avg, deadline 0.5 s) of
-(member + 1 + call / 1000), member being the rank's number in lc.members;
+(member + 1 + call / 1000), member being the rank's number in lc.members
+($REJOIN_TIMEOUT: another deadline, e.g. auto; $REJOIN_REDUNDANCY: e.g. auto);
 after each the model moves by the result, then lc.grow(); when it says
 newcomers joined, rank 0 broadcasts the call number and the model
 (lc.bcast), which a newcomer makes too right after join().  The run goes
@@ -17,7 +18,7 @@ the mean over the members the call records as contributors.  Every
 process still running prints one JSON line: its member number, its role,
 the calls it made, wrong blocks, exclusions and growths seen (call,
 members), the state sent at each growth it took part in (call, sum of the
-model, the learned deadlines), the members and size at the end, and the
+model, the learned deadlines, the agreed loss rate), the members and size at the end, and the
 sum of its model.  A newcomer nobody took in prints "joined": false.
 Everyone ends with os._exit: MPI_Finalize hangs after a death."""
 
@@ -44,8 +45,11 @@ if role == "job":
     calls = int(sys.argv[5]) if len(sys.argv) > 5 else 30
     size = comm.size
     leaves = {int(v): int(c) for v, c in (part.split("@") for part in spec.split(",") if part)}
+    timeout = os.environ.get("REJOIN_TIMEOUT", "0.5")
     lc = mpilossy.Communicator(comm, channel=channel, elastic=True, evict_after=5,
-                               elastic_wait=2.0, timeout=0.5, rendezvous=directory)
+                               elastic_wait=2.0, rendezvous=directory,
+                               timeout=timeout if timeout == "auto" else float(timeout),
+                               redundancy=os.environ.get("REJOIN_REDUNDANCY") or None)
     info = {"calls": calls, "size": size}
     if comm.rank == 0:                  # (what a newcomer needs to know about the run)
         with open(os.path.join(directory, "run.json.tmp"), "w") as f:
@@ -72,7 +76,7 @@ def send_state():
     lc.bcast(step, root=0)
     lc.bcast(model, root=0)
     deadlines = sorted((str(key), t) for key, t in lc.auto_timeouts.items())
-    state["sent"].append((int(step[0]), float(model.sum()), deadlines))
+    state["sent"].append((int(step[0]), float(model.sum()), deadlines, lc.loss_rate))
     return int(step[0])
 
 

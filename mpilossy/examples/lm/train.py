@@ -7,6 +7,7 @@ Either way a periodic reliable re-synchronisation bounds the drift."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import os
@@ -192,6 +193,29 @@ def redundancy(cfg: Config) -> Union[None, str, Tuple[int, int]]:
     return (k, m)
 
 
+def inner_optimizer(cfg: Config, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
+    raise ValueError(f"optimizer must be adamw or sgd, got {cfg.optimizer!r}")
+
+
+def warm_up(model: TinyGPT, cfg: Config, text: np.ndarray, device: torch.device) -> None:
+    """On a spare, before it stands by: one training step of a copy of the
+    model, so that the process's one-time costs (PyTorch's first forward,
+    backward and optimizer step) are paid while it waits, not by the
+    survivors in the steps after its call-in (docs/elastic.md, "A soak")."""
+    scratch = copy.deepcopy(model)
+    optimizer = inner_optimizer(cfg, list(scratch.parameters()))
+    starts = np.random.default_rng(0).integers(0, text.size - cfg.context - 1,
+                                               cfg.batch // cfg.micro_batches)
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=cuda):   # (its draws are not the run's)
+        scratch.loss(windows(text, starts, cfg.context + 1, device)).backward()
+    optimizer.step()
+
+
 def windows(text: np.ndarray, starts: np.ndarray, length: int,
             device: Optional[torch.device] = None) -> torch.Tensor:
     idx = starts[:, None] + np.arange(length)[None, :]
@@ -316,8 +340,10 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     model = TinyGPT(corpus_mod.VOCAB, cfg.context, cfg.width, cfg.layers, cfg.heads).to(device)
     mt.broadcast_parameters(model, comm=comm)
     lc = lossy_communicator(cfg, comm, elastic) if cfg.reduce == "mpilossy" else None
-    if lc is not None and lc.spare and not lc.stand_by():
-        return {"released": True}       # (a spare nobody called in)
+    if lc is not None and lc.spare:
+        warm_up(model, cfg, data.train, device)
+        if not lc.stand_by():
+            return {"released": True}       # (a spare nobody called in)
     # fsdp: the parameters become shards (DTensors) before the optimizer sees them
     fsdp = None
     if cfg.mode == "fsdp":
@@ -326,11 +352,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     params = [p for p in model.parameters()]
 
     def make_inner() -> torch.optim.Optimizer:
-        if cfg.optimizer == "sgd":
-            return torch.optim.SGD(params, lr=cfg.lr, momentum=0.9)
-        if cfg.optimizer == "adamw":
-            return torch.optim.AdamW(params, lr=cfg.lr, weight_decay=0.01)
-        raise ValueError(f"optimizer must be adamw or sgd, got {cfg.optimizer!r}")
+        return inner_optimizer(cfg, params)
 
     def wrap(inner: torch.optim.Optimizer) -> mt.WrappedOptimizer:
         assert lc is not None
