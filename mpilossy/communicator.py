@@ -154,7 +154,8 @@ class Communicator(ElasticFront):
             comm = MPI.COMM_SELF
         if not isinstance(comm, MPI.Intracomm) or comm == MPI.COMM_NULL:
             raise TypeError("comm must be an mpi4py intracommunicator")
-        directory = Config.build({"rendezvous": rendezvous})[0].rendezvous
+        own, env = Config.build({"rendezvous": rendezvous})    # (the environment's too)
+        directory = own.rendezvous
         assert directory is not None
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or \
                 not timeout > 0:
@@ -166,7 +167,7 @@ class Communicator(ElasticFront):
         lc._state, lc._elastic, lc._bounded, lc._seat = None, None, None, None
         lc._serial = next(_serials)
         lc._joined = 0
-        arrived = arrive(directory, comm, float(timeout), lc._serial)
+        arrived = arrive(own, env, comm, float(timeout), lc._serial)
         if arrived is None:
             return None
         lc._state, lc._elastic = arrived

@@ -33,6 +33,7 @@ from .call import environment
 from .call.request import Request
 from .call.stats import CollectiveStats
 from .call.config import Config
+from .call.environment import Settings
 from .control.agreement import Agreement, linger
 from .control.elastic import POLL, Membership, check_elastic
 from .control.failures import failed_ranks, survivors
@@ -518,20 +519,22 @@ def shared_settings(config: Config) -> Dict[str, Any]:
             if f.metadata["argument"] or f.metadata["agreed"]}
 
 
-def arrive(directory: str, comm: MPI.Intracomm, bound: float, serial: int
+def arrive(own: Config, env: Settings, comm: MPI.Intracomm, bound: float, serial: int
            ) -> Optional[Tuple[State, Elastic]]:
     """Communicator.join on a newcomer's processes (collective over
-    `comm`): knock at the rendezvous `directory`, and once the ranks in
-    accepted it, its state on the merged communicator, warmed with what
-    they learned, and its membership; None if the job ended or nobody took
-    it in within `bound` seconds."""
-    rendezvous = Rendezvous(directory)
+    `comm`): knock at the rendezvous of `own` (this process's settings,
+    built and checked before it knocks: once it is taken in, the ranks in
+    wait for it), and once the ranks in accepted it, its state on the
+    merged communicator with their settings, warmed with what they
+    learned, and its membership; None if the job ended or nobody took it
+    in within `bound` seconds."""
+    assert own.rendezvous is not None
+    rendezvous = Rendezvous(own.rendezvous)
     admitted = rendezvous.knock_and_connect(comm, bound)
     if admitted is None:
         return None
     grown, info = admitted
     try:
-        own, env = Config.build({})
         config = dataclasses.replace(own, **info["settings"])
         environment.configure_logging(env, grown.Get_rank())
         state = State.open(grown, config, serial, layout=True)

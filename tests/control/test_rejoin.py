@@ -53,6 +53,14 @@ def run_rejoin(tmp_path, ranks, channel, losses, calls, newcomers, *, delay=0.0,
     return lines, text, [p.returncode for p in [job] + started]
 
 
+def models_comparable(lines):
+    """No call after the last growth lost blocks on any process: their
+    results, and so their models, are the same there (a lossy call's
+    result may differ between ranks)."""
+    last = max(call for line in lines for call, _ in line["joined"])
+    return not any(call > last for line in lines for call in line["partial"])
+
+
 def check_back_at_full_size(lines, ranks, members, output):
     """Every process in at the end made every call, each block the mean over
     the members its call records; they agree on the members, on each
@@ -65,9 +73,10 @@ def check_back_at_full_size(lines, ranks, members, output):
         assert line["wrong"] == 0 and line["calls"] == lines[0]["calls"], line
         assert line["arrivals"] == (line["role"] == "new"), line
     job = sorted((line for line in lines if line["role"] == "job"), key=lambda l: l["member"])
-    for line in lines:      # (a newcomer's model is the lowest rank's, sent at its growth)
-        if line["role"] == "new":
-            assert line["model"] == pytest.approx(job[0]["model"], rel=1e-12), line
+    if models_comparable(lines):     # (a newcomer's model is the lowest rank's, sent to it)
+        for line in lines:
+            if line["role"] == "new":
+                assert line["model"] == pytest.approx(job[0]["model"], rel=1e-12), line
     assert all(line["joined"] == job[0]["joined"] for line in job), output
     growths = [call for call, _ in job[0]["joined"]]
     for line in lines:
@@ -128,7 +137,8 @@ def test_a_second_singleton_is_refused_and_the_job_goes_on(tmp_path):
     for line in lines:
         assert line["wrong"] == 0 and line["calls"] == 170 and line["size"] == 3, line
     models = {line["member"]: line["model"] for line in lines}
-    assert models[4] == pytest.approx(models[0], rel=1e-12), output
+    assert models[4] == pytest.approx(models[0], rel=1e-12) or not models_comparable(lines), \
+        output
 
 
 @pytest.mark.timeout(120)
@@ -170,9 +180,11 @@ def test_a_rendezvous_needs_elastic_no_spares_the_datagram_channel_and_a_directo
 
 
 @pytest.mark.timeout(60)
-def test_join_checks_its_arguments_and_gives_up_after_its_timeout(tmp_path):
-    """On one process (COMM_SELF): clear errors for a bad directory or
-    timeout; with nobody there, None after the timeout and no knock left."""
+def test_join_checks_its_arguments_and_gives_up_after_its_timeout(tmp_path, monkeypatch):
+    """On one process (COMM_SELF): clear errors for a bad directory,
+    timeout or environment, before any knock (once taken in, the ranks in
+    would wait for it); with nobody there, None after the timeout and no
+    knock left."""
     with pytest.raises(ValueError, match="not a directory"):
         mpilossy.Communicator.join(tmp_path / "missing")
     for bad in (0, -1, float("nan"), True, "1"):
@@ -180,6 +192,11 @@ def test_join_checks_its_arguments_and_gives_up_after_its_timeout(tmp_path):
             mpilossy.Communicator.join(tmp_path, timeout=bad)
     with pytest.raises(TypeError):
         mpilossy.Communicator.join(tmp_path, comm="world")
+    with monkeypatch.context() as patched:
+        patched.setenv("MPILOSSY_BLOCK_BYTES", "a lot")
+        with pytest.raises(ValueError, match="MPILOSSY_BLOCK_BYTES"):
+            mpilossy.Communicator.join(tmp_path, timeout=30)
+    assert list(tmp_path.iterdir()) == []
     began = time.monotonic()
     assert mpilossy.Communicator.join(tmp_path, timeout=0.3) is None
     assert 0.3 <= time.monotonic() - began < 5

@@ -18,8 +18,9 @@ the mean over the members the call records as contributors.  Every
 process still running prints one JSON line: its member number, its role,
 the calls it made, wrong blocks, exclusions and growths seen (call,
 members), the state sent at each growth it took part in (call, sum of the
-model, the learned deadlines, the agreed loss rate), the members and size at the end, and the
-sum of its model.  A newcomer nobody took in prints "joined": false.
+model, the learned deadlines, the agreed loss rate), the members and size
+at the end, the sum of its model and the calls that lost blocks on it.  A
+newcomer nobody took in prints "joined": false.
 Everyone ends with os._exit: MPI_Finalize hangs after a death."""
 
 import json
@@ -36,7 +37,7 @@ from member_calls import averaged_call
 N = 1003
 EXTRA = int(os.environ.get("REJOIN_EXTRA", 1000))     # calls past CALLS, at most
 role = sys.argv[1]
-state = {"call": 0, "wrong": 0, "excluded": [], "joined": [], "sent": []}
+state = {"call": 0, "wrong": 0, "excluded": [], "joined": [], "sent": [], "partial": []}
 model = np.zeros(N)
 
 if role == "job":
@@ -102,6 +103,7 @@ lc.barrier()
 print(json.dumps({"member": me, "role": role, "calls": state["call"], "wrong": state["wrong"],
                   "excluded": state["excluded"], "joined": state["joined"],
                   "sent": state["sent"], "members": list(lc.members), "size": lc.size,
-                  "arrivals": lc.arrivals, "model": float(model.sum())}), flush=True)
+                  "arrivals": lc.arrivals, "model": float(model.sum()),
+                  "partial": state["partial"]}), flush=True)
 lc.free()
 os._exit(0)

@@ -7,19 +7,22 @@ import numpy as np
 
 def averaged_call(lc, me: int, call: int, x: np.ndarray, model: np.ndarray, state: dict):
     """The call; state["call"] becomes `call`, state["wrong"] counts the
-    blocks that are not the mean over their record's members, and the
-    result moves `model` (not where this rank answered the call alone)."""
+    blocks that are not the mean over their record's members,
+    state["partial"] lists the calls that lost blocks here, and the result
+    moves `model` (not where this rank answered the call alone)."""
     state["call"] = call
-    state["wrong"] += _checked(lc, me, call, x, model)
+    state["wrong"] += _checked(lc, me, call, x, model, state)
 
 
-def _checked(lc, me: int, call: int, x: np.ndarray, model: np.ndarray) -> int:
+def _checked(lc, me: int, call: int, x: np.ndarray, model: np.ndarray, state: dict) -> int:
     x[:] = me + 1 + call / 1000
     out = np.empty_like(x)
     members = lc.members            # (the record numbers the ranks of the call's communicator)
     stats = lc.allreduce(x, out, op="avg", algorithm="direct")
     if stats.alone:
         return 0
+    if stats.delivered < 1.0:       # (results may differ between ranks from here on)
+        state.setdefault("partial", []).append(call)
     wrong = 0
     firsts, lengths = stats.contributors.blocks()
     for first, length, row in zip(firsts, lengths, stats.contributors.members()):
