@@ -32,7 +32,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpilossy
-from member_calls import averaged_call
+from member_calls import averaged_call, record_membership, send_state
 
 N = 1003
 EXTRA = int(os.environ.get("REJOIN_EXTRA", 1000))     # calls past CALLS, at most
@@ -71,21 +71,10 @@ else:
     calls, size = info["calls"], info["size"]
 
 
-def send_state():
-    """Collective over the ranks in and the newcomers: where the run is."""
-    step = np.array([state["call"]], dtype=np.int64)
-    lc.bcast(step, root=0)
-    lc.bcast(model, root=0)
-    deadlines = sorted((str(key), t) for key, t in lc.auto_timeouts.items())
-    state["sent"].append((int(step[0]), float(model.sum()), deadlines, lc.loss_rate))
-    return int(step[0])
-
-
-lc.on_growth(lambda joined, members: state["joined"].append((state["call"], list(joined))))
-lc.on_exclusion(lambda out, members: state["excluded"].append((state["call"], list(out))))
+record_membership(lc, state)
 me = lc.members[lc.rank]
 if role == "new":
-    state["call"] = send_state()
+    state["call"] = send_state(lc, model, state)
     state["joined"].append((state["call"], [me]))
 
 x = np.empty(N)
@@ -97,7 +86,7 @@ while not (state["call"] >= calls and lc.size == size) and state["call"] < calls
         time.sleep(0.01)            # (waiting for a newcomer)
     averaged_call(lc, me, call, x, model, state)
     if lc.grow():           # (at the end of the step: its result is in the model sent)
-        send_state()
+        send_state(lc, model, state)
 
 lc.barrier()
 print(json.dumps({"member": me, "role": role, "calls": state["call"], "wrong": state["wrong"],

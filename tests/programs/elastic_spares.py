@@ -34,7 +34,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpilossy
-from member_calls import averaged_call
+from member_calls import averaged_call, record_membership, send_state
 from mpilossy import EvictedError
 
 comm = MPI.COMM_WORLD
@@ -53,18 +53,7 @@ model = np.zeros(N)
 state = {"call": 0, "wrong": 0, "excluded": [], "joined": [], "sent": []}
 
 
-def send_state():
-    """Collective over the ranks in and the newcomers: where the run is."""
-    step = np.array([state["call"]], dtype=np.int64)
-    lc.bcast(step, root=0)
-    lc.bcast(model, root=0)
-    deadlines = sorted((str(key), t) for key, t in lc.auto_timeouts.items())
-    state["sent"].append((int(step[0]), float(model.sum()), deadlines, lc.loss_rate))
-    return int(step[0])
-
-
-lc.on_growth(lambda joined, members: state["joined"].append((state["call"], list(joined))))
-lc.on_exclusion(lambda out, members: state["excluded"].append((state["call"], list(out))))
+record_membership(lc, state)
 was_spare = lc.spare
 if was_spare and leaves.get(me) == 0:
     if how == "exit":
@@ -78,7 +67,7 @@ if was_spare:
     if not lc.stand_by(timeout=60.0):
         print(json.dumps({"rank": me, "spare": True, "called": False}), flush=True)
         os._exit(0)
-    state["call"] = send_state()
+    state["call"] = send_state(lc, model, state)
     state["joined"].append((state["call"], [me]))
 
 x = np.empty(N)
@@ -97,7 +86,7 @@ while state["call"] < calls:
         os._exit(0)
     averaged_call(lc, me, call, x, model, state)
     if lc.grow():           # (at the end of the step: its result is in the model sent)
-        send_state()
+        send_state(lc, model, state)
 
 lc.barrier()
 if me == min(lc.members):

@@ -1,6 +1,8 @@
-"""One call of the growth programs (elastic_spares.py, elastic_rejoin.py):
-an all-reduce (direct, op avg) of (member + 1 + call / 1000), each block of
-its result checked against the mean over the members its record names."""
+"""What the growth programs (elastic_spares.py, elastic_rejoin.py) share:
+one call, an all-reduce (direct, op avg) of (member + 1 + call / 1000),
+each block of its result checked against the mean over the members its
+record names; the record of exclusions and growths; and the state the
+ranks in send a newcomer."""
 
 import numpy as np
 
@@ -33,3 +35,21 @@ def _checked(lc, me: int, call: int, x: np.ndarray, model: np.ndarray, state: di
             wrong += 1
     model += out
     return wrong
+
+
+def record_membership(lc, state: dict) -> None:
+    """Exclusions and growths seen, as (call, members), in state."""
+    lc.on_growth(lambda joined, members: state["joined"].append((state["call"], list(joined))))
+    lc.on_exclusion(lambda out, members: state["excluded"].append((state["call"], list(out))))
+
+
+def send_state(lc, model: np.ndarray, state: dict) -> int:
+    """Collective over the ranks in and the newcomers: where the run is
+    (rank 0's call number and model), recorded in state["sent"] with the
+    learned deadlines and the agreed loss rate; returns the call number."""
+    step = np.array([state["call"]], dtype=np.int64)
+    lc.bcast(step, root=0)
+    lc.bcast(model, root=0)
+    deadlines = sorted((str(key), t) for key, t in lc.auto_timeouts.items())
+    state["sent"].append((int(step[0]), float(model.sum()), deadlines, lc.loss_rate))
+    return int(step[0])
