@@ -28,7 +28,8 @@ from .hierarchy import NodeLayout
 from .state import State
 from .elasticity import ElasticFront, open_communicators as _live
 from .control.rendezvous import Rendezvous, directory_problem
-from .survivors import Elastic, SpareSeat, arrive
+from .newcomers import SpareSeat, arrive
+from .survivors import Elastic
 
 __all__ = ["Communicator", "CollectiveStats", "AllreduceStats", "allreduce",
            "reduce_scatter", "allgather", "default_communicator"]
@@ -289,8 +290,8 @@ class Communicator(ElasticFront):
                 if self._seat is not None and self._state.rank == 0:
                     # (every rank still in is done)
                     self._seat.spares.release(self._elastic.membership.members)
-                if self._elastic.rendezvous is not None and self._state.rank == 0:
-                    self._elastic.rendezvous.close()
+                if self._elastic.growth is not None:
+                    self._elastic.growth.closed(self._state.rank)
             except EvictedError:
                 pass
         state, self._state = self._state, None

@@ -1,7 +1,7 @@
 """The elastic half of Communicator's API (elastic=True, spares=k): who is
 in, exclusions, spares standing by and growth.  A thin front over
-survivors.py (Elastic: the membership of the ranks in; SpareSeat: a
-spare's or an excluded rank's wait to be called in)."""
+survivors.py (Elastic: the membership of the ranks in) and newcomers.py
+(SpareSeat: a spare's or an excluded rank's wait to be called in)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import weakref
 from typing import Any, Optional, Tuple
 
 from .state import State
-from .survivors import Callback, Elastic, SpareSeat
+from .newcomers import SpareSeat
+from .survivors import Callback, Elastic
 
 __all__ = ["ElasticFront", "open_communicators"]
 

@@ -9,7 +9,7 @@ joins the survivors' MPI_Comm_create_group under mpiexec and under srun
 Before the call-in the lowest survivor pings the spares it is about to
 call (a spare that hangs would hang the survivors' MPI_Comm_create_group);
 one that does not answer within a bound is agreed gone with those MPI
-reports failed (Elastic._drop_lost_spares), and the next is asked.  The
+reports failed (growth.py's Growth._drop_lost_spares), and the next is asked.  The
 call-in is one message from the lowest survivor to each spare it
 calls, on a duplicate of the user's communicator that every rank made at
 construction; then the survivors and the spares called in build the grown
