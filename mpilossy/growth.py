@@ -32,9 +32,11 @@ from .control.rendezvous import Refused, Rendezvous, directory_problem
 from .control.spares import Spares
 from .state import State
 
-__all__ = ["Growth", "Grown", "opened", "shared_settings", "SPARE_ANSWER"]
+__all__ = ["Growth", "Grown", "opened", "shared_settings", "ANSWER"]
 
-SPARE_ANSWER = 1.0      # seconds a spare about to be called in has to answer a ping
+# seconds a newcomer about to come in has to answer (a spare, a ping; a
+# process at the rendezvous, by taking its port), half of elastic_wait at most
+ANSWER = 1.0
 
 # Elastic.wait: None once the request completed, else (the survivors' state,
 # the ranks excluded meanwhile, done)
@@ -228,16 +230,24 @@ class Growth:
 
     def _silent(self, spares: List[int]) -> Set[int]:
         """On the lowest rank in: the spares among `spares` that did not
-        answer a ping within SPARE_ANSWER seconds (half of elastic_wait at
-        most), the heartbeat going on meanwhile."""
+        answer a ping within the answer's bound, the heartbeat going on
+        meanwhile."""
         assert self.spares is not None
+        return self.spares.silent(spares, self._answer_bound(), self._beating())
+
+    def _answer_bound(self) -> float:
+        return min(ANSWER, self.membership.wait / 2)
+
+    def _beating(self) -> Callable[[], None]:
+        """What the lowest rank does between its looks for a newcomer's
+        answer: the heartbeat (suspects: the agreement's wait sees them)."""
         began = time.monotonic()
 
         def between() -> None:
-            self.membership.waiting(began)      # (suspects: the agreement's wait sees them)
+            self.membership.waiting(began)
             time.sleep(POLL)
 
-        return self.spares.silent(spares, min(SPARE_ANSWER, self.membership.wait / 2), between)
+        return between
 
     def lost(self, count: int) -> None:
         """An agreement put `count` ranks out: as many places free."""
@@ -292,7 +302,8 @@ class Growth:
         self.drop_offers()
         rest = survivors(state.comm, out)
         try:
-            grown = self.rendezvous.admit(rest, knock if rest.Get_rank() == 0 else None, info)
+            grown = self.rendezvous.admit(rest, knock if rest.Get_rank() == 0 else None, info,
+                                          self._answer_bound(), self._beating())
         except Refused as exc:
             environment.log.warning("the newcomer at %s could not be taken in: %s",
                                     knock or "the rendezvous", exc)

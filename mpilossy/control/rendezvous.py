@@ -21,8 +21,14 @@ The files, in DIR:
     for ever) and removed;
 ``port.<knock>``
     the port the ranks in accept that newcomer on (written by the lowest
-    rank in, after the ranks agreed on it; every rank in then enters
-    MPI_Comm_accept, collective over them);
+    rank in, after the ranks agreed on it);
+``taken.<knock>``
+    the port, taken by its newcomer (it renames ``port.<knock>``, then
+    connects).  Only then do the ranks in enter MPI_Comm_accept
+    (collective over them), which would wait for ever for a newcomer that
+    died or gave up after the agreement: the lowest rank waits a bound for
+    the rename, and past it withdraws the port (removes ``port.<knock>``);
+    one of the two succeeds, so both sides know whether it was taken;
 ``closed``
     the job freed its communicator: a newcomer still waiting gives up.
 
@@ -43,7 +49,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from mpi4py import MPI
 
@@ -51,7 +57,7 @@ from ..errors import MPILossyError
 
 __all__ = ["Rendezvous", "Refused", "directory_problem", "STALE"]
 
-KNOCK, PORT, CLOSED = "knock.", "port.", "closed"
+KNOCK, PORT, TAKEN, CLOSED = "knock.", "port.", "taken.", "closed"
 STALE = 2.0         # seconds without a touch after which a knock is a newcomer gone
 POLL = 0.01         # seconds between a newcomer's looks for its port
 
@@ -89,7 +95,7 @@ class Rendezvous:
         """On the lowest rank at construction: an old run's end mark and
         ports are not this run's."""
         for path in self.directory.iterdir():
-            if path.name == CLOSED or path.name.startswith(PORT):
+            if path.name == CLOSED or path.name.startswith((PORT, TAKEN)):
                 path.unlink(missing_ok=True)
 
     def knocks(self) -> List[Tuple[str, int]]:
@@ -112,25 +118,31 @@ class Rendezvous:
             found.append((path.name, size))
         return found
 
-    def admit(self, comm: MPI.Intracomm, knock: Optional[str], info: Dict[str, Any]
-              ) -> MPI.Intracomm:
+    def admit(self, comm: MPI.Intracomm, knock: Optional[str], info: Dict[str, Any],
+              bound: float, between: Callable[[], None]) -> MPI.Intracomm:
         """Collective over `comm` (the ranks in, agreed that one newcomer is
-        taken in; `knock` its file on comm's rank 0): accept it and merge,
-        the ranks in first, and send it `info` (from rank 0).  The merged
-        communicator."""
-        port = ""
+        taken in; `knock` its file on comm's rank 0): the port offered to
+        it, then, once it took the port within `bound` seconds (rank 0
+        calls `between` while it waits), accept it and merge, the ranks in
+        first, and send it `info` (from rank 0).  The merged communicator;
+        Refused if it did not take the port or MPI failed to accept it."""
+        port, taken = "", False
         if comm.Get_rank() == 0:
             assert knock is not None
             port = MPI.Open_port()
             _write(self.directory / (PORT + knock), port)
+            taken = self._taken(knock, bound, between)
         try:
-            inter = comm.Accept(port, root=0)
-        except MPI.Exception as exc:
-            raise Refused(str(exc).strip().splitlines()[-1]) from exc
+            if not comm.bcast(taken, root=0):
+                raise Refused(f"it did not take its port within {bound:.1f} s (gone or stalled)")
+            try:
+                inter = comm.Accept(port, root=0)
+            except MPI.Exception as exc:
+                raise Refused(str(exc).strip().splitlines()[-1]) from exc
         finally:
             if knock is not None:
-                (self.directory / (PORT + knock)).unlink(missing_ok=True)
-                (self.directory / knock).unlink(missing_ok=True)
+                for name in (PORT + knock, TAKEN + knock, knock):
+                    (self.directory / name).unlink(missing_ok=True)
                 MPI.Close_port(port)
         try:
             merged = inter.Merge(high=False)
@@ -138,6 +150,21 @@ class Rendezvous:
             inter.Disconnect()
         merged.bcast(info, root=0)
         return merged
+
+    def _taken(self, knock: str, bound: float, between: Callable[[], None]) -> bool:
+        """On the lowest rank in: whether the newcomer of `knock` took its
+        port within `bound` seconds; past it the port is withdrawn (its
+        removal and the newcomer's rename exclude each other)."""
+        began = time.monotonic()
+        while time.monotonic() - began < bound:
+            if (self.directory / (TAKEN + knock)).exists():
+                return True
+            between()
+        try:
+            (self.directory / (PORT + knock)).unlink()
+        except FileNotFoundError:
+            return True                 # (taken in the last instant)
+        return False
 
     def close(self) -> None:
         """On the lowest rank in, at the end: newcomers still waiting give up."""
@@ -180,19 +207,33 @@ class Rendezvous:
         knock, port = self.directory / name, self.directory / (PORT + name)
         _write(knock, json.dumps({"size": size}))
         began = time.monotonic()
+        taken: Optional[str] = None
         try:
             while True:
                 if port.exists():
-                    return port.read_text()
+                    taken = self._take(port, self.directory / (TAKEN + name))
+                    if taken is not None:
+                        return taken
                 if (self.directory / CLOSED).exists() or time.monotonic() - began > bound:
                     return None
                 try:
                     os.utime(knock)                 # (alive: STALE)
                 except FileNotFoundError:
-                    # (taken: the port is being written) or removed as stale
+                    # (taken: the port is being written) or removed as stale, or
+                    # with its port withdrawn: knock again
                     if not port.exists() and not (self.directory / (PORT + name + ".tmp")).exists():
                         _write(knock, json.dumps({"size": size}))
                 time.sleep(POLL)
         finally:
-            if not port.exists():
+            if taken is None:
                 knock.unlink(missing_ok=True)
+
+    @staticmethod
+    def _take(port: Path, taken: Path) -> Optional[str]:
+        """The port offered, taken (renamed: from now on the ranks in wait in
+        MPI_Comm_accept for this process), or None if the ranks withdrew it."""
+        try:
+            os.rename(port, taken)
+        except FileNotFoundError:
+            return None
+        return taken.read_text()

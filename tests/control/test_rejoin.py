@@ -3,9 +3,11 @@ rendezvous directory: Communicator(elastic=True, rendezvous=DIR) and
 Communicator.join(DIR) (docs/elastic.md, "Growing back";
 tests/programs/elastic_rejoin.py)."""
 
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -22,10 +24,11 @@ PROGRAM = PROGRAMS / "elastic_rejoin.py"
 
 
 def run_rejoin(tmp_path, ranks, channel, losses, calls, newcomers, *, delay=0.0,
-               launcher=True, **env):
+               launcher=True, before=None, **env):
     """The job under its own mpiexec, and `newcomers` processes started
     `delay` seconds after it, one after another (each under `mpiexec -n 1`,
-    or as a singleton); every JSON line printed, and the output."""
+    or as a singleton; `before(directory)` called first); every JSON line
+    printed, and the output."""
     directory = tmp_path / "rendezvous"
     directory.mkdir()
     environ = clean_subprocess_env(**env)
@@ -36,6 +39,9 @@ def run_rejoin(tmp_path, ranks, channel, losses, calls, newcomers, *, delay=0.0,
     started = []
     try:
         time.sleep(delay)
+        if before is not None:
+            before(directory)
+            time.sleep(0.1)
         for _ in range(newcomers):
             start = [mpiexec(), "-n", "1"] if launcher else []
             started.append(subprocess.Popen(
@@ -122,6 +128,50 @@ def test_a_newcomer_starts_from_the_learned_deadline_and_loss_rate(tmp_path):
     _, _, deadlines, loss_rate = sent[0][0]
     assert deadlines and all(t < 1.0 for _, t in deadlines), deadlines
     assert loss_rate is not None, sent
+
+
+class GoneKnock(threading.Thread):
+    """A knock whose newcomer is gone once the ranks agree on it: touched
+    as a waiting newcomer's, but its port never taken (it died, stalled or
+    gave up in the instant after the agreement).  Records whether the
+    ranks offered it a port; ends when they remove the knock."""
+
+    def __init__(self, directory):
+        super().__init__(daemon=True)
+        self.knock = directory / f"knock.{time.time():.6f}.gone.0"
+        self.port = directory / ("port." + self.knock.name)
+        self.knock.write_text(json.dumps({"size": 1}))
+        self.offered = False
+        self.start()
+
+    def run(self):
+        end = time.monotonic() + 90
+        while time.monotonic() < end:
+            self.offered = self.offered or self.port.exists()
+            try:
+                os.utime(self.knock)
+            except FileNotFoundError:
+                return
+            time.sleep(0.005)
+
+
+@pytest.mark.timeout(150)
+def test_a_newcomer_gone_after_the_agreement_is_not_waited_for(tmp_path):
+    """The oldest knock's newcomer never takes the port the ranks offer it:
+    they withdraw it after a bound (without it they waited in
+    MPI_Comm_accept for ever), drop its knock, go on, and take in the next
+    newcomer at a later grow()."""
+    skip_unless_own_job("ud")
+    gone = []
+    lines, output, codes = run_rejoin(tmp_path, 4, "ud", "1@10", 30, 1,
+                                      before=lambda d: gone.append(GoneKnock(d)),
+                                      MPILOSSY_LOG="warning")
+    assert codes == [0, 0], output
+    assert gone[0].offered and not gone[0].knock.exists(), output
+    assert "could not be taken in: it did not take its port" in output, output
+    check_back_at_full_size(lines, 4, [0, 2, 3, 4], output)
+    assert not [p for p in (tmp_path / "rendezvous").iterdir()
+                if p.name.startswith(("knock.", "port.", "taken."))], output
 
 
 @pytest.mark.timeout(150)
