@@ -25,3 +25,30 @@ def test_the_readme_row_pairs_every_seed_with_its_baseline():
     main = next(row for row in results.ROWS if row.name == "main-10")
     changes = results.paired(data, main)
     assert changes and len(changes) == len(data["main-10"]), changes
+
+
+def _soak_run(row, seed, perplexity, worst=None):
+    run = {"row": row, "config": {"seed": seed}, "val_perplexity": perplexity,
+           "step_seconds": 0.1}
+    if worst is not None:
+        run["soak"] = {"failures": 100, "exits": 4, "costs": {
+            "extra_seconds_p50_p90_max": [1.0, 1.2, worst],
+            "steps_to_full_size_p50_p90_max": [0, 1, 17]}}
+    return run
+
+
+def test_the_soak_rows_pair_by_seed_and_show_the_worst_failure():
+    data = {"soak-ref": [_soak_run("soak-ref", 1, 5.0), _soak_run("soak-ref", 0, 4.0)],
+            "soak": [_soak_run("soak", 0, 4.04, worst=1.5), _soak_run("soak", 1, 5.1, worst=2.5)]}
+    lines = results.soak_report(data)
+    row = next(line for line in lines if line.startswith("| soak: 100 failures"))
+    assert "(+1.00, +2.00)" in row, row          # seed 0 with seed 0, 1 with 1
+    assert "1.00 / 1.20 / 2.50 s" in row and "100 (4) each" in row, row
+
+
+def test_a_soak_command_gives_mpiexec_its_own_options_first():
+    soak = next(row for row in results.ROWS if row.name == "soak")
+    command = results.command(soak, 3, [])
+    assert command[:4] == ["mpiexec", "-disable-auto-cleanup", "-n", "9"], command
+    assert "--soak" in command and command[command.index("--seed") + 1] == "3"
+    assert results.shown(soak).startswith("mpiexec -disable-auto-cleanup -n 9 python -m")

@@ -34,7 +34,7 @@ GE = "gilbert-elliott:p_good_to_bad=0.02,p_bad_to_good=0.2,loss_bad=1"    # burs
 
 SEEDS = {"paired": list(range(8)), "explore": [0, 1, 2], "scale": [0, 1, 2],
          "straggle": list(range(8)), "compress": list(range(8)), "redundancy": list(range(8)),
-         "fsdp": list(range(8))}
+         "fsdp": list(range(8)), "soak": list(range(4))}
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Row:
     tier: str = "paired"            # "paired" (8 seeds) or "explore" (3)
     ranks: int = 4
     baseline: str = "baseline"      # the row it is paired with
+    launcher: Tuple[str, ...] = ()  # mpiexec's own options
 
 
 # Every lossy row spells its whole configuration, so that its command keeps
@@ -203,6 +204,22 @@ ROWS += [
     Row("c-sgd-topk1-0", "compression, SGD: Top-K 1% + its error feedback",
         (*SGD, "--compression", "topk:0.01"), "explore", baseline="c-sgd-f32-0"),
 ]
+# the soak (docs/elastic.md "A soak", issue's commands): 4 working ranks and
+# 5 spares; a rank fails before every 15th step, 100 failures (4 exits, the
+# others stop for 2.5 s and come back as spares), paired with the same
+# processes undisturbed (the spares released at the end); 4 seeds
+SPARES = ("--mode", "replicated", "--spares", "5", "--elastic-wait", "1", "--steps", "1515")
+FAILURES = ("--soak", "15", "--soak-exits", "4", "--soak-hang", "2.5")
+ROWS += [
+    Row("soak-ref", "soak: undisturbed (4 ranks, 5 spares standing by)", SPARES, "soak", 9,
+        "soak-ref", ("-disable-auto-cleanup",)),
+    Row("soak-aa", "soak, A/A: undisturbed again", SPARES, "soak", 9, "soak-ref",
+        ("-disable-auto-cleanup",)),
+    Row("soak", "soak: 100 failures, channel auto (rma)", (*SPARES, *FAILURES), "soak", 9,
+        "soak-ref", ("-disable-auto-cleanup",)),
+    Row("soak-ud", "soak: 100 failures, channel ud", (*SPARES, *FAILURES, "--channel", "ud"),
+        "soak", 9, "soak-ref", ("-disable-auto-cleanup",)),
+]
 # Paired comparisons between rows (same seeds): (row, against, what it isolates)
 COMPARISONS = [
     ("best-10", "today-10", "the sharded scheme against the previous default, 10%"),
@@ -243,12 +260,13 @@ def interval(values: List[float]) -> Tuple[float, float]:
 
 
 def command(row: Row, seed: int, extra: List[str]) -> List[str]:
-    return ["mpiexec", "-n", str(row.ranks), sys.executable, "-m", "mpilossy.examples.lm",
+    return ["mpiexec", *row.launcher, "-n", str(row.ranks), sys.executable, "-m", "mpilossy.examples.lm",
             "--no-progress", "--seed", str(seed), *row.args, *extra]
 
 
 def shown(row: Row) -> str:
-    return " ".join([f"mpiexec -n {row.ranks} python -m mpilossy.examples.lm"]
+    return " ".join([" ".join(["mpiexec", *row.launcher, "-n", str(row.ranks),
+                               "python -m mpilossy.examples.lm"])]
                     + [shlex.quote(a) for a in row.args] + ["--seed S"])
 
 
@@ -302,7 +320,7 @@ def report(runs: Path, out: Path) -> str:
         "[95% interval] | delivered | final drift | max drift | train time vs baseline |",
         "|---|---|---|---|---|---|---|---|"]
     for row in ROWS:
-        if row.name not in data or row.tier == "straggle":
+        if row.name not in data or row.tier in ("straggle", "soak"):
             continue
         rs = data[row.name]
         ppls = [r["val_perplexity"] for r in rs]
@@ -333,6 +351,7 @@ def report(runs: Path, out: Path) -> str:
                 lines.append(f"| {what} (`{name}` vs `{other}`) | {len(changes)} | "
                              f"{mean:+.2f}% [{mean - half:+.2f}, {mean + half:+.2f}] |")
     lines += straggler_report(data)
+    lines += soak_report(data)
     lines += ["", "Commands (S = seed; the paired rows ran seeds 0-7, the others 0-2):", ""]
     lines += [f"- {row.what}: `{shown(row)}`" for row in ROWS if row.name in data]
     table = "\n".join(lines) + "\n"
@@ -393,6 +412,46 @@ def straggler_report(data: Dict[str, List[dict]]) -> List[str]:
     return lines
 
 
+def soak_report(data: Dict[str, List[dict]]) -> List[str]:
+    """Rows of the soak tier, paired by seed with `soak-ref`: perplexity
+    change, and what the failures cost (the runs' `soak` records)."""
+    rows = [row for row in ROWS if row.tier == "soak" and row.name in data
+            and row.name != "soak-ref"]
+    if "soak-ref" not in data or not rows:
+        return []
+    lines = ["", "The soak (paired by seed with `soak-ref`; a failure's cost: seconds its "
+             "step and the 9 after it took beyond the median step):", "",
+             "| row | seeds | val perplexity change, mean [95%] (each seed) | failures (exits) "
+             "| a failure's cost p50 / p90 / max, worst seed | steps to full size, max "
+             "| time a step vs undisturbed |", "|---|---|---|---|---|---|---|"]
+    base = {r["config"]["seed"]: r for r in data["soak-ref"]}
+    for row in rows:
+        pairs = [(r, base[r["config"]["seed"]]) for r in
+                 sorted(data[row.name], key=lambda r: r["config"]["seed"])
+                 if r["config"]["seed"] in base]
+        if not pairs:
+            continue
+        ppl = [100 * (r["val_perplexity"] / b["val_perplexity"] - 1) for r, b in pairs]
+        mean, half = interval(ppl)
+        change = (f"{mean:+.2f}%" + ("" if math.isnan(half) else
+                                     f" [{mean - half:+.2f}, {mean + half:+.2f}]")
+                  + " (" + ", ".join(f"{x:+.2f}" for x in ppl) + ")")
+        soaks = [r["soak"] for r, _ in pairs if r.get("soak")]
+        if soaks:
+            counts = sorted({f"{s['failures']} ({s['exits']})" for s in soaks})
+            failures = counts[0] + " each" if len(counts) == 1 else ", ".join(counts)
+            worst = max((s["costs"]["extra_seconds_p50_p90_max"] for s in soaks),
+                        key=lambda c: c[2])
+            cost = " / ".join(f"{x:.2f}" for x in worst) + " s"
+            full = f"{max(s['costs']['steps_to_full_size_p50_p90_max'][2] for s in soaks):.0f}"
+        else:
+            failures, cost, full = "0", "–", "–"
+        step = statistics.fmean(r["step_seconds"] / b["step_seconds"] for r, b in pairs)
+        lines.append(f"| {row.what} | {len(pairs)} | {change} | {failures} | {cost} | {full} "
+                     f"| {step:.2f}x |")
+    return lines
+
+
 def plot(data: Dict[str, List[dict]], path: Path) -> None:
     """Paired change with its 95% interval, one bar per row."""
     import matplotlib
@@ -400,7 +459,7 @@ def plot(data: Dict[str, List[dict]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     shown_rows = [row for row in ROWS if row.name in data and row.name != row.baseline
-                  and row.tier != "straggle" and paired(data, row)]
+                  and row.tier not in ("straggle", "soak") and paired(data, row)]
     if not shown_rows:
         return
     fig, ax = plt.subplots(figsize=(10, 0.32 * len(shown_rows) + 1.4))
