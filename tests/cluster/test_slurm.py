@@ -302,12 +302,13 @@ def test_srun_a_process_started_after_a_loss_connects_to_the_survivors(slurm, tm
 
 
 @needs_ud
-def test_srun_a_process_started_after_a_loss_takes_its_place(slurm, tmp_path):
+@pytest.mark.parametrize("newcomer", ["singleton", "srun"])
+def test_srun_a_process_started_after_a_loss_takes_its_place(slurm, tmp_path, newcomer):
     """The library's rendezvous under srun (PMI2, --no-kill: the exit is
     found as a silent rank): 3 tasks on ud, rank 1 exits before call 10, a
-    process started outside the step (a singleton) joins as member 3;
-    every block right, everyone back at 3 ranks
-    (tests/programs/elastic_rejoin.py; the mpiexec cases:
+    process started outside the step (a singleton, or a step of its own:
+    `srun -n 1`) joins as member 3; every block right, everyone back at 3
+    ranks (tests/programs/elastic_rejoin.py; the mpiexec cases:
     tests/control/test_rejoin.py)."""
     env = slurm.env(PATH=str(Path(sys.executable).parent) + ":" + slurm.env()["PATH"])
     directory = tmp_path / "rendezvous"
@@ -318,7 +319,12 @@ def test_srun_a_process_started_after_a_loss_takes_its_place(slurm, tmp_path):
                            env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        new = run_bounded(program + ["new", str(directory), "60"], 90, clean_subprocess_env())
+        if newcomer == "srun":
+            new = run_bounded(["srun", "--mpi=pmi2", "-n", "1", "-t", "1"] + program
+                              + ["new", str(directory), "60"], 90, env, cwd=str(tmp_path))
+        else:
+            new = run_bounded(program + ["new", str(directory), "60"], 90,
+                              clean_subprocess_env())
         out, err = job.communicate(timeout=90)
     finally:
         if job.poll() is None:

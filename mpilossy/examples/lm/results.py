@@ -352,7 +352,7 @@ def report(runs: Path, out: Path) -> str:
                              f"{mean:+.2f}% [{mean - half:+.2f}, {mean + half:+.2f}] |")
     lines += straggler_report(data)
     lines += soak_report(data)
-    lines += ["", "Commands (S = seed; the paired rows ran seeds 0-7, the others 0-2):", ""]
+    lines += ["", "Commands (S = seed; each row ran seeds 0 to its count of seeds - 1):", ""]
     lines += [f"- {row.what}: `{shown(row)}`" for row in ROWS if row.name in data]
     table = "\n".join(lines) + "\n"
     (out / "lm-table.md").write_text(table)
