@@ -11,7 +11,8 @@ from ._loader import core as _core     # libmpi, then the compiled core, checked
 from . import compression, loss
 from .call.contributors import Contributors
 from .call.stats import AllreduceStats, CollectiveStats
-from .communicator import Communicator, allgather, allreduce, default_communicator, reduce_scatter
+from .communicator import Communicator
+from .default import allgather, allreduce, default_communicator, reduce_scatter
 from .errors import EvictedError, LaggingError, MembershipChanged, MismatchError, MPILossyError
 from .group import GroupAverager
 

@@ -31,8 +31,7 @@ from .control.rendezvous import Rendezvous, directory_problem
 from .newcomers import SpareSeat, arrive
 from .survivors import Elastic
 
-__all__ = ["Communicator", "CollectiveStats", "AllreduceStats", "allreduce",
-           "reduce_scatter", "allgather", "default_communicator"]
+__all__ = ["Communicator", "CollectiveStats", "AllreduceStats"]
 
 _serials = itertools.count()
 
@@ -456,58 +455,12 @@ class Communicator(ElasticFront):
 
 
 # -- module level -----------------------------------------------------------
-_default: Optional[Communicator] = None
-
-
 @atexit.register
 def _free_at_exit() -> None:
     """Free what the program left open before mpi4py finalizes MPI (every
     rank built the same communicators, so this is collective as it must be)."""
     for lc in sorted(_live, key=lambda c: -c._serial):
         lc.free()
-
-
-def default_communicator() -> Communicator:
-    """The communicator behind mpilossy.allreduce(): COMM_WORLD, settings
-    from the environment (MPILOSSY_TIMEOUT, MPILOSSY_LOSS, ...).  Created on
-    first use, which is collective."""
-    global _default
-    if _default is None or _default._state is None:
-        _default = Communicator(MPI.COMM_WORLD)
-    return _default
-
-
-def allreduce(sendbuf: Any, recvbuf: Any = None, *, op: str = "sum",
-              algorithm: Optional[str] = None, timeout: Any = UNSET,
-              weight: Optional[float] = None,
-              compression: Optional[str] = UNSET,
-              residual: Optional[np.ndarray] = None,
-              redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
-    """mpilossy.Communicator.allreduce on default_communicator()."""
-    return default_communicator().allreduce(sendbuf, recvbuf, op=op, algorithm=algorithm,
-                                            timeout=timeout, weight=weight,
-                                            compression=compression, residual=residual,
-                                            redundancy=redundancy)
-
-
-def reduce_scatter(sendbuf: Any, recvbuf: Any, *, op: str = "sum",
-                   algorithm: str = "auto", timeout: Any = UNSET,
-                   weight: Optional[float] = None,
-                   compression: Optional[str] = UNSET,
-                   residual: Optional[np.ndarray] = None,
-                   redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
-    """mpilossy.Communicator.reduce_scatter on default_communicator()."""
-    return default_communicator().reduce_scatter(sendbuf, recvbuf, op=op, algorithm=algorithm,
-                                                 timeout=timeout, weight=weight,
-                                                 compression=compression, residual=residual,
-                                                 redundancy=redundancy)
-
-
-def allgather(sendbuf: Any, recvbuf: Any, *, timeout: Any = UNSET,
-              redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
-    """mpilossy.Communicator.allgather on default_communicator()."""
-    return default_communicator().allgather(sendbuf, recvbuf, timeout=timeout,
-                                            redundancy=redundancy)
 
 
 def _named(snapshot: Dict[Tuple[int, int, int], float]) -> Dict[Tuple[str, str, int], float]:
