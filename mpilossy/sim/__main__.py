@@ -102,7 +102,8 @@ def _at_scale(args: argparse.Namespace, nodes: int, nbytes: int, **more: Any) ->
     return Scenario(nodes=nodes, ppn=args.ppn, rate=_rate(args.rate), nbytes=nbytes,
                     algorithm="hierarchical", deadline=args.deadline, calls=args.calls,
                     latency=1e-6, memory=100e9, tree=two_level_tree(nodes),
-                    seal_rate=args.seal_rate, payload=args.payload, **more)
+                    seal_rate=args.seal_rate, payload=args.payload,
+                    redundancy=args.redundancy, **more)
 
 
 def project(args: argparse.Namespace) -> Dict[str, Any]:
@@ -170,7 +171,8 @@ def choose(args: argparse.Namespace) -> Dict[str, Any]:
     from .choice import candidates, print_table
     base = Scenario(rate=_rate(args.rate), deadline=args.deadline, calls=args.calls,
                     latency=1e-6, memory=100e9, seal_rate=args.seal_rate,
-                    payload=args.payload, datagram_cost=args.datagram_cost, drop=args.drop)
+                    payload=args.payload, datagram_cost=args.datagram_cost, drop=args.drop,
+                    redundancy=args.redundancy)
     cands = candidates(base, args.nodes, args.ppns, args.sizes, args.max_messages,
                        args.fanout)
     ran = iter(run_all([c.scenario for c in cands if c.scenario is not None], args.jobs))
@@ -233,21 +235,32 @@ def scale_table(rows: List[Dict[str, Any]], compute: float, buckets: int) -> Non
 def heartbeat(args: argparse.Namespace) -> Dict[str, Any]:
     """One call's heartbeats, heartbeat_span=2 (today's default) against
     every peer (before it), up to `--all-peers-up-to` ranks for the latter
-    (it is quadratic in messages)."""
+    (it is quadratic in messages); 4 ranks on one node and on 4 nodes first,
+    the sizes the cost at scale is compared with."""
     rate = _rate(args.rate)
+    layouts = [(1, 4), (4, 1)] + [(nodes, args.ppn) for nodes in args.nodes]
     calls = []
-    for nodes in args.nodes:
+    for nodes, ppn in layouts:
         for span in (2, 0):
-            if span == 0 and nodes * args.ppn > args.all_peers_up_to:
-                continue
-            calls.append((nodes, args.ppn, span, rate, two_level_tree(nodes)))
+            if span == 0 and (nodes * ppn > args.all_peers_up_to or nodes * ppn <= 5):
+                continue        # (at 2-5 ranks span 2 already reaches every peer)
+            calls.append((nodes, ppn, span, rate, two_level_tree(nodes)))
     rows = run_each(simulate_heartbeat, calls, args.jobs)
-    print("| nodes x ranks | heartbeat to | datagrams per call | per call: p50 / slowest rank (us) |")
-    print("|---|---|---|---|")
+    print("| nodes x ranks | heartbeat to | datagrams per call | core time per call: p50 / "
+          "slowest rank (us) | beats arrived after: p50 / slowest (us) |")
+    print("|---|---|---|---|---|")
     for r in rows:
-        to = "2 neighbours on each side" if r["span"] else "every peer"
+        to = "every peer" if not r["span"] or r["ranks"] <= 5 else "2 neighbours on each side"
         print(f"| {r['nodes']} x {r['ppn']} | {to} | {r['messages']:,} | "
-              f"{r['p50_us']:.1f} / {r['max_us']:.1f} |")
+              f"{r['cost_p50_us']:.1f} / {r['cost_max_us']:.1f} | "
+              f"{r['arrived_p50_us']:.1f} / {r['arrived_max_us']:.1f} |")
+    four = [r for r in rows if r["ranks"] == 4]
+    for r in rows:
+        if r["span"] and r["ranks"] > 5:
+            against = ", ".join(f"{r['cost_max_us'] / f['cost_max_us']:.2f}x {f['nodes']} x "
+                                f"{f['ppn']}" for f in four)
+            print(f"{r['nodes']} x {r['ppn']}: the slowest rank's core time against 4 ranks: "
+                  f"{against}")
     result = {"rows": rows}
     _save(args, "heartbeat.json", result)
     return result
@@ -333,11 +346,20 @@ def main(argv: Sequence[str] = ()) -> int:
                              "mechanisms.UNIT's datagram_s)")
     parser.add_argument("--drop", type=float, default=0.0,
                         help="choose: random datagram drops on the switch")
+    parser.add_argument("--redundancy", type=lambda t: tuple(int(x) for x in t.split(",")),
+                        default=(), metavar="K,M",
+                        help="project, choose: m parity records per k blocks (per-rank engine "
+                             "only; scale's node-level engine has no parity)")
     parser.add_argument("--max-messages", type=int, default=300_000,
                         help="choose: the per-rank engine's budget of messages a call")
     parser.add_argument("--table-only", action="store_true",
                         help="scale: print the table of the scale.json in --out")
     args = parser.parse_args(list(argv) or None)
+    if args.redundancy and (len(args.redundancy) != 2 or args.redundancy[0] < 1
+                            or args.redundancy[1] < 0):
+        parser.error(f"--redundancy K,M: k >= 1 and m >= 0, not {args.redundancy}")
+    if args.redundancy and args.what == "scale":
+        parser.error("--redundancy: the node-level engine (scale) does not model parity")
     if args.background is None:
         args.background = SCALE_BACKGROUND if args.what == "scale" else PROJECT_BACKGROUND
     if args.nodes is None:

@@ -16,6 +16,11 @@ Model (docs/scale.md says what each choice leaves out):
   the core's (anchor + 0.4 x budget x stage end, at most start + budget);
 - random datagram drops (`drop`) enter as expected values: a block crossing
   one hop arrives with probability 1 - drop;
+- redundancy=(k, m) (`Scenario.redundancy`): a stream's wire bytes grow by
+  (k + m) / k, and a block is kept with the probability that its group lost
+  at most m of its k + m records or, failing that, that the block itself
+  arrived, every record arriving on its own (_World.kept); loss that comes
+  in bursts (a congested port) rebuilds less than that;
 - MPI_Allreduce is MPICH's for large buffers (SMP-aware with several ranks
   per node, reduce_scatter_allgather among the leaders).
 """
@@ -86,6 +91,21 @@ class _World:
         pace = 0.95 * scenario.rate / 8 / scenario.ppn if scenario.pace else 0.0
         caps = [r for r in (pace, self.cpu, scenario.seal_rate) if r > 0]
         self.pace = min(caps) if caps else 0.0
+        k, m = scenario.redundancy or (1, 0)
+        self.parity = (k + m) / k           # wire bytes per data byte
+        self._groups = (k, m)
+
+    def kept(self, q: float) -> float:
+        """The share of a stream's data blocks the reader has when each
+        record arrives with probability `q` on its own: every block of a
+        group that lost at most m of its k + m records (rebuilt), else those
+        that arrived.  `q` itself without redundancy."""
+        k, m = self._groups
+        if not m or q >= 1.0 or q <= 0.0:
+            return q
+        n = k + m
+        return sum(math.comb(n, j) * q ** j * (1 - q) ** (n - j) * (1.0 if j >= k else j / n)
+                   for j in range(n + 1))
 
     @property
     def route_latency(self) -> float:
@@ -283,7 +303,7 @@ def _direct(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: 
     w, sg, P, k, K, clock = _among(call, me, members)
     if P == 1:
         return 1.0, 1.0
-    wire = nbytes / P / K * w.ud_frame
+    wire = nbytes / P / K * w.ud_frame * w.parity
     others = [members[(k - j) % P] for j in range(1, P)]
     end0 = call.stage_deadline(begin, 0.5, budget)
     end1 = call.stage_deadline(begin, 1.0, budget)
@@ -297,17 +317,17 @@ def _direct(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: 
     def reduce_and_send() -> None:
         for i in range(K):
             arrived = _wait(gets0[i], end0, clock)
-            counts.append(1.0 + (1 - drop) * sum(arrived))
+            counts.append(1.0 + sum(w.kept((1 - drop) * got) for got in arrived))
             pacer.send([(call.key(tag, 1, me, o, i), o, wire) for o in others])
         pacer.settle()
 
     reducer = sg.Actor.create(f"r{me}", sg.this_actor.get_host(), reduce_and_send)
     total = 0.0
     # a reducer's count in expectation: each contribution arrives with 1 - drop
-    mean_count = 1.0 + (1 - drop) * (P - 1)
+    mean_count = 1.0 + w.kept(1 - drop) * (P - 1)
     for i in range(K):
         for got in _wait(gets1[i], end1, clock):
-            p = (1 - drop) * got
+            p = w.kept((1 - drop) * got)
             total += p * mean_count + (1 - p) * 1.0
     reducer.join()
     pacer.close()
@@ -322,7 +342,8 @@ def _ring(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: fl
     if P == 1:
         return 1.0, 1.0
     left, right = members[(k - 1) % P], members[(k + 1) % P]
-    wire = nbytes / P / K * w.ud_frame
+    wire = nbytes / P / K * w.ud_frame * w.parity
+    hop = 1 - w.kept(1 - drop)      # a hop's block lost for good
     # (partial sums travel in the accumulation type: float32 data, same bytes)
     ends = [call.stage_deadline(begin, (j + 1) / (2.0 * (P - 1)), budget) for j in range(P - 1)]
     end_g = call.stage_deadline(begin, 1.0, budget)
@@ -339,21 +360,21 @@ def _ring(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: fl
             if j < P - 1:
                 pacer.send([(call.key(tag, "rs", j, me, right, i), right, wire)])
             else:
-                reduced[i] = 1.0 + (1 - drop) * got * _chain_mean(j - 1, drop)
+                reduced[i] = 1.0 + w.kept((1 - drop) * got) * _chain_mean(j - 1, hop)
                 pacer.send([(call.key(tag, "ag", me, o, i), o, wire) for o in members if o != me])
         pacer.settle()
 
     host = sg.this_actor.get_host()
     helpers = [sg.Actor.create(f"p{me}.{j}", host, position, j) for j in range(1, P)]
-    reducer_mean = _chain_mean(P - 1, drop)
+    reducer_mean = _chain_mean(P - 1, hop)
     total = 0.0
     gets = [[w.get(call.key(tag, "ag", members[(k - j) % P], me, i)) for j in range(1, P)]
             for i in range(K)]
     for i in range(K):
         for j, got in enumerate(_wait(gets[i], end_g, clock), start=1):
-            p = (1 - drop) * got
+            p = w.kept((1 - drop) * got)
             # my fallback: my own partial of that chunk, at my position in its chain
-            total += p * reducer_mean + (1 - p) * _chain_mean(P - 1 - j, drop)
+            total += p * reducer_mean + (1 - p) * _chain_mean(P - 1 - j, hop)
     for h in helpers:
         h.join()
     pacer.close()
@@ -382,7 +403,7 @@ def _tree(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: fl
     H = tree_levels(P, radix)
     nst = max(1, 2 * H)
     depth = tree_depth((k - root) % P, radix)
-    wire = nbytes / K * w.ud_frame
+    wire = nbytes / K * w.ud_frame * w.parity
     up = [[w.get(call.key(tag, "up", members[c], me, i)) for c in children] for i in range(K)]
     down = [w.get(call.key(tag, "dn", members[parent], me, i)) for i in range(K)] \
         if parent >= 0 else []
@@ -394,7 +415,8 @@ def _tree(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: fl
             for c, lv, g in zip(children, levels, up[i]):
                 ok = _wait([g], call.stage_deadline(begin, (lv + 1) / nst, budget), clock)[0]
                 # (a child's partial sum carries its subtree's contributors)
-                subtree[i] += (1 - drop) * ok * w.partials.pop(call.key(tag, members[c], i), 1.0)
+                subtree[i] += w.kept((1 - drop) * ok) * w.partials.pop(
+                    call.key(tag, members[c], i), 1.0)
             if parent >= 0:
                 w.partials[call.key(tag, me, i)] = subtree[i]
                 pacer.send([(call.key(tag, "up", me, members[parent], i), members[parent], wire)])
@@ -414,7 +436,8 @@ def _tree(call: _Call, me: int, members: Sequence[int], nbytes: float, begin: fl
                             for c in children])
             # the root's result if every hop above me kept it (in expectation),
             # else my subtree's partial sum
-            kept = (1 - drop) ** depth
+            kept = w.kept(1 - drop) ** depth
+            got = w.kept(got)
             whole = w.partials[call.key(tag, "root", i)] if got else 0.0
             total += got * (kept * whole + (1 - kept) * subtree[i]) + (1 - got) * subtree[i]
     climber.join()

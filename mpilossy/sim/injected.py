@@ -6,15 +6,21 @@ where link is (peer << 32 | rank) and index counts the records of the
 call's streams in the order the algorithm plans them.  Mirroring that rule
 lets the model be fed exactly the losses a real run suffers, so the two can
 be compared block by block (tests/sim/test_model_agreement.py).
+
+With redundancy=(k, m) a stream's records are its data blocks and, after
+each group of k (the last may be shorter), the group's m parity records
+(src_cython/engine/lossmodel.pxi: wire_record); a group that lost at most m
+of its records rebuilds every data block it lost (src_cython/codecs/
+coding.pxi: any k rows in hand, the last group's padding counting as held).
 """
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from ..loss import Bernoulli, GilbertElliott
 
-__all__ = ["mix64", "hash4", "unit", "LossState"]
+__all__ = ["mix64", "hash4", "unit", "wire_order", "LossState"]
 
 _M64 = (1 << 64) - 1
 
@@ -36,6 +42,32 @@ def unit(h: int) -> float:
     return (h >> 11) * 2.0 ** -53
 
 
+def wire_order(nblocks: int, fec: Optional[Tuple[int, int]]) -> List[int]:
+    """The records of a stream in the order they are sent: data block b is
+    record b, parity record j of group g is nblocks + g m + j."""
+    if not fec:
+        return list(range(nblocks))
+    k, m = fec
+    order: List[int] = []
+    for g in range(-(-nblocks // k)):
+        order += range(g * k, min(nblocks, (g + 1) * k))
+        order += range(nblocks + g * m, nblocks + (g + 1) * m)
+    return order
+
+
+def _rebuilt(dropped: List[bool], nblocks: int, fec: Tuple[int, int]) -> List[bool]:
+    """Which data blocks stay lost once each group rebuilt what it could."""
+    k, m = fec
+    lost = dropped[:nblocks]
+    for g in range(-(-nblocks // k)):
+        data = range(g * k, min(nblocks, (g + 1) * k))
+        parity = range(nblocks + g * m, nblocks + (g + 1) * m)
+        if sum(dropped[b] for b in data) + sum(dropped[r] for r in parity) <= m:
+            for b in data:
+                lost[b] = False
+    return lost
+
+
 class LossState:
     """One rank's injected loss: which records of each stream a call loses.
 
@@ -48,20 +80,22 @@ class LossState:
         self.gilbert = next((m for m in models if isinstance(m, GilbertElliott)), None)
         self.bad = [False] * size
 
-    def drops(self, seq: int, peers: Sequence[int], records: int) -> List[List[bool]]:
-        """drops[i][b]: is record b of the stream read from peers[i] lost?
-        (Without redundancy a stream's records are its blocks, in order.)"""
+    def drops(self, seq: int, peers: Sequence[int], records: int,
+              fec: Optional[Tuple[int, int]] = None) -> List[List[bool]]:
+        """drops[i][b]: is data block b of the stream read from peers[i] lost
+        (dropped and, with redundancy=fec, not rebuilt)?  `records`: the
+        stream's data blocks."""
         out: List[List[bool]] = []
         index = 0
+        order = wire_order(records, fec)
         for peer in peers:
             link = (peer << 32) | self.rank
-            row = [False] * records
-            for at in range(records):
+            dropped = [False] * len(order)
+            for b in order:
                 index += 1
-                b = at
                 if self.bernoulli is not None and unit(hash4(
                         self.bernoulli.seed, seq, link, index)) < self.bernoulli.p:
-                    row[b] = True
+                    dropped[b] = True
                 g = self.gilbert
                 if g is not None:
                     bad = self.bad[peer]
@@ -71,7 +105,6 @@ class LossState:
                     self.bad[peer] = bad
                     loss = g.loss_bad if bad else g.loss_good
                     if unit(hash4(g.seed, seq, link, 2 * index + 1)) < loss:
-                        row[b] = True
-            out.append(row)
+                        dropped[b] = True
+            out.append(_rebuilt(dropped, records, fec) if fec else dropped)
         return out
-

@@ -10,7 +10,7 @@ or its own contribution (direct).  Sets are bitmasks of ranks.
 
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from .injected import LossState
 from .patterns import Geometry, rotation, streams, tree_shape
@@ -124,7 +124,9 @@ def _tree(size: int, seq: int, geo: Geometry, lost: Lost, rotate: bool, radix: i
 
 
 def injected(algorithm: str, size: int, seq: int, records: int, states: Sequence[LossState],
-             rotate: bool = True, radix: int = 4) -> List[List[List[bool]]]:
-    """lost[rank][stream][block] from each rank's injected.LossState."""
+             rotate: bool = True, radix: int = 4,
+             fec: Optional[Tuple[int, int]] = None) -> List[List[List[bool]]]:
+    """lost[rank][stream][block] from each rank's injected.LossState (with
+    redundancy=fec: what its groups did not rebuild)."""
     return [states[r].drops(seq, [s.peer for s in streams(algorithm, r, size, seq, rotate, radix)],
-                            records) for r in range(size)]
+                            records, fec) for r in range(size)]

@@ -35,6 +35,7 @@ class Scenario:
     seal_rate: float = 0.0              # bytes/s a rank seals and checks (datagrams' MAC); 0: free
     datagram_cost: float = 0.0          # s of a rank's CPU per datagram it sends and its peer reads
     seed: int = 1
+    redundancy: Tuple[int, ...] = ()    # (k, m) parity records per k blocks; () none
     # the node-level engine (aggregate.py)
     fanout: int = 0                     # flows per node and stage-2 phase; 0: per-rank engine
     ring_steps: int = 0                 # >0: also a ring among the leaders, in this many steps
@@ -49,6 +50,7 @@ class Scenario:
     def label(self) -> str:
         bg = f" bg {self.background}" if self.background else ""
         drop = f" drop {self.drop:g}" if self.drop else ""
+        drop += f" fec {self.redundancy[0]},{self.redundancy[1]}" if self.redundancy else ""
         deadline = f"auto<={self.deadline:g}" if self.auto else f"{self.deadline:g}"
         return (f"{self.nodes}x{self.ppn} {self.rate / 1e6:g}Mbit {self.algorithm} "
                 f"{self.nbytes >> 10}KiB T={deadline}{bg}{drop}")
