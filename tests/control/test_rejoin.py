@@ -96,19 +96,22 @@ def check_back_at_full_size(lines, ranks, members, output):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("ranks,channel,losses,newcomers,delay,members", [
+@pytest.mark.parametrize("ranks,channel,losses,newcomers,delay,members,nodes", [
     # one newcomer waiting before the loss: taken in at the grow() after the exclusion
-    (4, "ud", "1@10", 1, 0.0, [0, 2, 3, 4]),
+    (4, "ud", "1@10", 1, 0.0, [0, 2, 3, 4], 1),
     # two losses, two newcomers started after them, one after the other
-    (3, "ud", "1@5,2@12", 2, 3.0, [0, 3, 4]),
+    (3, "ud", "1@5,2@12", 2, 3.0, [0, 3, 4], 1),
+    # the job on two (fake) nodes: the membership's messages are datagrams
+    (4, "ud", "2@10", 1, 0.0, [0, 1, 3, 4], 2),
 ])
 def test_processes_started_outside_the_job_take_the_lost_ranks_places(
-        tmp_path, ranks, channel, losses, newcomers, delay, members):
+        tmp_path, ranks, channel, losses, newcomers, delay, members, nodes):
     skip_unless_own_job(channel)
     lines, output, codes = run_rejoin(tmp_path, ranks, channel, losses, 30, newcomers,
-                                      delay=delay)
+                                      delay=delay, MPIR_CVAR_NUM_CLIQUES=str(nodes))
     assert codes[1:] == [0] * newcomers, output
     check_back_at_full_size(lines, ranks, members, output)
+    assert all(line["datagram_signals"] == (nodes > 1) for line in lines), output
     assert not [p for p in (tmp_path / "rendezvous").iterdir()
                 if p.name.startswith(("knock.", "port."))], output
 

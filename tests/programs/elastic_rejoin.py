@@ -19,7 +19,8 @@ process still running prints one JSON line: its member number, its role,
 the calls it made, wrong blocks, exclusions and growths seen (call,
 members), the state sent at each growth it took part in (call, sum of the
 model, the learned deadlines, the agreed loss rate), the members and size
-at the end, the sum of its model and the calls that lost blocks on it.  A
+at the end, the sum of its model, the calls that lost blocks on it and
+whether the membership's messages went as datagrams (across nodes).  A
 newcomer nobody took in prints "joined": false.
 Everyone ends with os._exit: MPI_Finalize hangs after a death."""
 
@@ -93,6 +94,9 @@ print(json.dumps({"member": me, "role": role, "calls": state["call"], "wrong": s
                   "excluded": state["excluded"], "joined": state["joined"],
                   "sent": state["sent"], "members": list(lc.members), "size": lc.size,
                   "arrivals": lc.arrivals, "model": float(model.sum()),
-                  "partial": state["partial"]}), flush=True)
+                  "partial": state["partial"],
+                  # (across nodes the membership's messages go as datagrams)
+                  "datagram_signals": not lc._elastic.membership.signals.reliable}),
+      flush=True)
 lc.free()
 os._exit(0)
