@@ -171,8 +171,7 @@ def choose(args: argparse.Namespace) -> Dict[str, Any]:
     from .choice import candidates, print_table
     base = Scenario(rate=_rate(args.rate), deadline=args.deadline, calls=args.calls,
                     latency=1e-6, memory=100e9, seal_rate=args.seal_rate,
-                    payload=args.payload, datagram_cost=args.datagram_cost, drop=args.drop,
-                    redundancy=args.redundancy)
+                    payload=args.payload, datagram_cost=args.datagram_cost, drop=args.drop)
     cands = candidates(base, args.nodes, args.ppns, args.sizes, args.max_messages,
                        args.fanout)
     ran = iter(run_all([c.scenario for c in cands if c.scenario is not None], args.jobs))
@@ -348,8 +347,8 @@ def main(argv: Sequence[str] = ()) -> int:
                         help="choose: random datagram drops on the switch")
     parser.add_argument("--redundancy", type=lambda t: tuple(int(x) for x in t.split(",")),
                         default=(), metavar="K,M",
-                        help="project, choose: m parity records per k blocks (per-rank engine "
-                             "only; scale's node-level engine has no parity)")
+                        help="project: m parity records per k blocks (the per-rank engine "
+                             "only: the node-level engine of scale and choose has no parity)")
     parser.add_argument("--max-messages", type=int, default=300_000,
                         help="choose: the per-rank engine's budget of messages a call")
     parser.add_argument("--table-only", action="store_true",
@@ -358,8 +357,9 @@ def main(argv: Sequence[str] = ()) -> int:
     if args.redundancy and (len(args.redundancy) != 2 or args.redundancy[0] < 1
                             or args.redundancy[1] < 0):
         parser.error(f"--redundancy K,M: k >= 1 and m >= 0, not {args.redundancy}")
-    if args.redundancy and args.what == "scale":
-        parser.error("--redundancy: the node-level engine (scale) does not model parity")
+    if args.redundancy and args.what not in ("project", "all"):
+        parser.error("--redundancy: only project models parity (the node-level engine of "
+                     "scale and choose does not)")
     if args.background is None:
         args.background = SCALE_BACKGROUND if args.what == "scale" else PROJECT_BACKGROUND
     if args.nodes is None:

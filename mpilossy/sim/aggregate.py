@@ -285,6 +285,9 @@ def simulate_nodes(scenario: Scenario) -> Outcome:
                          "rank per node")
     if s.fanout < 1:
         raise ValueError("the node-level engine needs fanout >= 1")
+    if scenario.redundancy:
+        raise ValueError("the node-level engine does not model parity: redundancy runs on "
+                         "the per-rank engine (fanout=0)")
     sg = _simgrid.load()
     engine = sg.Engine(["mpilossy-sim", "--log=root.thr:critical", "--log=xbt_cfg.thr:critical",
                         f"--cfg=network/model:{s.network}"])

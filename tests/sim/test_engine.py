@@ -92,6 +92,10 @@ def test_scenarios_refuse_what_they_cannot_model():
     from mpilossy.sim.engine import simulate
     with pytest.raises(ValueError, match="algorithm"):
         simulate(Scenario(algorithm="butterfly"))
+    from mpilossy.sim.aggregate import simulate_nodes
+    with pytest.raises(ValueError, match="parity"):
+        simulate_nodes(Scenario(nodes=4, ppn=2, algorithm="hierarchical", fanout=2,
+                                redundancy=(4, 2)))
 
 
 @pytest.mark.timeout(120)
