@@ -42,7 +42,8 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from . import _simgrid
-from .engine import HIER_SHARES, _Call, _clock, _Pacer, _wait, _World
+from .engine import HIER_SHARES, _Call, _World
+from .flows import _Pacer, _clock, _wait
 from .mpich import TCP_FRAME, TCP_PAYLOAD, _reduce_scatter_allgather
 from .scenario import Outcome, Scenario
 from .traffic import start_background

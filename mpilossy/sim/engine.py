@@ -29,10 +29,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 from . import _simgrid
 from .mpich import mpi_allreduce
+from .flows import _Arrival, _Pacer, _clock, _wait
 from .scenario import Outcome, Scenario, fat_tree
 from .traffic import Background, start_background
 
@@ -135,134 +136,6 @@ class _World:
         return _Arrival(comm, key, self)
 
 
-class _Arrival:
-    """A datagram stream's piece on its way in.  Datagrams are not slowed
-    down by a congested port, they are dropped there: a piece whose flow the
-    network served slower than its sender's pace arrives with only the share
-    the network carried (ideal / actual duration)."""
-
-    __slots__ = ("comm", "key", "world")
-
-    def __init__(self, comm: Any, key: str, world: _World) -> None:
-        self.comm, self.key, self.world = comm, key, world
-
-    def share(self) -> float:
-        ideal = self.world.ideal.pop(self.key, 0.0)
-        took = self.comm.finish_time - self.comm.start_time
-        # (plus the route's latency: a flow at its pace takes that too)
-        slack = self.world.route_latency
-        return min(1.0, (ideal + slack) / took) if ideal > 0 and took > 0 else 1.0
-
-
-def _wait(comms: Sequence[Any], until: float, clock: Callable[[], float]) -> List[float]:
-    """Wait for each comm (or _Arrival) until `until` (absolute) and cancel
-    the rest.  Returns what arrived of each: 0 (late), else 1, or an
-    arrival's share of its datagrams."""
-    done: List[float] = []
-    for item in comms:
-        c = item.comm if isinstance(item, _Arrival) else item
-        left = until - clock()
-        got = 0.0
-        try:
-            if left > 0:
-                c.wait_for(left)
-                got = item.share() if isinstance(item, _Arrival) else 1.0
-        except Exception:                        # timeout, or the peer cancelled
-            got = 0.0
-        if not got:
-            try:
-                c.cancel()
-            except Exception:
-                pass
-        done.append(got)
-    return done
-
-
-class _Pacer:
-    """A rank's datagram sender: rows of messages leave in the order they were
-    queued (the core's token bucket is one FIFO), a row's messages to other
-    nodes sharing the rank's pace; nothing leaves after the call's budget."""
-
-    def __init__(self, world: _World, me: int, until: float, pace: float = -1.0,
-                 local: Optional[Callable[[int], bool]] = None, sharers: int = 1) -> None:
-        """`pace`: bytes/s (default: the rank's); `local(dest)`: whether a
-        destination shares the sender's memory (default: the rank's node)."""
-        self.w, self.me, self.until = world, me, until
-        self.rows: Dict[int, List[Any]] = {}      # comms of the rows queued, by sending actor
-        self.pace = world.pace if pace < 0 else pace
-        self.local = local or (lambda dest: world.same_node(me, dest))
-        # the ranks whose CPUs send this pacer's rows (a node's, at node level)
-        self.sharers = sharers
-        sg = world.sg
-        self.queue = sg.Mailbox.by_name(f"pace:{me}:{id(self)}")
-        self.actor = sg.Actor.create(f"pacer{me}", sg.this_actor.get_host(), self._run)
-        self.queue.set_receiver(self.actor)
-
-    def send(self, row: Optional[Sequence[Tuple[Any, ...]]]) -> None:
-        """Queue one row: (key, destination rank, bytes[, streams]) each.  An actor
-        that sends rows calls settle() before it ends."""
-        # (not detached: a detached comm keeps its sender alive for good, and
-        # with it the actor's stack, two memory maps: a reducer's rows took a
-        # 256-node run past the kernel's 65,530 maps)
-        me = self.w.sg.this_actor.get_pid()
-        message = None if row is None else list(row)      # None: the end
-        self.rows.setdefault(me, []).append(self.queue.put_async(message, 0))
-
-    def settle(self) -> None:
-        """Wait until the pacer has taken the rows this actor queued."""
-        for comm in self.rows.pop(self.w.sg.this_actor.get_pid(), []):
-            comm.wait()
-
-    def close(self) -> None:
-        self.send(None)
-        self.actor.join()
-        self.settle()
-        # (the mailbox's receiver, and references to the actor, which its
-        # code holds in turn through this object, would keep it alive too)
-        self.queue.set_receiver(None)
-        self.actor = None
-        self.rows.clear()
-
-    def _row_time(self, remote: Sequence[Tuple[float, int]]) -> float:
-        """Seconds a row of messages to other nodes takes to leave: its wire
-        bytes at the pace, or its datagrams at `datagram_cost` each where
-        that is longer (0: unpaced and free).  Each message: (wire bytes, how
-        many rank-level streams of equal size it stands for)."""
-        if not remote:
-            return 0.0
-        at_pace = sum(nbytes for nbytes, _ in remote) / self.pace if self.pace else 0.0
-        cost = self.w.s.datagram_cost
-        if not cost:
-            return at_pace
-        frame = self.w.s.payload * self.w.ud_frame
-        datagrams = sum(n * math.ceil(nbytes / n / frame - 1e-9) for nbytes, n in remote)
-        return max(at_pace, datagrams * cost / self.sharers)
-
-    def _run(self) -> None:
-        w, sg = self.w, self.w.sg
-        clock = _clock(sg)
-        flying: List[Any] = []
-        while True:
-            row = self.queue.get()
-            if row is None:
-                break
-            if clock() >= self.until:
-                continue                           # unsent: past the budget
-            sends = [(m[0], m[1], m[2], m[3] if len(m) > 3 else 1) for m in row]
-            remote = [(nbytes, streams) for _, dest, nbytes, streams in sends
-                      if not self.local(dest)]
-            took = self._row_time(remote)
-            # the row's time split in proportion to the bytes, so that every
-            # message of the row ends when the row does
-            flying += [w.put(key, nbytes, 0.0 if self.local(dest) or not took else nbytes / took)
-                       for key, dest, nbytes, _ in sends]
-            if took:
-                # the token bucket lets the row out at the pace, whether or
-                # not the network keeps up (the switch queues the rest)
-                sg.this_actor.sleep_for(min(took, max(0.0, self.until - clock())))
-        _wait(flying, self.until, clock)
-
-
 class _Call:
     """One lossy call of every rank: its clock, deadlines and what arrived."""
 
@@ -283,10 +156,6 @@ class _Call:
 
     def key(self, *parts: Any) -> str:
         return ":".join(str(p) for p in (self.n,) + parts)
-
-
-def _clock(sg: Any) -> Callable[[], float]:
-    return lambda: sg.Engine.clock
 
 
 def _among(call: _Call, me: int, members: Sequence[int]) -> Tuple[Any, Any, int, int, int,
