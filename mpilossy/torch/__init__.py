@@ -49,7 +49,7 @@ from .drift import DriftController, DriftStep, measure_drift
 from .feedback import ErrorFeedback
 from .hooks import AllreduceHookState, allreduce_hook
 from .optimizer import DistributedOptimizer, WrappedOptimizer
-from .process_group import destroy_process_group, init_process_group
+from .process_group import destroy_process_group, init_process_group, local_group
 from .sharded import ShardedOptimizer
 from .stats import StepStats
 from .tolerance import PhaseAwareTolerance
@@ -79,6 +79,7 @@ __all__ = [
     "check_parameters",
     "destroy_process_group",
     "init_process_group",
+    "local_group",
     "measure_drift",
 ]
 

@@ -23,16 +23,6 @@ def lossy_communicator(communicator: Optional[Communicator]) -> Communicator:
     return communicator
 
 
-def spares_problem(lc: Communicator, what: str) -> Optional[Exception]:
-    """`what` cannot follow a communicator that grows back (spares=k, or
-    rendezvous=DIR)."""
-    if lc.grows:
-        return ValueError(f"{what} does not take newcomers in yet (Communicator(spares=k) or "
-                          f"rendezvous=DIR: docs/elastic.md, 'Growing back'); "
-                          f"DistributedOptimizer and ShardedOptimizer do")
-    return None
-
-
 _world: Optional[MPI.Intracomm] = None
 
 

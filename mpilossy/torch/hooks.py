@@ -3,6 +3,7 @@ all-reduce instead of the process group's, zero-copy through DLPack."""
 
 # (no `from __future__ import annotations`: DDP checks the hook's annotations
 # against the real dist.GradBucket and torch.futures.Future[torch.Tensor])
+import dataclasses
 from concurrent.futures import ThreadPoolExecutor
 from typing import Dict, Hashable, List, Optional, Set, Tuple
 
@@ -12,10 +13,11 @@ import torch.distributed as dist
 
 from .. import CollectiveStats, Communicator
 from .checks import check_tensors
-from .communicators import lossy_communicator, reliable_comm, spares_problem
+from .communicators import lossy_communicator, reliable_comm
 from .compression import Compression, compression_problem
-from .optimizer import check_settings
-from .stats import Recorder, StepStats
+from .drift import DriftController
+from .optimizer import Engine, check_settings, follow_exclusions, welcomed
+from .stats import StepStats
 from .tensors import as_numpy, named_tensors
 
 __all__ = ["AllreduceHookState", "allreduce_hook"]
@@ -48,10 +50,23 @@ class AllreduceHookState:
         index), and each new bucket's residual is assembled from its
         parameters' old ones.
 
+    optimizer, drift:
+        what a newcomer receives on a Communicator that grows (spares=k,
+        rendezvous=DIR): the optimizer whose state it needs, and the
+        DriftController (given this Communicator) whose step count and
+        checks it shares.  Required there: `model` and `optimizer`.
+
     On a Communicator built with elastic=True the hook goes on after an
     exclusion; DDP must then never touch its own process group again
     (no buffers to broadcast) and a DriftController given the same
     Communicator brings the survivors back on one model (docs/elastic.md).
+    On one that grows, build DDP on ``local_group()`` (a group of the
+    process alone, so that a newcomer's DDP waits for nobody), call
+    ``grow()`` after each ``optimizer.step()`` (and the DriftController's
+    step()), and let a spare called in (``stand_by()`` returned True) build
+    its model, DDP, optimizer, DriftController and this state the same
+    way: its construction receives rank 0's parameters, buffers, optimizer
+    state and step counts.  Not with compression (refused).
 
     ``stats`` is the StepStats of the last complete backward pass,
     ``bucket_stats`` the CollectiveStats of each bucket's last call.
@@ -60,22 +75,36 @@ class AllreduceHookState:
 
     def __init__(self, communicator: Optional[Communicator] = None, *, op: str = "avg",
                  background: bool = False, model: Optional[torch.nn.Module] = None,
-                 compression: Optional[Compression] = None) -> None:
-        self.communicator = lossy_communicator(communicator)
-        comm = reliable_comm(self.communicator)
+                 compression: Optional[Compression] = None,
+                 optimizer: Optional[torch.optim.Optimizer] = None,
+                 drift: Optional[DriftController] = None) -> None:
+        self.communicator = lc = lossy_communicator(communicator)
+        comm = reliable_comm(lc)
         problem = (check_settings(op)
-                   or compression_problem(compression, False, self.communicator)
-                   or spares_problem(self.communicator, "The DDP hook"))
+                   or compression_problem(compression, False, lc)
+                   or _growth_problem(lc, model, optimizer, drift, compression))
         if not isinstance(background, bool):
             problem = problem or TypeError("background must be a bool")
         named = [] if model is None else named_tensors(model.named_parameters())
-        check_tensors(comm, named, reducible=True, problem=problem,
-                      extra=(op, repr(compression)), cuda=compression is None,
-                      copied=compression is not None)
+        extra = (op, repr(compression), optimizer is not None, drift is not None)
+        check_tensors(comm, named, reducible=True, problem=problem, extra=extra,
+                      cuda=compression is None, copied=compression is not None)
         self.op = op
         self.compression = compression
+        self.optimizer = optimizer
         self.bucket_stats: Dict[int, CollectiveStats] = {}
-        self._recorder = Recorder()
+        # What a growth needs (the construction's check, the tensors and
+        # counts rank 0 sends a newcomer), and the statistics' recorder.
+        held = [] if model is None else [t for _, t in named_tensors(model)]
+        self._engine = Engine(lc, held, op, drift)
+        self._engine.agreed = (named, extra)
+        self._recorder = self._engine.recorder
+        follow_exclusions(self._engine)
+        self._whole = _WholeStep(model) if lc.grows and model is not None else None
+        if lc.newcomer and optimizer is not None and welcomed.get(lc, 0) < lc.arrivals:
+            # a spare called in: the others' grow() made the same checks; now their state
+            welcomed[lc] = lc.arrivals
+            self._engine.share(optimizer)
         # Error feedback by parameter: where each parameter's residual lives
         # (the key of its bucket's residual in the compressor, its offset),
         # and the keys this state made (a compressor may serve others too).
@@ -92,6 +121,31 @@ class AllreduceHookState:
     @property
     def steps(self) -> int:
         return self._recorder.steps
+
+    def grow(self) -> Tuple[int, ...]:
+        """Collective, after each ``optimizer.step()`` (and the
+        DriftController's step()) on a Communicator that grows:
+        Communicator.grow(); if spares joined, the checks their
+        construction makes, then rank 0's parameters, buffers, optimizer
+        state and step counts to them.  Returns the members that joined
+        (also in ``stats.joined``); () elsewhere."""
+        lc = self.communicator
+        if not lc.grows:
+            return ()
+        joined = lc.grow()
+        if not joined:
+            return ()
+        engine = self._engine
+        if self._recorder.last is not None:
+            self._recorder.last = dataclasses.replace(self._recorder.last, joined=joined)
+        # (in the order of a newcomer's constructions: its DriftController first)
+        if engine.drift is not None:
+            engine.drift.check_again()
+        named, extra = engine.agreed
+        check_tensors(engine.reliable, named, reducible=True, extra=extra, cuda=True)
+        assert self.optimizer is not None       # (_growth_problem)
+        engine.share(self.optimizer)
+        return joined
 
     def close(self) -> None:
         """Stop the worker thread (if any)."""
@@ -172,6 +226,31 @@ class AllreduceHookState:
         future.set_result(tensor)
 
 
+def _growth_problem(lc: Communicator, model: Optional[torch.nn.Module],
+                    optimizer: Optional[torch.optim.Optimizer],
+                    drift: Optional[DriftController],
+                    compression: Optional[Compression]) -> Optional[Exception]:
+    """What the hook needs to take newcomers in, and the settings it refuses."""
+    if drift is not None and not isinstance(drift, DriftController):
+        return TypeError(f"drift must be a DriftController or None, not {type(drift).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        return TypeError(f"optimizer must be a torch.optim.Optimizer or None, "
+                         f"not {type(optimizer).__name__}")
+    if not lc.grows:
+        return None
+    if model is None or optimizer is None:
+        return ValueError("on a Communicator that takes newcomers in (spares=k, rendezvous=DIR) "
+                          "the DDP hook needs model= and optimizer=: what a newcomer receives")
+    if compression is not None:
+        return ValueError("the DDP hook's compression does not take newcomers in yet "
+                          "(per-rank residuals; docs/elastic.md, 'Growing back')")
+    if (isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            and model.process_group.size() != 1):
+        return ValueError("DDP's own process group cannot take a newcomer in: build it with "
+                          "process_group=mpilossy.torch.local_group()")
+    return None
+
+
 def allreduce_hook(state: AllreduceHookState,
                    bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: lossy all-reduce of the bucket, in place.
@@ -181,20 +260,77 @@ def allreduce_hook(state: AllreduceHookState,
     (op="avg") of what arrived by the deadline."""
     tensor = bucket.buffer()
     future: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    if state._whole is not None:
+        state._whole.add(tensor, bucket.index(), future, _layout(bucket, tensor))
+        if bucket.is_last():
+            if state._worker is None:
+                state._whole.reduce(state)
+            else:
+                state._worker.submit(state._whole.reduce, state)
+        return future
     layout = None
     if state.compression is not None and state.compression.error_feedback:
         # Where each parameter's gradient sits in the bucket: its residual
         # follows it when DDP rebuilds the buckets.
-        base, itemsize = tensor.data_ptr(), tensor.element_size()
-        layout = [(id(p), (g.data_ptr() - base) // itemsize, g.numel())
-                  for p, g in zip(bucket.parameters(), bucket.gradients())]
-        if any(not 0 <= at <= tensor.numel() - n for _, at, n in layout):
-            # (not views of the bucket: DDP packs them in order, back to back)
-            offsets = np.cumsum([0] + [n for _, _, n in layout[:-1]])
-            layout = [(pid, int(at), n) for (pid, _, n), at in zip(layout, offsets)]
+        layout = [(id(p), at, n) for p, at, n in _layout(bucket, tensor)]
     args = (tensor, bucket.index(), bucket.is_last(), future, layout)
     if state._worker is None:
         state._reduce(*args)
     else:
         state._worker.submit(state._reduce, *args)
     return future
+
+
+def _layout(bucket: dist.GradBucket,
+            tensor: torch.Tensor) -> List[Tuple[torch.Tensor, int, int]]:
+    """(parameter, offset, count) of each gradient in the bucket's buffer."""
+    base, itemsize = tensor.data_ptr(), tensor.element_size()
+    layout = [(p, (g.data_ptr() - base) // itemsize, g.numel())
+              for p, g in zip(bucket.parameters(), bucket.gradients())]
+    if any(not 0 <= at <= tensor.numel() - n for _, at, n in layout):
+        # (not views of the bucket: DDP packs them in order, back to back)
+        offsets = np.cumsum([0] + [n for _, _, n in layout[:-1]])
+        layout = [(p, int(at), n) for (p, _, n), at in zip(layout, offsets)]
+    return layout
+
+
+class _WholeStep:
+    """On a Communicator that grows: a step's buckets reduced together at
+    the last one, in the model's parameter order.  DDP orders a bucket's
+    gradients by when they became ready in its first step (it rebuilds its
+    buckets then), so a newcomer's first step would pair other elements
+    with the ranks in than theirs; the model's order is the same on every
+    rank whatever the buckets."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.position = {id(p): i for i, p in enumerate(model.parameters())}
+        # (bucket tensor, its index, its future, its layout) until the last bucket
+        self.pending: List[Tuple[torch.Tensor, int, torch.futures.Future[torch.Tensor],
+                                 List[Tuple[torch.Tensor, int, int]]]] = []
+
+    def add(self, tensor: torch.Tensor, index: int, future: torch.futures.Future[torch.Tensor],
+            layout: List[Tuple[torch.Tensor, int, int]]) -> None:
+        self.pending.append((tensor, index, future, layout))
+
+    def reduce(self, state: AllreduceHookState) -> None:
+        pending, self.pending = self.pending, []
+        pieces = sorted(((self.position[id(p)], tensor.view(-1)[at:at + n])
+                         for tensor, _, _, layout in pending for p, at, n in layout),
+                        key=lambda piece: piece[0])
+        try:
+            for dtype in sorted({str(view.dtype) for _, view in pieces}):
+                views = [view for _, view in pieces if str(view.dtype) == dtype]
+                flat = torch.cat(views)
+                stats = state.communicator.allreduce(flat, op=state.op)
+                for view, part in zip(views, torch.split(flat, [v.numel() for v in views])):
+                    view.copy_(part)
+                state._recorder.add(stats)
+                for _, index, _, _ in pending:
+                    state.bucket_stats[index] = stats
+        except BaseException as exc:
+            for _, _, future, _ in pending:
+                future.set_exception(exc)  # type: ignore[arg-type]
+            return
+        state._recorder.finish()
+        for tensor, _, future, _ in pending:
+            future.set_result(tensor)

@@ -7,13 +7,14 @@ import socket
 from datetime import timedelta
 from typing import Any, Dict, Optional
 
+import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
 from .backend import use_comm
 from .communicators import reliable_comm
 
-__all__ = ["init_process_group", "destroy_process_group"]
+__all__ = ["init_process_group", "destroy_process_group", "local_group"]
 
 
 def init_process_group(backend: str = "gloo", *, comm: Optional[MPI.Intracomm] = None,
@@ -76,3 +77,21 @@ def destroy_process_group() -> None:
         if os.environ.get(name) == value:
             del os.environ[name]
     _exported.clear()
+
+
+def local_group(timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
+    """A process group of this process alone (Gloo, size 1), for
+    ``DistributedDataParallel(model, process_group=local_group())`` when
+    the hook's Communicator grows (spares=k, rendezvous=DIR): DDP's
+    construction and buffer broadcasts then wait for nobody, so a newcomer
+    can build its DDP while the others train, and every gradient goes
+    through the hook.  DDP keeps the buckets it built at construction on
+    such a group (it does not rebuild them after the first step), the same
+    on every rank built with the same arguments.  Not collective."""
+    store = dist.HashStore()
+    group = dist.ProcessGroup(store, 0, 1)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), 0, 1,
+                                 timeout if timeout is not None else timedelta(minutes=5))
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return group

@@ -25,6 +25,12 @@ construction) every rank sums the pictures and the momentum it holds now
 over all ranks ("checks"): cutting again must move the momentum, not
 change it.  At the end each rank compares its parameters with rank 0's.
 
+MODE "ddp": DistributedDataParallel on mpilossy.torch.local_group() with
+the DDP hook on the Communicator, a plain SGD and a DriftController given
+both (re-synchronising only after an exclusion, as in "replicated"); the
+hook state's grow() after each step; the spare builds DDP, optimizer,
+controller and hook state the same way.  The same checks as "replicated".
+
 With $SPARES_RENDEZVOUS=DIR there is no spare: the job's communicator
 takes newcomers through that rendezvous, and CHANNEL "join" starts one (a
 process outside the job: Communicator.join(DIR)), which plays the
@@ -52,7 +58,8 @@ from torch_helpers import loss_of, make_model  # noqa: E402
 comm = MPI.COMM_WORLD
 channel, lose = sys.argv[1], sys.argv[2]
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 20
-sharded = len(sys.argv) > 4 and sys.argv[4] == "sharded"
+mode = sys.argv[4] if len(sys.argv) > 4 else "replicated"
+sharded = mode == "sharded"
 share_victim = int(sys.argv[5]) if len(sys.argv) > 5 else None
 victim, at = (int(v) for v in lose.split("@"))
 directory = os.environ.get("SPARES_RENDEZVOUS")
@@ -108,9 +115,38 @@ def conserved(before: torch.Tensor) -> dict:
             "mine": float(momentum().abs().max())}
 
 
+class HookedDDP:
+    """DDP with the hook, shaped like the wrappers for the loop below."""
+
+    def __init__(self) -> None:
+        self.net = torch.nn.parallel.DistributedDataParallel(model,
+                                                             process_group=mt.local_group())
+        self.inner = inner
+        self.drift_control = mt.DriftController(self.net, comm=lc, broadcast_every=1000,
+                                                optimizer=inner)
+        self.hook = mt.AllreduceHookState(lc, model=self.net, optimizer=inner,
+                                          drift=self.drift_control)
+        self.net.register_comm_hook(self.hook, mt.allreduce_hook)
+        self._mpilossy = self.hook._engine
+
+    steps = property(lambda self: self.hook.steps)
+    stats = property(lambda self: self.hook.stats)
+    state = property(lambda self: self.inner.state)     # (a re-synchronisation replaces it)
+
+    def zero_grad(self) -> None:
+        self.inner.zero_grad()
+
+    def step(self) -> None:
+        self.inner.step()
+        self.drift_control.step()
+        self.hook.grow()
+
+
 inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 if sharded:
     opt = mt.ShardedOptimizer(inner, model.named_parameters(), lc, measure_every=4)
+elif mode == "ddp":
+    opt = HookedDDP()
 else:
     opt = mt.DistributedOptimizer(inner, model.named_parameters(), lc, broadcast_every=1000,
                                   broadcast_state=True)
@@ -129,7 +165,7 @@ while opt.steps < steps:
     if me == victim and step == at:
         os._exit(0)
     opt.zero_grad()
-    loss_of(model, me, step).backward()
+    loss_of(opt.net if mode == "ddp" else model, me, step).backward()
     opt.step()
     assert opt.stats is not None
     if opt.stats.joined:
