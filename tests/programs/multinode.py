@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +33,9 @@ from mpi4py import MPI
 
 import mpilossy
 from mpilossy.cluster import request    # the emulated cluster's control folder
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: helpers
+from helpers import cpu_wait  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--phases", default="topology,lossless,unbiased,drops,sigstop")
@@ -180,11 +184,12 @@ def drops():
             if rank == 0:
                 request(drop=args.drop)
             comm.Barrier()
-            elapsed, delivered = [], []
+            elapsed, net, delivered = [], [], []
             for _ in range(args.drop_calls):
-                t = time.monotonic()
+                t, queued = time.monotonic(), cpu_wait()
                 stats = lc.allreduce(x, algorithm="direct")
                 elapsed.append(time.monotonic() - t)
+                net.append(elapsed[-1] - (cpu_wait() - queued))
                 delivered.append(stats.delivered)
             comm.Barrier()
             if rank == 0:
@@ -192,9 +197,11 @@ def drops():
                 request(clear=True)
             comm.Barrier()
         el = comm.gather(elapsed, root=0)
+        nt = comm.gather(net, root=0)
         dl = comm.gather(delivered, root=0)
         if rank == 0:
             out[ch] = {"elapsed_max": float(np.max(el)), "elapsed_p50": float(np.median(el)),
+                       "elapsed_net_max": float(np.max(nt)),
                        "delivered_min": float(np.min(dl)), "delivered_mean": float(np.mean(dl)),
                        "switch_drops": after["switch_drops"]["dropped"]
                        - before["switch_drops"]["dropped"],
