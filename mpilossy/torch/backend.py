@@ -121,6 +121,15 @@ def _lossy_op(op: Any) -> str:
     return name
 
 
+def gloo_group(store: dist.Store, rank: int, size: int, timeout: Any) -> dist.ProcessGroup:
+    """A process group whose every operation is Gloo's, on `store`."""
+    group = dist.ProcessGroup(store, rank, size)
+    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    return group
+
+
 class LossyProcessGroup(dist.ProcessGroup):
     """The process group of the "mpilossy" backend (made by
     init_process_group / new_group, not by hand).
@@ -133,11 +142,7 @@ class LossyProcessGroup(dist.ProcessGroup):
     def __init__(self, store: dist.Store, rank: int, size: int, timeout: Any,
                  communicator: Communicator, options: BackendOptions) -> None:
         super().__init__(rank, size)  # type: ignore[call-arg]  # (the stubs know one overload)
-        exact = dist.ProcessGroup(store, rank, size)
-        gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
-        exact._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-        exact._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        self.exact = exact
+        self.exact = gloo_group(store, rank, size, timeout)
         self.communicator = communicator
         self.options = options
         self.counts: Dict[str, List[int]] = {}

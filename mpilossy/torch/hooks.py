@@ -314,10 +314,10 @@ class _WholeStep:
 
     def reduce(self, state: AllreduceHookState) -> None:
         pending, self.pending = self.pending, []
-        pieces = sorted(((self.position[id(p)], tensor.view(-1)[at:at + n])
-                         for tensor, _, _, layout in pending for p, at, n in layout),
-                        key=lambda piece: piece[0])
-        try:
+        try:        # (any failure ends in the futures: a worker thread would swallow it)
+            pieces = sorted(((self.position[id(p)], tensor.view(-1)[at:at + n])
+                             for tensor, _, _, layout in pending for p, at, n in layout),
+                            key=lambda piece: piece[0])
             for dtype in sorted({str(view.dtype) for _, view in pieces}):
                 views = [view for _, view in pieces if str(view.dtype) == dtype]
                 flat = torch.cat(views)

@@ -7,11 +7,10 @@ import socket
 from datetime import timedelta
 from typing import Any, Dict, Optional
 
-import torch
 import torch.distributed as dist
 from mpi4py import MPI
 
-from .backend import use_comm
+from .backend import gloo_group, use_comm
 from .communicators import reliable_comm
 
 __all__ = ["init_process_group", "destroy_process_group", "local_group"]
@@ -85,13 +84,8 @@ def local_group(timeout: Optional[timedelta] = None) -> dist.ProcessGroup:
     the hook's Communicator grows (spares=k, rendezvous=DIR): DDP's
     construction and buffer broadcasts then wait for nobody, so a newcomer
     can build its DDP while the others train, and every gradient goes
-    through the hook.  DDP keeps the buckets it built at construction on
-    such a group (it does not rebuild them after the first step), the same
-    on every rank built with the same arguments.  Not collective."""
-    store = dist.HashStore()
-    group = dist.ProcessGroup(store, 0, 1)
-    gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), 0, 1,
-                                 timeout if timeout is not None else timedelta(minutes=5))
-    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, gloo)
-    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    return group
+    through the hook.  (DDP still reorders its buckets after its first
+    step on such a group; the hook reduces in the model's parameter order
+    there, whatever the buckets.)  Not collective."""
+    return gloo_group(dist.HashStore(), 0, 1, timeout if timeout is not None
+                      else timedelta(minutes=5))
