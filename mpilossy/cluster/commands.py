@@ -103,8 +103,6 @@ def bench(cluster: Cluster, args: argparse.Namespace) -> List[Dict[str, Any]]:
                     deadline = row.get("timeout") or (row.get("lossy_timeouts") or [None])[-1]
                     row["late_30ms"] = None if deadline is None else sum(
                         1 for t in row.get("times_us", []) if t > 1e6 * deadline + 30e3)
-                    row.pop("times_us", None)
-                    row.pop("mpi_times_us", None)
                     rows.append(row)
                     print(bench_line(row), flush=True)
     return rows

@@ -148,7 +148,7 @@ class Network:
     def counters(self) -> Dict[str, Any]:
         """What the wire saw: per switch port and per node NIC the tbf's
         packets, bytes, drops, overlimits; the nftables drops; per node the
-        kernel's TCP and UDP counters (/proc/net/snmp)."""
+        kernel's TCP and UDP counters (/proc/net/snmp, netstat)."""
         out: Dict[str, Any] = {"ports": {}, "nics": {}, "nodes": {}}
         for i, ns in enumerate(self.node_ns):
             port = f"p{i + 1}"
@@ -180,10 +180,16 @@ class Network:
     def _snmp(self, ns: str) -> Dict[str, int]:
         proc = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/snmp"],
                               capture_output=True, text=True)
-        lines = proc.stdout.splitlines()
+        # (/proc/net/netstat: how TCP recovered its losses, by retransmission
+        # timeout or by a tail loss probe; the scale model's TCP takes them)
+        extra = subprocess.run(["ip", "netns", "exec", ns, "cat", "/proc/net/netstat"],
+                               capture_output=True, text=True)
+        lines = proc.stdout.splitlines() + extra.stdout.splitlines()
         stats: Dict[str, int] = {}
         wanted = {("Udp", "OutDatagrams"), ("Udp", "InDatagrams"), ("Udp", "RcvbufErrors"),
-                  ("Tcp", "RetransSegs"), ("Tcp", "OutSegs")}
+                  ("Tcp", "RetransSegs"), ("Tcp", "OutSegs"), ("TcpExt", "TCPTimeouts"),
+                  ("TcpExt", "TCPLossProbes"), ("TcpExt", "TCPLossProbeRecovery"),
+                  ("TcpExt", "TCPLostRetransmit")}
         for head, values in zip(lines[::2], lines[1::2]):
             proto, names = head.split(":", 1)
             for name, value in zip(names.split(), values.split(":", 1)[1].split()):

@@ -21,7 +21,7 @@ import json
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
 from . import mechanisms
 from .engine import Background, Scenario
@@ -54,45 +54,88 @@ def _pct(model: float, measured: float) -> str:
 
 
 def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
-    from .reference import FIT, ROWS
+    from .mpich import RTO_MIN
+    from .reference import FIT, FIT_RTO, load, timer_share
+    rows_measured = load(args.measured)
     # the CPU of the 2-core machine: fitted on one row, checked on the rest
-    fit = ROWS[FIT]
+    fit = rows_measured[FIT]
     rate = 100e6
     for _ in range(2):
         probe = replace(fit.scenario, cores=2, core_rate=rate, calls=3)
         took = run_all([probe], 1)[0]["lossy"]["p50"]
         rate *= took / fit.ud[0]
-    scenarios = [replace(r.scenario, cores=2, core_rate=rate,
-                         calls=min(r.scenario.calls, args.calls)) for r in ROWS]
+    # TCP's retransmission timeouts: the share of messages between nodes that
+    # wait for the timer, from the share of MPI's calls that did on one row
+    # (a timer holds up every rank of the call)
+    fit_rto = rows_measured[FIT_RTO]
+    probe = replace(fit_rto.scenario, cores=2, core_rate=rate, calls=2, rto_share=0.0)
+    per_call = run_all([probe], 1)[0]["messages_tcp"] / probe.calls
+    waited = timer_share(fit_rto, 0.75 * RTO_MIN)
+    rto_share = (1 - (1 - waited) ** (1 / per_call)) / fit_rto.scenario.drop
+    scenarios = [replace(r.scenario, cores=2, core_rate=rate, rto_share=rto_share,
+                         calls=min(r.scenario.calls, args.calls)) for r in rows_measured]
     rows = run_all(scenarios, args.jobs)
-    print(f"core rate fitted on row {FIT + 1}: {rate / 1e6:.1f} MB/s per core, 2 cores\n")
-    print("| # | scenario | MPI p50 / p99 (ms): emulated, model | ud p50 / p99 (ms): emulated, "
-          "model | delivered: emulated, model | off by (MPI p50, p99; ud p50, p99) |")
-    print("|---|---|---|---|---|---|")
+    print(f"core rate fitted on row {FIT + 1}: {rate / 1e6:.1f} MB/s per core, 2 cores")
+    print(f"TCP timers fitted on row {FIT_RTO + 1}: {100 * waited:.1f}% of MPI's calls waited, "
+          f"{per_call:.0f} messages between nodes a call: a message waits with "
+          f"{rto_share:.2f} x the drop rate\n")
+    print("| # | scenario | MPI p50 / p99 (ms): emulated run 1, run 2; model | ud p50 / p99 (ms): "
+          "emulated run 1, run 2; model | delivered: run 1, run 2; model | model off the runs' "
+          "mean (MPI p50, p99; ud p50, p99) | run 2 off run 1 |")
+    print("|---|---|---|---|---|---|---|")
+
+    def ms(pair: Sequence[float]) -> str:
+        return f"{pair[0] * 1e3:.1f} / {pair[1] * 1e3:.1f}"
+
     table = []
-    for i, (ref, row) in enumerate(zip(ROWS, rows), start=1):
+    for i, (ref, row) in enumerate(zip(rows_measured, rows), start=1):
         m, u = row["mpi"], row["lossy"]
         offs = [_pct(m["p50"], ref.mpi[0]), _pct(m["p99"], ref.mpi[1]),
                 _pct(u["p50"], ref.ud[0]), _pct(u["p99"], ref.ud[1])]
-        mark = " (fit)" if i - 1 == FIT else ""
-        print(f"| {i}{mark} | {row['label']} | {ref.mpi[0] * 1e3:.1f} / {ref.mpi[1] * 1e3:.1f}, "
-              f"{m['p50'] * 1e3:.1f} / {m['p99'] * 1e3:.1f} | {ref.ud[0] * 1e3:.1f} / "
-              f"{ref.ud[1] * 1e3:.1f}, {u['p50'] * 1e3:.1f} / {u['p99'] * 1e3:.1f} | "
-              f"{ref.delivered:.3f}, {row['delivered']:.3f} | {', '.join(offs)} |")
-        table.append({**row, "measured": {"mpi": ref.mpi, "ud": ref.ud,
-                                          "delivered": ref.delivered, "source": ref.source}})
+        a, b = ref.runs[0], ref.runs[-1]
+        spread = [_pct(b.mpi[0], a.mpi[0]), _pct(b.mpi[1], a.mpi[1]),
+                  _pct(b.ud[0], a.ud[0]), _pct(b.ud[1], a.ud[1])]
+        mark = " (fit)" if i - 1 == FIT else " (fit TCP)" if i - 1 == FIT_RTO else ""
+        print(f"| {i}{mark} | {row['label']} | {'; '.join(ms(r.mpi) for r in ref.runs)}; "
+              f"**{ms((m['p50'], m['p99']))}** | {'; '.join(ms(r.ud) for r in ref.runs)}; "
+              f"**{ms((u['p50'], u['p99']))}** | "
+              f"{', '.join(f'{r.delivered:.3f}' for r in ref.runs)}; **{row['delivered']:.3f}** | "
+              f"{', '.join(offs)} | {', '.join(spread)} |")
+        table.append({**row, "measured": {
+            "mpi": ref.mpi, "ud": ref.ud, "delivered": ref.delivered, "source": ref.source,
+            "runs": [{"mpi": r.mpi, "ud": r.ud, "delivered": r.delivered} for r in ref.runs]}})
+
     def close(model: float, measured: float) -> bool:
         return abs(model - measured) <= 0.2 * measured
 
-    counts = {"MPI p50": sum(close(r["mpi"]["p50"], m.mpi[0]) for m, r in zip(ROWS, rows)),
-              "MPI p99": sum(close(r["mpi"]["p99"], m.mpi[1]) for m, r in zip(ROWS, rows)),
-              "ud p50": sum(close(r["lossy"]["p50"], m.ud[0]) for m, r in zip(ROWS, rows)),
-              "ud p99": sum(close(r["lossy"]["p99"], m.ud[1]) for m, r in zip(ROWS, rows)),
-              "delivered (within 0.02)": sum(abs(r["delivered"] - m.delivered) <= 0.02
-                                             for m, r in zip(ROWS, rows))}
-    print("\nrows within 20% of the emulated cluster, of " + str(len(ROWS)) + ": "
-          + ", ".join(f"{k} {v}" for k, v in counts.items()))
-    result = {"core_rate": rate, "rows": table, "within": counts}
+    def figures(x: Any) -> Tuple[float, float, float, float, float]:
+        """(MPI p50, p99, ud p50, p99, delivered) of a run or a model row."""
+        if isinstance(x, dict):
+            return (x["mpi"]["p50"], x["mpi"]["p99"], x["lossy"]["p50"], x["lossy"]["p99"],
+                    x["delivered"])
+        return (*x.mpi, *x.ud, x.delivered)
+
+    def counts(pairs: Sequence[Tuple[Any, Any]]) -> Dict[str, int]:
+        """How many rows of (figures, their yardstick) are within 20% (0.02
+        for delivered)."""
+        tally = dict.fromkeys(("MPI p50", "MPI p99", "ud p50", "ud p99"), 0)
+        tally["delivered (within 0.02)"] = 0
+        for a, b in pairs:
+            fa, fb = figures(a), figures(b)
+            for name, x, y in zip(tally, fa, fb):
+                tally[name] += (abs(x - y) <= 0.02 if name.startswith("delivered")
+                                else close(x, y))
+        return tally
+
+    model = counts(list(zip(rows, rows_measured)))
+    itself = counts([(ref.runs[-1], ref.runs[0]) for ref in rows_measured])
+    n = len(rows_measured)
+    print(f"\nof {n} rows, within 20%: the model of the runs' mean: "
+          + ", ".join(f"{k} {v}" for k, v in model.items()))
+    print(f"of {n} rows, within 20%: run 2 of run 1 (the cluster against itself): "
+          + ", ".join(f"{k} {v}" for k, v in itself.items()))
+    result = {"core_rate": rate, "rto_share": rto_share, "timer_share": waited,
+              "rows": table, "within": model, "runs_within": itself}
     _save(args, "calibration.json", result)
     return result
 
@@ -314,6 +357,9 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--out", default="", help="folder for the JSON results (and the plot)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--calls", type=int, default=40, help="calls per calibration row (at most)")
+    parser.add_argument("--measured", default=None,
+                        help="the emulated cluster's runs (default: docs/results/scale/emulated; "
+                             "bash scripts/calibration_runs.sh)")
     parser.add_argument("--nodes", type=lambda t: [int(x) for x in t.split(",")],
                         default=None, help="project: 8,16,32; heartbeat: 1,8,16,64,1024")
     parser.add_argument("--all-peers-up-to", type=int, default=128,

@@ -22,7 +22,10 @@ Model (docs/scale.md says what each choice leaves out):
   arrived, every record arriving on its own (_World.kept); loss that comes
   in bursts (a congested port) rebuilds less than that;
 - MPI_Allreduce is MPICH's for large buffers (SMP-aware with several ranks
-  per node, reduce_scatter_allgather among the leaders).
+  per node, reduce_scatter_allgather among the leaders); under random drops
+  a share of its messages between nodes waits for TCP's retransmission
+  timer (mpich.tcp_recovery), drawn per message; the rest of TCP's recovery
+  is free.
 """
 
 from __future__ import annotations
@@ -51,6 +54,7 @@ class _World:
         self.sg = sg
         self.s = scenario
         self.events = 0
+        self.tcp_messages = 0
         self.holders: List[Any] = []
         self.ideal: Dict[str, float] = {}
         self.partials: Dict[str, float] = {}        # a partial sum's contributors, by sender
@@ -397,4 +401,5 @@ def simulate(scenario: Scenario) -> Outcome:
         sg.Actor.create(f"rank{r}", world.host_of(r), rank, r)
     engine.run()
     out.events = world.events
+    out.tcp_messages = world.tcp_messages
     return out

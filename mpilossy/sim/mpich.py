@@ -3,11 +3,37 @@ the peer every mpilossy figure is a ratio against."""
 
 from __future__ import annotations
 
+import random
 from typing import Any, Callable, Sequence
 
-__all__ = ["mpi_allreduce", "TCP_PAYLOAD", "TCP_FRAME"]
+__all__ = ["mpi_allreduce", "tcp_recovery", "TCP_PAYLOAD", "TCP_FRAME", "RTO_MIN",
+           "RTO_SHARE"]
 
 TCP_PAYLOAD, TCP_FRAME = 1448, 1538     # TCP payload and Ethernet frame of a full segment
+# TCP's recovery from random drops.  Most losses are repaired within a round
+# trip (fast retransmit, tail loss probes); a message whose loss is not waits
+# for the retransmission timer: Linux's minimum, 200 ms, doubled for each
+# retransmission lost again.  RTO_SHARE: messages that wait for it, per unit
+# of drop probability; fitted on the emulated cluster (docs/scale.md,
+# "Calibration"; `python -m mpilossy.sim calibrate` fits it again).
+RTO_MIN = 0.2
+RTO_SHARE = 0.46
+
+
+def tcp_recovery(seed: int, key: str, drop: float, share: float) -> float:
+    """Seconds one TCP message between nodes waits for retransmission timers
+    under random drops `drop` (0.0: repaired in a round trip, or no loss),
+    drawn from the message's own key (the same on every run of a seed)."""
+    if drop <= 0 or share <= 0:
+        return 0.0
+    rng = random.Random(f"{seed}:{key}")
+    if rng.random() >= min(1.0, share * drop):
+        return 0.0
+    waited, timer = RTO_MIN, RTO_MIN
+    while rng.random() < drop:          # the retransmission was dropped too
+        timer *= 2
+        waited += timer
+    return waited
 
 
 def mpi_allreduce(world: Any, n: int, me: int) -> None:
@@ -17,11 +43,13 @@ def mpi_allreduce(world: Any, n: int, me: int) -> None:
     and each leader broadcasts to its node; among the leaders (or all ranks
     on one rank per node) reduce_scatter_allgather: ranks beyond the largest
     power of two fold into a partner, the rest halve the vector by recursive
-    halving, then double it back.  TCP between nodes."""
+    halving, then double it back.  TCP between nodes, with its
+    retransmission timeouts under random drops (tcp_recovery)."""
     s = world.s
 
     def exchange(tag: str, peer: int, nbytes: float, send: bool = True, recv: bool = True) -> None:
-        g = world.get(f"m{n}:{tag}:{peer}:{me}") if recv else None
+        key = f"m{n}:{tag}:{peer}:{me}"
+        g = world.get(key) if recv else None
         c = None
         if send:
             if world.same_node(me, peer):
@@ -29,8 +57,14 @@ def mpi_allreduce(world: Any, n: int, me: int) -> None:
             else:
                 c = world.put(f"m{n}:{tag}:{me}:{peer}", nbytes * TCP_FRAME / TCP_PAYLOAD,
                               world.cpu, datagrams=False)
+                world.tcp_messages += 1
         if g is not None:
             g.comm.wait()
+            if not world.same_node(me, peer):
+                # (the bytes are in but for a loss the timer repairs)
+                late = tcp_recovery(s.seed, key, s.drop, s.rto_share)
+                if late:
+                    world.sg.this_actor.sleep_for(late)
         if c is not None:
             c.wait()
 

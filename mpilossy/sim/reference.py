@@ -1,75 +1,146 @@
 """What the emulated cluster measured, for the model to be calibrated against.
 
-Each row: the scenario as the model takes it, and the per-call figures of
-`scripts/cluster.py bench` (MPI over TCP and mpilossy's ud channel, p50 and
-p99 in seconds over every rank and call, delivered), with the page they
-were published on.  All were taken on the 2-core development machine: the
-1 Gbit/s rows are bound by its CPU as much as by the ports
-(docs/performance.md, "Where the time went").
+`bash scripts/calibration_runs.sh` runs every scenario of ROWS twice on the
+emulated cluster (`scripts/cluster.py bench`: MPI over TCP and mpilossy's
+ud channel, alternating) and keeps the raw outputs, every rank's time of
+every call, in docs/results/scale/emulated/NAME-run1.json and -run2.json.
+The two runs of a scenario, back to back, are the cluster against itself:
+the model is held to what it measured and told how far apart its own runs
+were.  All were taken on the 2-core development machine: the 1 Gbit/s rows
+are bound by its CPU as much as by the ports (docs/performance.md, "Where
+the time went").
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from pathlib import Path
+from typing import Any, Dict, Iterable, Optional, Tuple
+
+import numpy as np
 
 from .engine import Background, Scenario
 
-__all__ = ["Measured", "ROWS", "FIT"]
+__all__ = ["Run", "Measured", "load", "FIT", "FIT_RTO", "MEASURED"]
+
+MEASURED = "docs/results/scale/emulated"      # (relative to the repository's root)
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Run:
+    """One run of a scenario on the emulated cluster: p50 and p99 in
+    seconds over every rank and call."""
+    mpi: Tuple[float, float]
+    ud: Tuple[float, float]
+    delivered: float
+    mpi_times: Tuple[float, ...]        # s, every rank and call
+    ud_times: Tuple[float, ...]
 
 
 @dataclass(frozen=True)
 class Measured:
     scenario: Scenario
-    mpi: Tuple[float, float]            # p50, p99 (s)
-    ud: Tuple[float, float]
-    delivered: float
+    runs: Tuple[Run, ...]
     source: str
 
+    @property
+    def mpi(self) -> Tuple[float, float]:
+        """p50 and p99 of MPI_Allreduce, the mean of the runs'."""
+        return _mean(r.mpi for r in self.runs)
 
-def _row(nodes: int, ppn: int, rate: float, algorithm: str, nbytes: int, deadline: float,
-         mpi: Tuple[float, float], ud: Tuple[float, float], delivered: float, source: str,
-         background: Optional[str] = None, drop: float = 0.0, calls: int = 15) -> Measured:
-    s = Scenario(nodes=nodes, ppn=ppn, rate=rate, algorithm=algorithm, nbytes=nbytes,
-                 deadline=deadline, calls=calls, drop=drop,
-                 background=Background.parse(background) if background else None)
-    return Measured(s, (mpi[0] / 1e3, mpi[1] / 1e3), (ud[0] / 1e3, ud[1] / 1e3), delivered, source)
+    @property
+    def ud(self) -> Tuple[float, float]:
+        return _mean(r.ud for r in self.runs)
+
+    @property
+    def delivered(self) -> float:
+        return float(np.mean([r.delivered for r in self.runs]))
 
 
-MiB = 1 << 20
-_P = "docs/performance.md"
-_E = "docs/emulated-cluster.md"
+def _mean(pairs: Iterable[Tuple[float, float]]) -> Tuple[float, float]:
+    a = np.array(list(pairs))
+    return float(a[:, 0].mean()), float(a[:, 1].mean())
 
-ROWS = (
+
+# name (file prefix), condition, size, and the scenario as the model takes it
+_ROWS: Tuple[Tuple[str, str, int, Dict[str, Any]], ...] = (
     # 200 Mbit/s ports, 4 x 1, direct, 0.25 s: quiet and beside on/off TCP flows
-    _row(4, 1, 200e6, "direct", MiB, 0.25, (73.75, 114.55), (74.5, 81.4), 1.000,
-         f"{_E}, background table (quiet: mean of two runs)", calls=40),
-    _row(4, 1, 200e6, "direct", MiB, 0.25, (122.6, 461.9), (96.7, 164.9), 0.928,
-         f"{_E}, background table", background="50/450:1", calls=40),
-    _row(4, 1, 200e6, "direct", MiB, 0.25, (138.0, 415.1), (105.6, 159.2), 0.873,
-         f"{_E}, background table", background="100/400:1", calls=40),
-    _row(4, 1, 200e6, "direct", MiB, 0.25, (333.5, 936.9), (200.4, 263.2), 0.557,
-         f"{_E}, background table", background="200/200:2", calls=40),
+    ("4x1-200m", "drop 0", MiB, dict(nodes=4, ppn=1, rate=200e6, deadline=0.25)),
+    ("4x1-200m-bg50-450-1", "background 50/450:1", MiB,
+     dict(nodes=4, ppn=1, rate=200e6, deadline=0.25, background="50/450:1")),
+    ("4x1-200m-bg100-400-1", "background 100/400:1", MiB,
+     dict(nodes=4, ppn=1, rate=200e6, deadline=0.25, background="100/400:1")),
+    ("4x1-200m-bg200-200-2", "background 200/200:2", MiB,
+     dict(nodes=4, ppn=1, rate=200e6, deadline=0.25, background="200/200:2")),
     # 1 Gbit/s ports, random drops on the switch
-    _row(4, 1, 1e9, "direct", MiB, 0.3, (32.5, 39.6), (40.0, 45.2), 1.000, f"{_P}, 4 x 1"),
-    _row(4, 1, 1e9, "direct", 16 * MiB, 5.0, (470.9, 605.0), (547.9, 644.0), 1.000, f"{_P}, 4 x 1"),
-    _row(4, 1, 1e9, "direct", MiB, 0.3, (35.7, 250.0), (48.3, 76.7), 0.982, f"{_P}, 4 x 1",
-         drop=0.01),
-    _row(2, 2, 1e9, "hierarchical", MiB, 0.3, (25.8, 36.3), (14.2, 18.7), 1.000,
-         f"{_P}, 2 x 2 hierarchical"),
-    _row(2, 2, 1e9, "hierarchical", 16 * MiB, 5.0, (442.7, 490.0), (301.9, 341.5), 1.000,
-         f"{_P}, 2 x 2 hierarchical"),
-    _row(2, 2, 1e9, "hierarchical", MiB, 0.3, (28.5, 231.3), (15.6, 19.5), 0.993,
-         f"{_P}, 2 x 2 hierarchical", drop=0.01),
-    _row(2, 2, 1e9, "direct", MiB, 0.3, (26.7, 33.7), (31.2, 46.0), 1.000,
-         f"{_P}, 2 x 2 flat direct"),
-    _row(2, 3, 1e9, "hierarchical", MiB, 0.3, (39.5, 59.9), (18.6, 24.6), 1.000,
-         f"{_P}, 2 x 3 hierarchical"),
-    _row(2, 3, 1e9, "hierarchical", 16 * MiB, 5.0, (695.0, 848.1), (443.5, 460.7), 1.000,
-         f"{_P}, 2 x 3 hierarchical"),
-    _row(2, 3, 1e9, "direct", MiB, 0.3, (34.2, 41.0), (55.3, 80.1), 1.000,
-         f"{_P}, 2 x 3 flat direct"),
+    ("4x1-1g", "drop 0", MiB, dict(nodes=4, ppn=1, rate=1e9, deadline=0.3)),
+    ("4x1-1g", "drop 0.001", MiB, dict(nodes=4, ppn=1, rate=1e9, deadline=0.3, drop=0.001)),
+    ("4x1-1g", "drop 0.01", MiB, dict(nodes=4, ppn=1, rate=1e9, deadline=0.3, drop=0.01)),
+    ("4x1-1g", "drop 0.05", MiB, dict(nodes=4, ppn=1, rate=1e9, deadline=0.3, drop=0.05)),
+    ("4x1-1g-16m", "drop 0", 16 * MiB, dict(nodes=4, ppn=1, rate=1e9, deadline=5.0)),
+    ("2x2-1g-hier", "drop 0", MiB,
+     dict(nodes=2, ppn=2, rate=1e9, deadline=0.3, algorithm="hierarchical")),
+    ("2x2-1g-hier", "drop 0.01", MiB,
+     dict(nodes=2, ppn=2, rate=1e9, deadline=0.3, algorithm="hierarchical", drop=0.01)),
+    ("2x2-1g-hier-16m", "drop 0", 16 * MiB,
+     dict(nodes=2, ppn=2, rate=1e9, deadline=5.0, algorithm="hierarchical")),
+    ("2x2-1g-direct", "drop 0", MiB, dict(nodes=2, ppn=2, rate=1e9, deadline=0.3)),
+    ("2x3-1g-hier", "drop 0", MiB,
+     dict(nodes=2, ppn=3, rate=1e9, deadline=0.3, algorithm="hierarchical")),
+    ("2x3-1g-hier", "drop 0", 16 * MiB,
+     dict(nodes=2, ppn=3, rate=1e9, deadline=5.0, algorithm="hierarchical")),
+    ("2x3-1g-direct", "drop 0", MiB, dict(nodes=2, ppn=3, rate=1e9, deadline=0.3)),
 )
 
-# The one row the CPU rate is fitted to (ud p50); every other row checks it.
+# The row the CPU rate is fitted to (ud p50), and the row TCP's share of
+# messages that wait for a retransmission timer is fitted to (the share of
+# MPI's calls that waited); every other row checks them.
 FIT = 4
+FIT_RTO = 7
+
+
+def load(folder: Optional[str] = None) -> Tuple[Measured, ...]:
+    """Every row of the calibration, from the raw outputs in `folder`
+    (default MEASURED, from the repository's root)."""
+    base = Path(folder or MEASURED)
+    rows = []
+    for name, condition, size, spec in _ROWS:
+        runs = []
+        files = sorted(base.glob(f"{name}-run*.json"))
+        if not files:
+            raise FileNotFoundError(f"no runs of {name} in {base} (bash scripts/calibration_runs.sh)")
+        for path in files:
+            found = [r for r in json.loads(path.read_text())["rows"]
+                     if r["condition"] == condition and r["size"] == size]
+            if len(found) != 1:
+                raise ValueError(f"{path}: {len(found)} rows of {condition!r} at {size} bytes")
+            runs.append(_run(found[0]))
+        spec = dict(spec)
+        background = spec.pop("background", None)
+        calls = len(runs[0].mpi_times) // (spec["nodes"] * spec["ppn"])
+        scenario = Scenario(nbytes=size, calls=calls, algorithm=spec.pop("algorithm", "direct"),
+                            background=Background.parse(background) if background else None,
+                            **spec)
+        rows.append(Measured(scenario, tuple(runs),
+                             ", ".join(str(p) for p in files) + f": {condition}"))
+    return tuple(rows)
+
+
+def _run(row: Dict[str, Any]) -> Run:
+    mpi = np.array(row["mpi_times_us"]) / 1e6
+    ud = np.array(row["times_us"]) / 1e6
+    return Run((float(np.percentile(mpi, 50)), float(np.percentile(mpi, 99))),
+               (float(np.percentile(ud, 50)), float(np.percentile(ud, 99))),
+               float(row["delivered"]), tuple(mpi.tolist()), tuple(ud.tolist()))
+
+
+def timer_share(measured: Measured, wait: float) -> float:
+    """The share of MPI's rank-calls that took `wait` seconds more than the
+    median: those that waited for a retransmission timer."""
+    shares = []
+    for run in measured.runs:
+        times = np.array(run.mpi_times)
+        shares.append(float(np.mean(times > np.median(times) + wait)))
+    return float(np.mean(shares))

@@ -24,7 +24,7 @@ def one(scenario: Scenario) -> Dict[str, Any]:
     else:
         out = simulate(scenario)
     row: Dict[str, Any] = {"scenario": asdict(scenario), "label": scenario.label(),
-                           "messages": out.events}
+                           "messages": out.events, "messages_tcp": out.tcp_messages}
     row.update(_summary(out, 0))
     if out.timeouts:
         row["timeouts"] = out.timeouts

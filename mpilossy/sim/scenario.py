@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
+from .mpich import RTO_SHARE
 from .traffic import Background
 
 __all__ = ["Scenario", "Outcome", "fat_tree", "two_level_tree"]
@@ -21,7 +22,8 @@ class Scenario:
     deadline: float = 0.25
     calls: int = 20
     background: Optional[Background] = None
-    drop: float = 0.0                   # random datagram drops on the switch
+    drop: float = 0.0                   # random drops on the switch (datagrams and TCP)
+    rto_share: float = RTO_SHARE        # TCP messages that wait for the timer, per unit of drop
     payload: int = 1408                 # datagram payload (MTU 1500)
     pace: bool = True
     latency: float = 25e-6              # one way, per link
@@ -63,6 +65,7 @@ class Outcome:
     delivered: List[float] = field(default_factory=list)
     mpi: List[float] = field(default_factory=list)
     events: int = 0                                         # messages simulated
+    tcp_messages: int = 0                                   # MPI's messages between nodes
     timeouts: List[float] = field(default_factory=list)     # stage 2's deadline per call
     ring: List[float] = field(default_factory=list)         # MPI as a ring (ring_steps)
 

@@ -157,3 +157,38 @@ def test_parity_costs_its_bytes_and_keeps_what_its_groups_rebuild(run):
         assert row["delivered"] == pytest.approx(expect, rel=1e-9), (row, expect)
     # 6 records for 4 blocks on the wire: the call is bound by its bytes
     assert 1.3 < b["lossy"]["p50"] / a["lossy"]["p50"] < 1.6, (a, b)
+
+
+def test_tcp_recovery_waits_for_timers_as_often_as_its_share_says():
+    from mpilossy.sim.mpich import RTO_MIN, tcp_recovery
+    keys = [f"m{n}:rs1:{a}:{b}" for n in range(400) for a in range(4) for b in range(4) if a != b]
+    waits = [tcp_recovery(7, k, 0.05, 0.5) for k in keys]
+    timed_out = [w for w in waits if w]
+    # 4,800 messages, each waiting with probability 0.5 x 0.05
+    assert 0.018 * len(keys) < len(timed_out) < 0.032 * len(keys), len(timed_out)
+    # the first timer, then doubled for each retransmission dropped again
+    allowed = {RTO_MIN * (2 ** j - 1) for j in range(1, 8)}
+    assert all(min(abs(w - a) for a in allowed) < 1e-9 for w in timed_out), set(timed_out)
+    assert min(timed_out) == pytest.approx(RTO_MIN)
+    # the same draw for the same seed and message; none without drops or share
+    assert waits == [tcp_recovery(7, k, 0.05, 0.5) for k in keys]
+    assert waits != [tcp_recovery(8, k, 0.05, 0.5) for k in keys]
+    assert not any(tcp_recovery(7, k, 0.0, 0.5) or tcp_recovery(7, k, 0.05, 0.0) for k in keys)
+
+
+@pytest.mark.timeout(120)
+def test_random_drops_give_mpi_a_tail_of_retransmission_timeouts(run):
+    from dataclasses import replace
+    from mpilossy.sim.mpich import RTO_MIN
+    quiet = Scenario(nodes=4, ppn=1, rate=1e9, nbytes=MiB, algorithm="direct", deadline=0.3,
+                     calls=40)
+    dropped = replace(quiet, drop=0.05, rto_share=1.0)
+    never = replace(dropped, rto_share=0.0)
+    q, d, n = run(quiet, dropped, never)
+    # 16 messages between nodes a call (recursive halving and doubling)
+    assert d["messages_tcp"] == q["messages_tcp"] == 16 * quiet.calls, d
+    # a call waits for a timer with probability 1 - (1 - 0.05)^16 = 0.56:
+    # the tail holds a timer, the median may too; without the share, none
+    assert d["mpi"]["p99"] >= q["mpi"]["p50"] + RTO_MIN, (q, d)
+    assert n["mpi"]["p99"] < q["mpi"]["p50"] + RTO_MIN / 2, (q, n)
+    assert q["mpi"]["p99"] < q["mpi"]["p50"] + RTO_MIN / 2, q
