@@ -86,12 +86,17 @@ def run_tail_bench(comm: MPI.Comm, cfg: BenchConfig, scenario: str) -> List[Tail
     charged one retransmission timeout `rto` on every rank in each call where
     the burst hit any link (a reliable transport resends after a timeout and
     every rank waits for the slowest) — an emulation, stated as such.  link:
-    neither is touched; the drops, if any, are the network's own."""
+    neither is touched; the drops, if any, are the network's own.  --loss
+    applies to mpilossy's calls in straggler and link (microburst brings its
+    own loss model and refuses another)."""
     s = parse_scenario(scenario)
     rows: List[TailRow] = []
     straggler = int(s["rank"]) if s["kind"] == "straggler" and s["rank"] >= 0 else comm.size - 1
-    loss = None
+    loss: Any = cfg.loss
     if s["kind"] == "microburst":
+        if cfg.loss:
+            raise ValueError(f"--scenario microburst brings its own loss model; --loss "
+                             f"{cfg.loss!r} (or MPILOSSY_LOSS) cannot be added to it")
         loss = mpilossy.loss.GilbertElliott(s["p_good_to_bad"], s["p_bad_to_good"],
                                             seed=int(s["seed"]))
     for channel in cfg.channels:
@@ -182,7 +187,8 @@ class _Calls:
     timeouts: List[Optional[float]] = field(default_factory=list)
 
     def lossy(self, lc: mpilossy.Communicator, cfg: BenchConfig, algorithm: str) -> Any:
-        return lc.allreduce(self.send, self.recv, op=cfg.op, algorithm=algorithm)
+        return lc.allreduce(self.send, self.recv, op=cfg.op, algorithm=algorithm,
+                            redundancy=cfg.redundancy)
 
     def keep(self, took: float, mpi_took: Optional[float], stats: Any) -> None:
         if stats is not None:

@@ -86,6 +86,8 @@ def bench(cluster: Cluster, args: argparse.Namespace) -> List[Dict[str, Any]]:
                        "-c", "ud", "-a", args.algorithm, "-o", "avg", "--sizes", size,
                        "-t", str(deadline).lower(), "-n", str(args.iters), "-w", "3",
                        "--json", str(out)]
+                if args.redundancy:
+                    cmd += ["--redundancy", args.redundancy]
                 before = cluster.counters()
                 proc = under(cluster, cond, args, cmd)
                 if proc.returncode != 0:
@@ -94,6 +96,7 @@ def bench(cluster: Cluster, args: argparse.Namespace) -> List[Dict[str, Any]]:
                 after = cluster.counters()
                 for row in json.loads(out.read_text())["tail"]:
                     row.update(condition=cond.name, drop=cond.drop, bursts=cond.bursts,
+                               redundancy=args.redundancy or None,
                                background=args.background if cond.background else None,
                                pace=args.pace,
                                kernel=delta(after["kernel"], before["kernel"]),
@@ -216,6 +219,8 @@ def parser(prog: Optional[str] = None) -> argparse.ArgumentParser:
             p.add_argument("--sizes", default="1M:0.1,16M:2",
                            help="SIZE:DEADLINE pairs (mpilossy's deadline: seconds or auto)")
             p.add_argument("--iters", type=int, default=50, help="calls per size and way")
+            p.add_argument("--redundancy", default="", metavar="K,M",
+                           help="mpilossy's calls with m parity blocks per k (docs/redundancy.md)")
         else:
             p.add_argument("--steps", type=int, default=300)
             p.add_argument("--seeds", default="0", help="comma-separated seeds")

@@ -79,6 +79,11 @@ _ROWS: Tuple[Tuple[str, str, int, Dict[str, Any]], ...] = (
     ("4x1-1g", "drop 0.001", MiB, dict(nodes=4, ppn=1, rate=1e9, deadline=0.3, drop=0.001)),
     ("4x1-1g", "drop 0.01", MiB, dict(nodes=4, ppn=1, rate=1e9, deadline=0.3, drop=0.01)),
     ("4x1-1g", "drop 0.05", MiB, dict(nodes=4, ppn=1, rate=1e9, deadline=0.3, drop=0.05)),
+    # ...with parity, redundancy=(4, 1)
+    ("4x1-1g-fec", "drop 0.01", MiB,
+     dict(nodes=4, ppn=1, rate=1e9, deadline=0.3, drop=0.01, redundancy=(4, 1))),
+    ("4x1-1g-fec", "drop 0.05", MiB,
+     dict(nodes=4, ppn=1, rate=1e9, deadline=0.3, drop=0.05, redundancy=(4, 1))),
     ("4x1-1g-16m", "drop 0", 16 * MiB, dict(nodes=4, ppn=1, rate=1e9, deadline=5.0)),
     ("2x2-1g-hier", "drop 0", MiB,
      dict(nodes=2, ppn=2, rate=1e9, deadline=0.3, algorithm="hierarchical")),

@@ -85,6 +85,13 @@ def test_bad_redundancy_is_refused(tmp_path):
     assert proc.returncode == 2 and "less than k" in proc.stderr
 
 
+def test_a_microburst_refuses_another_loss_model(tmp_path):
+    cmd = [sys.executable, "-m", "mpilossy.bench", "allreduce", "--sizes", "4K", "-n", "2",
+           "--scenario", "microburst", "--loss", "bernoulli:0.1"]
+    proc = run_bounded(cmd, 60, clean_subprocess_env(), cwd=tmp_path)
+    assert proc.returncode != 0 and "brings its own loss model" in proc.stderr, proc.stderr
+
+
 def test_compressed_rows(tmp_path):
     """--compression: the rows are checked against the exact result within
     the quantisation's bound, and on ud they count fewer datagrams."""
@@ -158,6 +165,21 @@ def test_link_scenario_touches_nothing(tmp_path):
     (tail,) = doc["tail"]
     assert tail["scenario"] == "link" and tail["delivered"] == 1.0
     assert tail["mpi_max_us"] < 0.5e6 and len(tail["times_us"]) == 2 * 10
+
+
+def test_tail_scenario_takes_the_redundancy(tmp_path):
+    """--redundancy reaches the tail scenarios' calls too (the emulated
+    cluster's bench runs them): at 20% injected loss the calls with parity
+    keep more than the same calls without."""
+    common = ("allreduce", "--sizes", "256K", "-a", "direct", "-n", "6", "-w", "1", "-t", "0.5",
+              "--loss", "bernoulli:0.2,seed=4", "--block-bytes", "4K", "--scenario", "link")
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "coded").mkdir()
+    _, plain = bench(tmp_path / "plain", *common, nprocs=3)
+    _, coded = bench(tmp_path / "coded", *common, "--redundancy", "4,1", nprocs=3)
+    assert coded["config"]["redundancy"] == [4, 1]
+    assert coded["tail"][0]["delivered"] > plain["tail"][0]["delivered"] + 0.05, (
+        coded["tail"][0]["delivered"], plain["tail"][0]["delivered"])
 
 
 def test_kernels(tmp_path):

@@ -14,7 +14,7 @@ RUNS = Path(__file__).resolve().parents[2] / "docs" / "results" / "scale" / "emu
 
 def test_every_row_reads_both_runs_from_the_raw_outputs():
     rows = load(str(RUNS))
-    assert len(rows) == 16
+    assert len(rows) == 18
     for row in rows:
         assert len(row.runs) == 2, row.source
         s = row.scenario
