@@ -195,13 +195,14 @@ def scale(args: argparse.Namespace) -> Dict[str, Any]:
             if bg:
                 scenarios += [replace(base, background=bg), replace(base, background=bg, auto=True)]
     rows = run_all(scenarios, args.jobs)
-    # the rows of other node counts that an earlier run left in --out stay
-    # (a 1,024-node row takes as long as all the smaller ones together)
+    # the rows of other node counts and buckets that an earlier run left in
+    # --out stay (a 1,024-node row takes as long as all the smaller ones together)
     earlier = Path(args.out or ".") / "scale.json"
     if args.out and earlier.exists():
+        ran = {(n, b) for n in args.nodes for b in args.sizes}
         kept = [r for r in json.loads(earlier.read_text())["rows"]
-                if r["scenario"]["nodes"] not in args.nodes]
-        rows = sorted(kept + rows, key=lambda r: r["scenario"]["nodes"])
+                if (r["scenario"]["nodes"], r["scenario"]["nbytes"]) not in ran]
+        rows = sorted(kept + rows, key=lambda r: (r["scenario"]["nodes"], r["scenario"]["nbytes"]))
     result = {"rows": rows}
     _save(args, "scale.json", result)
     scale_table(rows, args.step_compute, args.buckets)
