@@ -55,7 +55,7 @@ def _pct(model: float, measured: float) -> str:
 
 def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
     from .mpich import RTO_MIN
-    from .reference import FIT, FIT_RTO, load, timer_share
+    from .reference import FIT, FIT_RTO, Run, load, timer_share
     rows_measured = load(args.measured)
     # the CPU of the 2-core machine: fitted on one row, checked on the rest
     fit = rows_measured[FIT]
@@ -108,26 +108,21 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
     def close(model: float, measured: float) -> bool:
         return abs(model - measured) <= 0.2 * measured
 
-    def figures(x: Any) -> Tuple[float, float, float, float, float]:
-        """(MPI p50, p99, ud p50, p99, delivered) of a run or a model row."""
-        if isinstance(x, dict):
-            return (x["mpi"]["p50"], x["mpi"]["p99"], x["lossy"]["p50"], x["lossy"]["p99"],
-                    x["delivered"])
-        return (*x.mpi, *x.ud, x.delivered)
-
     def counts(pairs: Sequence[Tuple[Any, Any]]) -> Dict[str, int]:
-        """How many rows of (figures, their yardstick) are within 20% (0.02
-        for delivered)."""
+        """How many (figures, their yardstick) pairs of runs are within 20%
+        (0.02 for delivered)."""
         tally = dict.fromkeys(("MPI p50", "MPI p99", "ud p50", "ud p99"), 0)
         tally["delivered (within 0.02)"] = 0
         for a, b in pairs:
-            fa, fb = figures(a), figures(b)
-            for name, x, y in zip(tally, fa, fb):
+            for name, x, y in zip(tally, (*a.mpi, *a.ud, a.delivered),
+                                  (*b.mpi, *b.ud, b.delivered)):
                 tally[name] += (abs(x - y) <= 0.02 if name.startswith("delivered")
                                 else close(x, y))
         return tally
 
-    model = counts(list(zip(rows, rows_measured)))
+    modelled = [Run((r["mpi"]["p50"], r["mpi"]["p99"]), (r["lossy"]["p50"], r["lossy"]["p99"]),
+                    r["delivered"], (), ()) for r in rows]
+    model = counts(list(zip(modelled, rows_measured)))
     itself = counts([(ref.runs[-1], ref.runs[0]) for ref in rows_measured])
     n = len(rows_measured)
     print(f"\nof {n} rows, within 20%: the model of the runs' mean: "
