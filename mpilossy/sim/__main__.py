@@ -55,7 +55,7 @@ def _pct(model: float, measured: float) -> str:
 
 def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
     from .mpich import RTO_MIN
-    from .reference import FIT, FIT_RTO, Run, load, timer_share
+    from .reference import FIT, FIT_COPY, FIT_RTO, Run, load, timer_share
     rows_measured = load(args.measured)
     # the CPU of the 2-core machine: fitted on one row, checked on the rest
     fit = rows_measured[FIT]
@@ -64,6 +64,20 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
         probe = replace(fit.scenario, cores=2, core_rate=rate, calls=3)
         took = run_all([probe], 1)[0]["lossy"]["p50"]
         rate *= took / fit.ud[0]
+    # the hierarchy's copies in its node stages, on the same cores: the
+    # copies' share of a call's time goes as 1 / rate
+    fit_copy = rows_measured[FIT_COPY]
+    copy = 0.0
+
+    def hierarchy_p50(copy_rate: float) -> float:
+        probe = replace(fit_copy.scenario, cores=2, core_rate=rate, copy_rate=copy_rate, calls=2)
+        return float(run_all([probe], 1)[0]["lossy"]["p50"])
+
+    without = hierarchy_p50(0.0)              # (copies at the memory link's 2 GB/s)
+    if fit_copy.ud[0] > without:
+        copy = 300e6
+        for _ in range(2):
+            copy *= (hierarchy_p50(copy) - without) / (fit_copy.ud[0] - without)
     # TCP's retransmission timeouts: the share of messages between nodes that
     # wait for the timer, from the share of MPI's calls that did on one row
     # (a timer holds up every rank of the call)
@@ -72,10 +86,11 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
     per_call = run_all([probe], 1)[0]["messages_tcp"] / probe.calls
     waited = timer_share(fit_rto, 0.75 * RTO_MIN)
     rto_share = (1 - (1 - waited) ** (1 / per_call)) / fit_rto.scenario.drop
-    scenarios = [replace(r.scenario, cores=2, core_rate=rate, rto_share=rto_share,
+    scenarios = [replace(r.scenario, cores=2, core_rate=rate, copy_rate=copy, rto_share=rto_share,
                          calls=min(r.scenario.calls, args.calls)) for r in rows_measured]
     rows = run_all(scenarios, args.jobs)
     print(f"core rate fitted on row {FIT + 1}: {rate / 1e6:.1f} MB/s per core, 2 cores")
+    print(f"the hierarchy's copy rate fitted on row {FIT_COPY + 1}: {copy / 1e6:.0f} MB/s per core")
     print(f"TCP timers fitted on row {FIT_RTO + 1}: {100 * waited:.1f}% of MPI's calls waited, "
           f"{per_call:.0f} messages between nodes a call: a message waits with "
           f"{rto_share:.2f} x the drop rate\n")
@@ -95,7 +110,7 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
         a, b = ref.runs[0], ref.runs[-1]
         spread = [_pct(b.mpi[0], a.mpi[0]), _pct(b.mpi[1], a.mpi[1]),
                   _pct(b.ud[0], a.ud[0]), _pct(b.ud[1], a.ud[1])]
-        mark = " (fit)" if i - 1 == FIT else " (fit TCP)" if i - 1 == FIT_RTO else ""
+        mark = {FIT: " (fit)", FIT_COPY: " (fit copies)", FIT_RTO: " (fit TCP)"}.get(i - 1, "")
         print(f"| {i}{mark} | {row['label']} | {'; '.join(ms(r.mpi) for r in ref.runs)}; "
               f"**{ms((m['p50'], m['p99']))}** | {'; '.join(ms(r.ud) for r in ref.runs)}; "
               f"**{ms((u['p50'], u['p99']))}** | "
@@ -129,7 +144,7 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
           + ", ".join(f"{k} {v}" for k, v in model.items()))
     print(f"of {n} rows, within 20%: run 2 of run 1 (the cluster against itself): "
           + ", ".join(f"{k} {v}" for k, v in itself.items()))
-    result = {"core_rate": rate, "rto_share": rto_share, "timer_share": waited,
+    result = {"core_rate": rate, "copy_rate": copy, "rto_share": rto_share, "timer_share": waited,
               "rows": table, "within": model, "runs_within": itself}
     _save(args, "calibration.json", result)
     return result

@@ -9,7 +9,9 @@ Model (docs/scale.md says what each choice leaves out):
   Ethernet headers (ud) or TCP/IP and Ethernet (MPI);
 - each rank paces its datagrams at 0.95 x port rate / ranks on the node
   (MPILOSSY_UD_RATE, as the emulated cluster's `--pace port` sets it); MPI's
-  TCP is not paced; flows share links as SimGrid's network model shares them
+  TCP is not paced; on the emulated cluster (`cores`) every datagram,
+  to a peer on the node too, also costs the sender's share of the cores
+  (`core_rate`), and the hierarchy's node stages copy at `copy_rate` a core; flows share links as SimGrid's network model shares them
   (max-min fairness, CM02 by default: no packets, no queues), and a datagram
   flow served slower than its pace loses the difference instead of slowing;
 - a message not in by its stage deadline is late; the stage deadlines are
@@ -91,8 +93,9 @@ class _World:
         self.ud_frame = frame
         # what one rank can push: its pace, and on an oversubscribed machine
         # (the emulated cluster: every rank on `cores` shared cores) its CPU
-        self.cpu = (scenario.core_rate * min(1.0, scenario.cores / scenario.size)
-                    if scenario.cores else 0.0)
+        share = min(1.0, scenario.cores / scenario.size) if scenario.cores else 0.0
+        self.cpu = scenario.core_rate * share
+        self.copy = scenario.copy_rate * share     # the node stages' copies; 0: the memory link's
         pace = 0.95 * scenario.rate / 8 / scenario.ppn if scenario.pace else 0.0
         caps = [r for r in (pace, self.cpu, scenario.seal_rate) if r > 0]
         self.pace = min(caps) if caps else 0.0
@@ -333,9 +336,11 @@ def _hierarchical(call: _Call, me: int, nbytes: float, budget: float,
     peers = [node * s.ppn + j for j in range(s.ppn) if j != local]
     T = budget
     slice_bytes = nbytes / s.ppn
-    # stage 1: my slice from every local peer (memory copies)
+    # stage 1: my slice from every local peer (memory copies, each at my
+    # share of the copy rate on the emulated cluster)
+    copy = w.copy / len(peers)
     gets = [w.get(call.key("h1", p, me)) for p in peers]
-    sends = [w.put(call.key("h1", me, p), slice_bytes) for p in peers]
+    sends = [w.put(call.key("h1", me, p), slice_bytes, copy, datagrams=False) for p in peers]
     end1 = call.start + HIER_SHARES[0] * T
     local_count = 1 + sum(_wait(gets, end1, clock))
     _wait(sends, end1, clock)
@@ -349,7 +354,7 @@ def _hierarchical(call: _Call, me: int, nbytes: float, budget: float,
     left = T - (clock() - call.start)
     until = clock() + max(left, HIER_SHARES[3] * T)
     gets = [w.get(call.key("h4", p, me)) for p in peers]
-    sends = [w.put(call.key("h4", me, p), slice_bytes) for p in peers]
+    sends = [w.put(call.key("h4", me, p), slice_bytes, copy, datagrams=False) for p in peers]
     arrived = _wait(gets, until, clock)
     _wait(sends, until, clock)
     # contributors (ranks): my slice holds every node's ranks that made stage 1

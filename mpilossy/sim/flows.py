@@ -106,14 +106,19 @@ class _Pacer:
         self.actor = None
         self.rows.clear()
 
-    def _row_time(self, remote: Sequence[Tuple[float, int]]) -> float:
-        """Seconds a row of messages to other nodes takes to leave: its wire
-        bytes at the pace, or its datagrams at `datagram_cost` each where
-        that is longer (0: unpaced and free).  Each message: (wire bytes, how
-        many rank-level streams of equal size it stands for)."""
+    def _row_time(self, remote: Sequence[Tuple[float, int]], local: float = 0.0) -> float:
+        """Seconds a row of messages takes to leave: the wire bytes to other
+        nodes at the pace, every byte (`local`: those to this node) at the
+        CPU's rate on the emulated cluster, or the datagrams to other nodes
+        at `datagram_cost` each, whichever is longest (0: unpaced and free).
+        Each remote message: (wire bytes, how many rank-level streams of
+        equal size it stands for)."""
+        out = sum(nbytes for nbytes, _ in remote)
+        cpu = self.w.cpu * self.sharers
+        at_cpu = (out + local) / cpu if cpu else 0.0
         if not remote:
-            return 0.0
-        at_pace = sum(nbytes for nbytes, _ in remote) / self.pace if self.pace else 0.0
+            return at_cpu
+        at_pace = max(out / self.pace if self.pace else 0.0, at_cpu)
         cost = self.w.s.datagram_cost
         if not cost:
             return at_pace
@@ -134,10 +139,14 @@ class _Pacer:
             sends = [(m[0], m[1], m[2], m[3] if len(m) > 3 else 1) for m in row]
             remote = [(nbytes, streams) for _, dest, nbytes, streams in sends
                       if not self.local(dest)]
-            took = self._row_time(remote)
+            local = sum(nbytes for _, dest, nbytes, _ in sends if self.local(dest))
+            took = self._row_time(remote, local)
             # the row's time split in proportion to the bytes, so that every
-            # message of the row ends when the row does
-            flying += [w.put(key, nbytes, 0.0 if self.local(dest) or not took else nbytes / took)
+            # message of the row ends when the row does (a local one costs
+            # nothing but the CPU's time)
+            charged = bool(took) and bool(w.cpu)
+            flying += [w.put(key, nbytes, nbytes / took if took and (charged or not self.local(dest))
+                             else 0.0)
                        for key, dest, nbytes, _ in sends]
             if took:
                 # the token bucket lets the row out at the pace, whether or

@@ -192,3 +192,28 @@ def test_random_drops_give_mpi_a_tail_of_retransmission_timeouts(run):
     assert d["mpi"]["p99"] >= q["mpi"]["p50"] + RTO_MIN, (q, d)
     assert n["mpi"]["p99"] < q["mpi"]["p50"] + RTO_MIN / 2, (q, n)
     assert q["mpi"]["p99"] < q["mpi"]["p50"] + RTO_MIN / 2, q
+
+
+@pytest.mark.timeout(120)
+def test_on_shared_cores_every_datagram_and_the_node_stages_copies_cost_cpu(run):
+    from dataclasses import replace
+    # 2 x 3 on 2 shared cores: a rank has a third of a core, and the port's
+    # pace (0.95 Gbit/s / 3) is far above it
+    rate = 30e6
+    flat = Scenario(nodes=2, ppn=3, rate=1e9, nbytes=MiB, algorithm="direct", deadline=5.0,
+                    calls=2, mpi=False, cores=2, core_rate=rate)
+    hier = replace(flat, algorithm="hierarchical", nbytes=4 * MiB)
+    copied = replace(hier, copy_rate=60e6)
+    f, h, c = run(flat, hier, copied)
+    share = rate * 2 / 6
+    # flat direct: all 5 streams of both stages at the rank's CPU share,
+    # the 2 to peers on the node too (they cross no port, but are sealed and sent)
+    frame = (flat.payload + UD_HEADERS) / flat.payload
+    least = 2 * flat.nbytes * 5 / 6 * frame / share
+    assert least <= f["lossy"]["p50"] <= 1.2 * least, (least, f)
+    # the hierarchy's node stages: each rank copies its slice to 2 peers in
+    # stage 1 and again in stage 4, at its share of the copy rate
+    copies = 2 * 2 * hier.nbytes / 3 / (60e6 * 2 / 6)
+    extra = c["lossy"]["p50"] - h["lossy"]["p50"]
+    assert 0.9 * copies <= extra <= 1.2 * copies, (copies, h, c)
+    assert [r["delivered"] for r in (f, h, c)] == pytest.approx([1.0] * 3)
