@@ -53,31 +53,43 @@ def _pct(model: float, measured: float) -> str:
     return f"{100 * (model - measured) / measured:+.0f}%"
 
 
+def _fit_cores(rows: Sequence[Any], fit: int, fit_copy: int,
+               fit_noise: int) -> Tuple[float, float, float]:
+    """The 2-core machine's three figures, each fitted on one row and
+    checked on the rest: the rate at which a core sends datagrams (row
+    `fit`'s ud p50), at which it copies in the hierarchy's node stages
+    (`fit_copy`'s ud p50), and the jitter of a rank's CPU time (`fit_noise`'s
+    ud p99 / p50).  The jitter slows the median too (a stage waits for its
+    slowest rank), so the three are fitted in turn, twice."""
+    def ud(row: Any, calls: int = 0, **fields: Any) -> Tuple[float, float]:
+        s = replace(row.scenario, cores=2, **fields)
+        out = run_all([replace(s, calls=calls or s.calls)], 1)[0]["lossy"]
+        return out["p50"], out["p99"]
+
+    rate, copy, jitter = 100e6, 0.0, 1e-3
+    for _ in range(2):
+        for _ in range(2):
+            took = ud(rows[fit], 3, core_rate=rate, jitter=jitter)[0]
+            rate *= took / rows[fit].ud[0]
+        # the copies' share of a call goes as 1 / rate
+        target = rows[fit_copy].ud[0]
+        without = ud(rows[fit_copy], 2, core_rate=rate, jitter=jitter)[0]   # (at 2 GB/s)
+        copy = 300e6 if target > without else 0.0
+        for _ in range(2 if copy else 0):
+            copy *= (ud(rows[fit_copy], 2, core_rate=rate, copy_rate=copy,
+                        jitter=jitter)[0] - without) / (target - without)
+        # a gamma process's spread goes as the square root of its variance
+        p50, p99 = ud(rows[fit_noise], core_rate=rate, copy_rate=copy, jitter=jitter)
+        want = rows[fit_noise].ud[1] / rows[fit_noise].ud[0] - 1
+        jitter *= (want / max(p99 / p50 - 1, 1e-3)) ** 2
+    return rate, copy, jitter
+
+
 def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
     from .mpich import RTO_MIN
-    from .reference import FIT, FIT_COPY, FIT_RTO, Run, load, timer_share
+    from .reference import FIT, FIT_COPY, FIT_NOISE, FIT_RTO, Run, load, timer_share
     rows_measured = load(args.measured)
-    # the CPU of the 2-core machine: fitted on one row, checked on the rest
-    fit = rows_measured[FIT]
-    rate = 100e6
-    for _ in range(2):
-        probe = replace(fit.scenario, cores=2, core_rate=rate, calls=3)
-        took = run_all([probe], 1)[0]["lossy"]["p50"]
-        rate *= took / fit.ud[0]
-    # the hierarchy's copies in its node stages, on the same cores: the
-    # copies' share of a call's time goes as 1 / rate
-    fit_copy = rows_measured[FIT_COPY]
-    copy = 0.0
-
-    def hierarchy_p50(copy_rate: float) -> float:
-        probe = replace(fit_copy.scenario, cores=2, core_rate=rate, copy_rate=copy_rate, calls=2)
-        return float(run_all([probe], 1)[0]["lossy"]["p50"])
-
-    without = hierarchy_p50(0.0)              # (copies at the memory link's 2 GB/s)
-    if fit_copy.ud[0] > without:
-        copy = 300e6
-        for _ in range(2):
-            copy *= (hierarchy_p50(copy) - without) / (fit_copy.ud[0] - without)
+    rate, copy, jitter = _fit_cores(rows_measured, FIT, FIT_COPY, FIT_NOISE)
     # TCP's retransmission timeouts: the share of messages between nodes that
     # wait for the timer, from the share of MPI's calls that did on one row
     # (a timer holds up every rank of the call)
@@ -86,11 +98,14 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
     per_call = run_all([probe], 1)[0]["messages_tcp"] / probe.calls
     waited = timer_share(fit_rto, 0.75 * RTO_MIN)
     rto_share = (1 - (1 - waited) ** (1 / per_call)) / fit_rto.scenario.drop
-    scenarios = [replace(r.scenario, cores=2, core_rate=rate, copy_rate=copy, rto_share=rto_share,
-                         calls=min(r.scenario.calls, args.calls)) for r in rows_measured]
+    scenarios = [replace(r.scenario, cores=2, core_rate=rate, copy_rate=copy, jitter=jitter,
+                         rto_share=rto_share, calls=min(r.scenario.calls, args.calls))
+                 for r in rows_measured]
     rows = run_all(scenarios, args.jobs)
     print(f"core rate fitted on row {FIT + 1}: {rate / 1e6:.1f} MB/s per core, 2 cores")
     print(f"the hierarchy's copy rate fitted on row {FIT_COPY + 1}: {copy / 1e6:.0f} MB/s per core")
+    print(f"the cores' jitter fitted on row {FIT_NOISE + 1}'s ud p99 / p50: {jitter * 1e3:.2f} ms "
+          "of variance per second of a rank's CPU work")
     print(f"TCP timers fitted on row {FIT_RTO + 1}: {100 * waited:.1f}% of MPI's calls waited, "
           f"{per_call:.0f} messages between nodes a call: a message waits with "
           f"{rto_share:.2f} x the drop rate\n")
@@ -110,7 +125,9 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
         a, b = ref.runs[0], ref.runs[-1]
         spread = [_pct(b.mpi[0], a.mpi[0]), _pct(b.mpi[1], a.mpi[1]),
                   _pct(b.ud[0], a.ud[0]), _pct(b.ud[1], a.ud[1])]
-        mark = {FIT: " (fit)", FIT_COPY: " (fit copies)", FIT_RTO: " (fit TCP)"}.get(i - 1, "")
+        fits = [what for row, what in ((FIT, "cores"), (FIT_COPY, "copies"),
+                                       (FIT_NOISE, "jitter"), (FIT_RTO, "TCP")) if row == i - 1]
+        mark = f" (fit {', '.join(fits)})" if fits else ""
         print(f"| {i}{mark} | {row['label']} | {'; '.join(ms(r.mpi) for r in ref.runs)}; "
               f"**{ms((m['p50'], m['p99']))}** | {'; '.join(ms(r.ud) for r in ref.runs)}; "
               f"**{ms((u['p50'], u['p99']))}** | "
@@ -144,7 +161,7 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
           + ", ".join(f"{k} {v}" for k, v in model.items()))
     print(f"of {n} rows, within 20%: run 2 of run 1 (the cluster against itself): "
           + ", ".join(f"{k} {v}" for k, v in itself.items()))
-    result = {"core_rate": rate, "copy_rate": copy, "rto_share": rto_share, "timer_share": waited,
+    result = {"core_rate": rate, "copy_rate": copy, "jitter": jitter, "rto_share": rto_share, "timer_share": waited,
               "rows": table, "within": model, "runs_within": itself}
     _save(args, "calibration.json", result)
     return result

@@ -9,11 +9,19 @@ Model (docs/scale.md says what each choice leaves out):
   Ethernet headers (ud) or TCP/IP and Ethernet (MPI);
 - each rank paces its datagrams at 0.95 x port rate / ranks on the node
   (MPILOSSY_UD_RATE, as the emulated cluster's `--pace port` sets it); MPI's
-  TCP is not paced; on the emulated cluster (`cores`) every datagram,
-  to a peer on the node too, also costs the sender's share of the cores
-  (`core_rate`), and the hierarchy's node stages copy at `copy_rate` a core; flows share links as SimGrid's network model shares them
-  (max-min fairness, CM02 by default: no packets, no queues), and a datagram
-  flow served slower than its pace loses the difference instead of slowing;
+  TCP is not paced; flows share links as SimGrid's network model shares
+  them (max-min fairness, CM02 by default: no packets, no queues), and a
+  datagram flow served slower than its pace loses the difference instead
+  of slowing;
+- on the emulated cluster (`cores`) every datagram, to a peer on the node
+  too, also costs the sender's share of the cores (`core_rate`), and the
+  hierarchy's node stages copy at `copy_rate` a core; the time a rank's CPU
+  work takes varies as a gamma process of variance `jitter` x its mean
+  (the scheduler's share of the cores, drawn per rank from the seed:
+  longer work averages out more);
+- a datagram sent before its reader asks for it waits in the reader's
+  socket (the rank's actor is its mailbox's permanent receiver); MPI's
+  messages wait for their receive;
 - a message not in by its stage deadline is late; the stage deadlines are
   the core's (anchor + 0.4 x budget x stage end, at most start + budget);
 - random datagram drops (`drop`) enter as expected values: a block crossing
@@ -33,6 +41,7 @@ Model (docs/scale.md says what each choice leaves out):
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import asdict
 from typing import Any, Callable, Dict, List, Sequence, Tuple
 
@@ -58,6 +67,7 @@ class _World:
         self.events = 0
         self.tcp_messages = 0
         self.holders: List[Any] = []
+        self.receivers: Dict[int, Any] = {}        # rank -> its actor (the per-rank engine)
         self.ideal: Dict[str, float] = {}
         self.partials: Dict[str, float] = {}        # a partial sum's contributors, by sender
         self.done = False
@@ -99,6 +109,9 @@ class _World:
         pace = 0.95 * scenario.rate / 8 / scenario.ppn if scenario.pace else 0.0
         caps = [r for r in (pace, self.cpu, scenario.seal_rate) if r > 0]
         self.pace = min(caps) if caps else 0.0
+        wire = [r for r in (pace, scenario.seal_rate) if r > 0]
+        self.wire_pace = min(wire) if wire else 0.0     # the same less the shared cores
+        self._rngs: Dict[int, random.Random] = {}
         k, m = scenario.redundancy or (1, 0)
         self.parity = (k + m) / k           # wire bytes per data byte
         self._groups = (k, m)
@@ -115,6 +128,17 @@ class _World:
         return sum(math.comb(n, j) * q ** j * (1 - q) ** (n - j) * (1.0 if j >= k else j / n)
                    for j in range(n + 1))
 
+    def cpu_time(self, rank: int, seconds: float) -> float:
+        """How long CPU work of `seconds` (at the rank's mean share of the
+        cores) takes this time: a gamma draw of that mean and variance
+        jitter x seconds, so that a rank's work split in parts takes what
+        it takes whole, in distribution."""
+        theta = self.s.jitter
+        if theta <= 0 or seconds <= 0:
+            return seconds
+        rng = self._rngs.setdefault(rank, random.Random(f"{self.s.seed}:cpu:{rank}"))
+        return rng.gammavariate(seconds / theta, theta)
+
     @property
     def route_latency(self) -> float:
         """One way between two nodes at the far ends of the tree (an upper
@@ -127,8 +151,15 @@ class _World:
     def same_node(self, a: int, b: int) -> bool:
         return a // self.s.ppn == b // self.s.ppn
 
-    def put(self, key: str, nbytes: float, rate: float = 0.0, datagrams: bool = True) -> Any:
-        comm = self.sg.Mailbox.by_name(key).put_init(None, max(1, int(nbytes)))
+    def put(self, key: str, nbytes: float, rate: float = 0.0, datagrams: bool = True,
+            to: int = -1) -> Any:
+        """Send `nbytes` on mailbox `key` (at most at `rate`).  `to`: the
+        receiving rank, whose socket takes datagrams before it asks for them
+        (without it a message waits for its get, as MPI's do)."""
+        box = self.sg.Mailbox.by_name(key)
+        if to in self.receivers:
+            box.set_receiver(self.receivers[to])
+        comm = box.put_init(None, max(1, int(nbytes)))
         if rate > 0:
             comm.set_rate(rate)
             if datagrams:
@@ -338,9 +369,14 @@ def _hierarchical(call: _Call, me: int, nbytes: float, budget: float,
     slice_bytes = nbytes / s.ppn
     # stage 1: my slice from every local peer (memory copies, each at my
     # share of the copy rate on the emulated cluster)
-    copy = w.copy / len(peers)
+    def copying(stage: str) -> List[Any]:
+        took = w.cpu_time(me, slice_bytes * len(peers) / w.copy) if w.copy else 0.0
+        # (a shared window takes what a peer writes before its owner reads it)
+        return [w.put(call.key(stage, me, p), slice_bytes, slice_bytes / took if took else 0.0,
+                      datagrams=False, to=p) for p in peers]
+
     gets = [w.get(call.key("h1", p, me)) for p in peers]
-    sends = [w.put(call.key("h1", me, p), slice_bytes, copy, datagrams=False) for p in peers]
+    sends = copying("h1")
     end1 = call.start + HIER_SHARES[0] * T
     local_count = 1 + sum(_wait(gets, end1, clock))
     _wait(sends, end1, clock)
@@ -354,7 +390,7 @@ def _hierarchical(call: _Call, me: int, nbytes: float, budget: float,
     left = T - (clock() - call.start)
     until = clock() + max(left, HIER_SHARES[3] * T)
     gets = [w.get(call.key("h4", p, me)) for p in peers]
-    sends = [w.put(call.key("h4", me, p), slice_bytes, copy, datagrams=False) for p in peers]
+    sends = copying("h4")
     arrived = _wait(gets, until, clock)
     _wait(sends, until, clock)
     # contributors (ranks): my slice holds every node's ranks that made stage 1
@@ -403,7 +439,7 @@ def simulate(scenario: Scenario) -> Outcome:
     if s.background:
         start_background(world)
     for r in range(P):
-        sg.Actor.create(f"rank{r}", world.host_of(r), rank, r)
+        world.receivers[r] = sg.Actor.create(f"rank{r}", world.host_of(r), rank, r)
     engine.run()
     out.events = world.events
     out.tcp_messages = world.tcp_messages

@@ -72,7 +72,8 @@ class _Pacer:
         destination shares the sender's memory (default: the rank's node)."""
         self.w, self.me, self.until = world, me, until
         self.rows: Dict[int, List[Any]] = {}      # comms of the rows queued, by sending actor
-        self.pace = world.pace if pace < 0 else pace
+        # (the default: the port's pace; the rank's cores are charged apart)
+        self.pace = world.wire_pace if pace < 0 else pace
         self.local = local or (lambda dest: world.same_node(me, dest))
         # the ranks whose CPUs send this pacer's rows (a node's, at node level)
         self.sharers = sharers
@@ -115,7 +116,7 @@ class _Pacer:
         equal size it stands for)."""
         out = sum(nbytes for nbytes, _ in remote)
         cpu = self.w.cpu * self.sharers
-        at_cpu = (out + local) / cpu if cpu else 0.0
+        at_cpu = self.w.cpu_time(self.me, (out + local) / cpu) if cpu else 0.0
         if not remote:
             return at_cpu
         at_pace = max(out / self.pace if self.pace else 0.0, at_cpu)
@@ -146,7 +147,7 @@ class _Pacer:
             # nothing but the CPU's time)
             charged = bool(took) and bool(w.cpu)
             flying += [w.put(key, nbytes, nbytes / took if took and (charged or not self.local(dest))
-                             else 0.0)
+                             else 0.0, to=dest)
                        for key, dest, nbytes, _ in sends]
             if took:
                 # the token bucket lets the row out at the pace, whether or

@@ -55,8 +55,10 @@ def mpi_allreduce(world: Any, n: int, me: int) -> None:
             if world.same_node(me, peer):
                 c = world.put(f"m{n}:{tag}:{me}:{peer}", nbytes, datagrams=False)
             else:
-                c = world.put(f"m{n}:{tag}:{me}:{peer}", nbytes * TCP_FRAME / TCP_PAYLOAD,
-                              world.cpu, datagrams=False)
+                wire = nbytes * TCP_FRAME / TCP_PAYLOAD
+                took = world.cpu_time(me, wire / world.cpu) if world.cpu else 0.0
+                c = world.put(f"m{n}:{tag}:{me}:{peer}", wire, wire / took if took else 0.0,
+                              datagrams=False)
                 world.tcp_messages += 1
         if g is not None:
             g.comm.wait()

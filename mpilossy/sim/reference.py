@@ -22,7 +22,7 @@ import numpy as np
 
 from .engine import Background, Scenario
 
-__all__ = ["Run", "Measured", "load", "FIT", "FIT_COPY", "FIT_RTO", "MEASURED"]
+__all__ = ["Run", "Measured", "load", "FIT", "FIT_COPY", "FIT_NOISE", "FIT_RTO", "MEASURED"]
 
 MEASURED = "docs/results/scale/emulated"      # (relative to the repository's root)
 MiB = 1 << 20
@@ -100,11 +100,13 @@ _ROWS: Tuple[Tuple[str, str, int, Dict[str, Any]], ...] = (
 )
 
 # The row the CPU rate is fitted to (ud p50), the row the hierarchy's
-# copy rate in its node stages is fitted to (ud p50), and the row TCP's
-# share of messages that wait for a retransmission timer is fitted to (the
-# share of MPI's calls that waited); every other row checks them.
+# copy rate in its node stages is fitted to (ud p50), the row the jitter of
+# a rank's CPU time is fitted to (ud p99 / p50), and the row TCP's share of
+# messages that wait for a retransmission timer is fitted to (the share of
+# MPI's calls that waited); every other row checks them.
 FIT = 4
 FIT_COPY = 13
+FIT_NOISE = 4
 FIT_RTO = 7
 
 

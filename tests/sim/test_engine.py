@@ -217,3 +217,38 @@ def test_on_shared_cores_every_datagram_and_the_node_stages_copies_cost_cpu(run)
     extra = c["lossy"]["p50"] - h["lossy"]["p50"]
     assert 0.9 * copies <= extra <= 1.2 * copies, (copies, h, c)
     assert [r["delivered"] for r in (f, h, c)] == pytest.approx([1.0] * 3)
+
+
+def test_a_ranks_cpu_time_is_a_gamma_process_of_the_jitters_variance():
+    from mpilossy.sim.engine import _World
+    w = _World.__new__(_World)
+    w.s = Scenario(jitter=1e-3, seed=3)
+    w._rngs = {}
+    draws = [w.cpu_time(0, 0.01) for _ in range(20000)]
+    mean = sum(draws) / len(draws)
+    var = sum((d - mean) ** 2 for d in draws) / len(draws)
+    assert mean == pytest.approx(0.01, rel=0.02)
+    assert var == pytest.approx(1e-3 * 0.01, rel=0.1)
+    # seeded per rank: the same draws again, others for another rank
+    w2 = _World.__new__(_World)
+    w2.s, w2._rngs = w.s, {}
+    assert [w2.cpu_time(0, 0.01) for _ in range(5)] == draws[:5]
+    assert [w2.cpu_time(1, 0.01) for _ in range(5)] != draws[:5]
+    # no jitter: the mean itself
+    w.s = Scenario(jitter=0.0)
+    assert w.cpu_time(0, 0.01) == 0.01
+
+
+@pytest.mark.timeout(120)
+def test_jitter_gives_quiet_calls_a_tail_and_a_late_stage_loses_nothing(run):
+    from dataclasses import replace
+    steady = Scenario(nodes=2, ppn=2, rate=1e9, nbytes=MiB, algorithm="hierarchical",
+                      deadline=0.3, calls=20, cores=2, core_rate=100e6, copy_rate=250e6)
+    jittered = replace(steady, jitter=5e-4)
+    a, b = run(steady, jittered)
+    for kind in ("lossy", "mpi"):
+        assert a[kind]["p99"] == pytest.approx(a[kind]["p50"], rel=0.01), a
+        assert b[kind]["p99"] > 1.1 * b[kind]["p50"], b
+    # ranks now start the network stage at different times; a datagram sent
+    # before its reader asked for it waits in the reader's socket, not lost
+    assert a["delivered"] == pytest.approx(1.0) and b["delivered"] == pytest.approx(1.0), b
