@@ -161,8 +161,8 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
           + ", ".join(f"{k} {v}" for k, v in model.items()))
     print(f"of {n} rows, within 20%: run 2 of run 1 (the cluster against itself): "
           + ", ".join(f"{k} {v}" for k, v in itself.items()))
-    result = {"core_rate": rate, "copy_rate": copy, "jitter": jitter, "rto_share": rto_share, "timer_share": waited,
-              "rows": table, "within": model, "runs_within": itself}
+    result = {"core_rate": rate, "copy_rate": copy, "jitter": jitter, "rto_share": rto_share,
+              "timer_share": waited, "rows": table, "within": model, "runs_within": itself}
     _save(args, "calibration.json", result)
     return result
 

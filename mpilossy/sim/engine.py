@@ -367,14 +367,15 @@ def _hierarchical(call: _Call, me: int, nbytes: float, budget: float,
     peers = [node * s.ppn + j for j in range(s.ppn) if j != local]
     T = budget
     slice_bytes = nbytes / s.ppn
-    # stage 1: my slice from every local peer (memory copies, each at my
-    # share of the copy rate on the emulated cluster)
     def copying(stage: str) -> List[Any]:
+        """My slices to every local peer: memory copies, at my share of the
+        copy rate on the emulated cluster (a shared window takes what a
+        peer writes before its owner reads it)."""
         took = w.cpu_time(me, slice_bytes * len(peers) / w.copy) if w.copy else 0.0
-        # (a shared window takes what a peer writes before its owner reads it)
         return [w.put(call.key(stage, me, p), slice_bytes, slice_bytes / took if took else 0.0,
                       datagrams=False, to=p) for p in peers]
 
+    # stage 1: my slice from every local peer
     gets = [w.get(call.key("h1", p, me)) for p in peers]
     sends = copying("h1")
     end1 = call.start + HIER_SHARES[0] * T

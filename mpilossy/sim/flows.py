@@ -143,10 +143,9 @@ class _Pacer:
             local = sum(nbytes for _, dest, nbytes, _ in sends if self.local(dest))
             took = self._row_time(remote, local)
             # the row's time split in proportion to the bytes, so that every
-            # message of the row ends when the row does (a local one costs
-            # nothing but the CPU's time)
-            charged = bool(took) and bool(w.cpu)
-            flying += [w.put(key, nbytes, nbytes / took if took and (charged or not self.local(dest))
+            # message of the row ends when the row does (one to this node
+            # only where the CPU is charged: it crosses no port)
+            flying += [w.put(key, nbytes, nbytes / took if took and (w.cpu or not self.local(dest))
                              else 0.0, to=dest)
                        for key, dest, nbytes, _ in sends]
             if took:
