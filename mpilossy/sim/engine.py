@@ -107,10 +107,9 @@ class _World:
         self.cpu = scenario.core_rate * share
         self.copy = scenario.copy_rate * share     # the node stages' copies; 0: the memory link's
         pace = 0.95 * scenario.rate / 8 / scenario.ppn if scenario.pace else 0.0
-        caps = [r for r in (pace, self.cpu, scenario.seal_rate) if r > 0]
+        caps = [r for r in (pace, scenario.seal_rate) if r > 0]
+        # (the shared cores are charged apart, by the pacer: every byte, local too)
         self.pace = min(caps) if caps else 0.0
-        wire = [r for r in (pace, scenario.seal_rate) if r > 0]
-        self.wire_pace = min(wire) if wire else 0.0     # the same less the shared cores
         self._rngs: Dict[int, random.Random] = {}
         k, m = scenario.redundancy or (1, 0)
         self.parity = (k + m) / k           # wire bytes per data byte

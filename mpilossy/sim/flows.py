@@ -72,8 +72,7 @@ class _Pacer:
         destination shares the sender's memory (default: the rank's node)."""
         self.w, self.me, self.until = world, me, until
         self.rows: Dict[int, List[Any]] = {}      # comms of the rows queued, by sending actor
-        # (the default: the port's pace; the rank's cores are charged apart)
-        self.pace = world.wire_pace if pace < 0 else pace
+        self.pace = world.pace if pace < 0 else pace
         self.local = local or (lambda dest: world.same_node(me, dest))
         # the ranks whose CPUs send this pacer's rows (a node's, at node level)
         self.sharers = sharers
