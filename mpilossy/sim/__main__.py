@@ -54,7 +54,7 @@ def _pct(model: float, measured: float) -> str:
 
 
 def _fit_cores(rows: Sequence[Any], fit: int, fit_copy: int,
-               fit_noise: int) -> Tuple[float, float, float]:
+               fit_noise: int, sharing: bool) -> Tuple[float, float, float]:
     """The 2-core machine's three figures, each fitted on one row and
     checked on the rest: the rate at which a core sends datagrams (row
     `fit`'s ud p50), at which it copies in the hierarchy's node stages
@@ -62,7 +62,7 @@ def _fit_cores(rows: Sequence[Any], fit: int, fit_copy: int,
     ud p99 / p50).  The jitter slows the median too (a stage waits for its
     slowest rank), so the three are fitted in turn, twice."""
     def ud(row: Any, calls: int = 0, **fields: Any) -> Tuple[float, float]:
-        s = replace(row.scenario, cores=2, **fields)
+        s = replace(row.scenario, cores=2, sharing=sharing, **fields)
         out = run_all([replace(s, calls=calls or s.calls)], 1)[0]["lossy"]
         return out["p50"], out["p99"]
 
@@ -89,7 +89,8 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
     from .mpich import RTO_MIN
     from .reference import FIT, FIT_COPY, FIT_NOISE, FIT_RTO, Run, load, timer_share
     rows_measured = load(args.measured)
-    rate, copy, jitter = _fit_cores(rows_measured, FIT, FIT_COPY, FIT_NOISE)
+    sharing = args.cores == "shared"
+    rate, copy, jitter = _fit_cores(rows_measured, FIT, FIT_COPY, FIT_NOISE, sharing)
     # TCP's retransmission timeouts: the share of messages between nodes that
     # wait for the timer, from the share of MPI's calls that did on one row
     # (a timer holds up every rank of the call)
@@ -98,7 +99,8 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
     per_call = run_all([probe], 1)[0]["messages_tcp"] / probe.calls
     waited = timer_share(fit_rto, 0.75 * RTO_MIN)
     rto_share = (1 - (1 - waited) ** (1 / per_call)) / fit_rto.scenario.drop
-    scenarios = [replace(r.scenario, cores=2, core_rate=rate, copy_rate=copy, jitter=jitter,
+    scenarios = [replace(r.scenario, cores=2, sharing=sharing, core_rate=rate, copy_rate=copy,
+                         jitter=jitter,
                          rto_share=rto_share, calls=min(r.scenario.calls, args.calls))
                  for r in rows_measured]
     rows = run_all(scenarios, args.jobs)
@@ -161,7 +163,8 @@ def calibrate(args: argparse.Namespace) -> Dict[str, Any]:
           + ", ".join(f"{k} {v}" for k, v in model.items()))
     print(f"of {n} rows, within 20%: run 2 of run 1 (the cluster against itself): "
           + ", ".join(f"{k} {v}" for k, v in itself.items()))
-    result = {"core_rate": rate, "copy_rate": copy, "jitter": jitter, "rto_share": rto_share,
+    result = {"cores": args.cores, "core_rate": rate, "copy_rate": copy, "jitter": jitter,
+              "rto_share": rto_share,
               "timer_share": waited, "rows": table, "within": model, "runs_within": itself}
     _save(args, "calibration.json", result)
     return result
@@ -385,6 +388,9 @@ def main(argv: Sequence[str] = ()) -> int:
     parser.add_argument("--out", default="", help="folder for the JSON results (and the plot)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--calls", type=int, default=40, help="calls per calibration row (at most)")
+    parser.add_argument("--cores", choices=("shared", "fixed"), default="shared",
+                        help="calibrate: the emulated cluster's 2 cores serve whichever rank "
+                             "has work (shared), or each rank a fixed share (fixed)")
     parser.add_argument("--measured", default=None,
                         help="the emulated cluster's runs (default: docs/results/scale/emulated; "
                              "bash scripts/calibration_runs.sh)")

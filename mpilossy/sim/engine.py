@@ -14,11 +14,14 @@ Model (docs/scale.md says what each choice leaves out):
   datagram flow served slower than its pace loses the difference instead
   of slowing;
 - on the emulated cluster (`cores`) every datagram, to a peer on the node
-  too, also costs the sender's share of the cores (`core_rate`), and the
-  hierarchy's node stages copy at `copy_rate` a core; the time a rank's CPU
-  work takes varies as a gamma process of variance `jitter` x its mean
-  (the scheduler's share of the cores, drawn per rank from the seed:
-  longer work averages out more);
+  too, also costs the sender CPU (`core_rate`), and the hierarchy's node
+  stages copy at `copy_rate` a core: each rank at a fixed share of the
+  cores, or (`sharing`) mpilossy's work on one host of `cores` cores that
+  serves whoever has work, a message in once its bytes and its sender's
+  CPU are both done (MPI keeps the fixed share: its waits poll without
+  yielding); the time a rank's CPU work takes varies as a gamma process
+  of variance `jitter` x its mean (the scheduler, drawn per rank from the
+  seed: longer work averages out more);
 - a datagram sent before its reader asks for it waits in the reader's
   socket (the rank's actor is its mailbox's permanent receiver); MPI's
   messages wait for their receive;
@@ -95,6 +98,15 @@ class _World:
             sg.ClusterCallbacks(netpoint, loopback, limiter),
             scenario.rate / 8, scenario.latency, sg.Link.SharingPolicy.SPLITDUPLEX)
         zone.seal()
+        # the emulated cluster's cores as one host that serves every rank's
+        # CPU work at once (processor sharing, one core at most a piece of
+        # work), when the cores are shared rather than split in fixed shares
+        self.machine = None
+        self.tails: Dict[str, Any] = {}             # message -> its sender's CPU done (shared cores)
+        if scenario.cores and scenario.sharing:
+            self.machine = root.create_host("cores", scenario.core_rate)
+            self.machine.core_count = scenario.cores
+            self.machine.seal()
         root.seal()
         if len(self.hosts) < scenario.nodes:
             raise ValueError(f"the fat tree {scenario.tree} has {len(self.hosts)} nodes, "
@@ -138,6 +150,26 @@ class _World:
         rng = self._rngs.setdefault(rank, random.Random(f"{self.s.seed}:cpu:{rank}"))
         return rng.gammavariate(seconds / theta, theta)
 
+    def compute(self, rank: int, seconds: float) -> Any:
+        """Start CPU work that takes `seconds` at the rank's mean share of
+        the shared cores (jittered as cpu_time), served by the cores with
+        every other rank's work of the moment; join() the actor returned."""
+        work = self.cpu_time(rank, seconds) * self.cpu
+        return self.sg.Actor.create(f"cpu{rank}", self.machine, self.sg.this_actor.execute, work)
+
+    def tail(self, key: str) -> None:
+        """Mark message `key` sent by its sender's CPU: with shared cores
+        (`machine`) its bytes may cross the wire before the CPU that sends
+        them is done, but are not in before.  (A semaphore, not a message:
+        a message would take a share of the links its data flows use.)"""
+        self._tail(key).release()
+
+    def _tail(self, key: str) -> Any:
+        sem = self.tails.get(key)
+        if sem is None:
+            sem = self.tails[key] = self.sg.Semaphore(0)
+        return sem
+
     @property
     def route_latency(self) -> float:
         """One way between two nodes at the far ends of the tree (an upper
@@ -166,11 +198,14 @@ class _World:
         self.events += 1
         return comm.start()
 
-    def get(self, key: str) -> "_Arrival":
+    def get(self, key: str, charged: bool = True) -> "_Arrival":
+        """Receive on mailbox `key`; `charged`: its sender's CPU sends it,
+        so that with shared cores its tail() is waited for too."""
         comm, holder = self.sg.Mailbox.by_name(key).get_async()
         # (the holder receives the payload: it must outlive the comm)
         self.holders.append(holder)
-        return _Arrival(comm, key, self)
+        tail = self._tail(key) if charged and self.machine is not None else None
+        return _Arrival(comm, key, self, tail)
 
 
 class _Call:
@@ -370,6 +405,14 @@ def _hierarchical(call: _Call, me: int, nbytes: float, budget: float,
         """My slices to every local peer: memory copies, at my share of the
         copy rate on the emulated cluster (a shared window takes what a
         peer writes before its owner reads it)."""
+        if w.machine is not None:         # (the rank copies, then reads)
+            sends = [w.put(call.key(stage, me, p), slice_bytes, datagrams=False, to=p)
+                     for p in peers]
+            if w.copy:
+                w.compute(me, slice_bytes * len(peers) / w.copy).join()
+            for p in peers:
+                w.tail(call.key(stage, me, p))
+            return sends
         took = w.cpu_time(me, slice_bytes * len(peers) / w.copy) if w.copy else 0.0
         return [w.put(call.key(stage, me, p), slice_bytes, slice_bytes / took if took else 0.0,
                       datagrams=False, to=p) for p in peers]

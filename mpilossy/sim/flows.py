@@ -24,10 +24,27 @@ class _Arrival:
     network served slower than its sender's pace arrives with only the share
     the network carried (ideal / actual duration)."""
 
-    __slots__ = ("comm", "key", "world")
+    __slots__ = ("comm", "key", "world", "tail")
 
-    def __init__(self, comm: Any, key: str, world: _World) -> None:
-        self.comm, self.key, self.world = comm, key, world
+    def __init__(self, comm: Any, key: str, world: _World, tail: Any = None) -> None:
+        # `tail`: the semaphore its sender's CPU releases (_World.tail), or None
+        self.comm, self.key, self.world, self.tail = comm, key, world, tail
+
+    def wait(self) -> None:
+        self.comm.wait()
+        if self.tail is not None:
+            self.tail.acquire()
+
+    def arrived_by(self, until: float, clock: Callable[[], float]) -> bool:
+        """Whether the piece is in by `until` (raises if the peer cancelled)."""
+        left = until - clock()
+        if left <= 0:
+            return False
+        self.comm.wait_for(left)                # (raises past `left`)
+        if self.tail is None:
+            return True
+        left = until - clock()
+        return left > 0 and not self.tail.acquire_timeout(left)
 
     def share(self) -> float:
         ideal = self.world.ideal.pop(self.key, 0.0)
@@ -43,13 +60,15 @@ def _wait(comms: Sequence[Any], until: float, clock: Callable[[], float]) -> Lis
     arrival's share of its datagrams."""
     done: List[float] = []
     for item in comms:
-        c = item.comm if isinstance(item, _Arrival) else item
-        left = until - clock()
+        arrival = item if isinstance(item, _Arrival) else None
+        c = item if arrival is None else arrival.comm
         got = 0.0
         try:
-            if left > 0:
-                c.wait_for(left)
-                got = item.share() if isinstance(item, _Arrival) else 1.0
+            if arrival is not None:
+                got = arrival.share() if arrival.arrived_by(until, clock) else 0.0
+            elif until - clock() > 0:
+                c.wait_for(until - clock())
+                got = 1.0
         except Exception:                        # timeout, or the peer cancelled
             got = 0.0
         if not got:
@@ -106,15 +125,16 @@ class _Pacer:
         self.actor = None
         self.rows.clear()
 
-    def _row_time(self, remote: Sequence[Tuple[float, int]], local: float = 0.0) -> float:
+    def _row_time(self, remote: Sequence[Tuple[float, int]], local: float = 0.0,
+                  cpu_too: bool = True) -> float:
         """Seconds a row of messages takes to leave: the wire bytes to other
         nodes at the pace, every byte (`local`: those to this node) at the
         CPU's rate on the emulated cluster, or the datagrams to other nodes
         at `datagram_cost` each, whichever is longest (0: unpaced and free).
         Each remote message: (wire bytes, how many rank-level streams of
-        equal size it stands for)."""
+        equal size it stands for); `cpu_too` False: the CPU left out."""
         out = sum(nbytes for nbytes, _ in remote)
-        cpu = self.w.cpu * self.sharers
+        cpu = self.w.cpu * self.sharers if cpu_too else 0.0
         at_cpu = self.w.cpu_time(self.me, (out + local) / cpu) if cpu else 0.0
         if not remote:
             return at_cpu
@@ -125,6 +145,27 @@ class _Pacer:
         frame = self.w.s.payload * self.w.ud_frame
         datagrams = sum(n * math.ceil(nbytes / n / frame - 1e-9) for nbytes, n in remote)
         return max(at_pace, datagrams * cost / self.sharers)
+
+    def _shared_row(self, sends: Sequence[Tuple[Any, int, float, int]],
+                    remote: Sequence[Tuple[float, int]], local: float) -> List[Any]:
+        """One row on shared cores (_World.machine): the bytes to other nodes
+        leave at the pace while the CPU works at whatever share the cores
+        give it, and each message is in once both are done (its tail)."""
+        w, sg = self.w, self.w.sg
+        began = sg.Engine.clock
+        out = sum(nbytes for nbytes, _ in remote)
+        at_pace = self._row_time(remote, cpu_too=False) if remote else 0.0
+        cpu = w.compute(self.me, (out + local) / (w.cpu * self.sharers))
+        comms = [w.put(key, nbytes, nbytes / at_pace if at_pace and not self.local(dest) else 0.0,
+                       to=dest)
+                 for key, dest, nbytes, _ in sends]
+        cpu.join()
+        for key, _, _, _ in sends:
+            w.tail(key)
+        rest = min(began + at_pace, self.until) - sg.Engine.clock
+        if rest > 0:
+            sg.this_actor.sleep_for(rest)
+        return comms
 
     def _run(self) -> None:
         w, sg = self.w, self.w.sg
@@ -140,6 +181,9 @@ class _Pacer:
             remote = [(nbytes, streams) for _, dest, nbytes, streams in sends
                       if not self.local(dest)]
             local = sum(nbytes for _, dest, nbytes, _ in sends if self.local(dest))
+            if w.machine is not None:
+                flying += self._shared_row(sends, remote, local)
+                continue
             took = self._row_time(remote, local)
             # the row's time split in proportion to the bytes, so that every
             # message of the row ends when the row does (one to this node

@@ -49,19 +49,21 @@ def mpi_allreduce(world: Any, n: int, me: int) -> None:
 
     def exchange(tag: str, peer: int, nbytes: float, send: bool = True, recv: bool = True) -> None:
         key = f"m{n}:{tag}:{peer}:{me}"
-        g = world.get(key) if recv else None
+        # (MPI's CPU is its fixed share of the cores in either model: a
+        # rank waiting in MPICH's progress engine polls without yielding)
+        g = world.get(key, charged=False) if recv else None
         c = None
         if send:
+            out = f"m{n}:{tag}:{me}:{peer}"
             if world.same_node(me, peer):
-                c = world.put(f"m{n}:{tag}:{me}:{peer}", nbytes, datagrams=False)
+                c = world.put(out, nbytes, datagrams=False)
             else:
                 wire = nbytes * TCP_FRAME / TCP_PAYLOAD
                 took = world.cpu_time(me, wire / world.cpu) if world.cpu else 0.0
-                c = world.put(f"m{n}:{tag}:{me}:{peer}", wire, wire / took if took else 0.0,
-                              datagrams=False)
+                c = world.put(out, wire, wire / took if took else 0.0, datagrams=False)
                 world.tcp_messages += 1
         if g is not None:
-            g.comm.wait()
+            g.wait()
             if not world.same_node(me, peer):
                 # (the bytes are in but for a loss the timer repairs)
                 late = tcp_recovery(s.seed, key, s.drop, s.rto_share)
@@ -79,7 +81,7 @@ def mpi_allreduce(world: Any, n: int, me: int) -> None:
         return
     if smp:
         for j in range(1, s.ppn):
-            world.get(f"m{n}:node-reduce:{leader + j}:{me}").comm.wait()
+            world.get(f"m{n}:node-reduce:{leader + j}:{me}", charged=False).wait()
         members = [k * s.ppn for k in range(s.nodes)]
     else:
         members = list(range(s.size))

@@ -36,6 +36,7 @@ class Scenario:
     core_rate: float = 0.0              # bytes/s one core sends through the stack
     copy_rate: float = 0.0              # bytes/s one core copies in the hierarchy's node stages; 0: `memory`
     jitter: float = 0.0                 # s: variance of a rank's CPU time per second of it (shared cores)
+    sharing: bool = False               # the cores serve whoever has work (else a fixed share each)
     seal_rate: float = 0.0              # bytes/s a rank seals and checks (datagrams' MAC); 0: free
     datagram_cost: float = 0.0          # s of a rank's CPU per datagram it sends and its peer reads
     seed: int = 1

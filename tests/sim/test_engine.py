@@ -195,13 +195,16 @@ def test_random_drops_give_mpi_a_tail_of_retransmission_timeouts(run):
 
 
 @pytest.mark.timeout(120)
-def test_on_shared_cores_every_datagram_and_the_node_stages_copies_cost_cpu(run):
+@pytest.mark.parametrize("sharing", [False, True], ids=["fixed-shares", "shared"])
+def test_on_shared_cores_every_datagram_and_the_node_stages_copies_cost_cpu(run, sharing):
     from dataclasses import replace
     # 2 x 3 on 2 shared cores: a rank has a third of a core, and the port's
-    # pace (0.95 Gbit/s / 3) is far above it
+    # pace (0.95 Gbit/s / 3) is far above it (shared: every rank is busy at
+    # once here, so each has a third of a core too, and a message is not in
+    # before the CPU that sends it is done, though its bytes go at the pace)
     rate = 30e6
     flat = Scenario(nodes=2, ppn=3, rate=1e9, nbytes=MiB, algorithm="direct", deadline=5.0,
-                    calls=2, mpi=False, cores=2, core_rate=rate)
+                    calls=2, mpi=False, cores=2, core_rate=rate, sharing=sharing)
     hier = replace(flat, algorithm="hierarchical", nbytes=4 * MiB)
     copied = replace(hier, copy_rate=60e6)
     f, h, c = run(flat, hier, copied)
@@ -252,3 +255,91 @@ def test_jitter_gives_quiet_calls_a_tail_and_a_late_stage_loses_nothing(run):
     # ranks now start the network stage at different times; a datagram sent
     # before its reader asked for it waits in the reader's socket, not lost
     assert a["delivered"] == pytest.approx(1.0) and b["delivered"] == pytest.approx(1.0), b
+
+
+SHARED_CORES_PROBE = """
+import json, sys
+from mpilossy.sim import _simgrid
+from mpilossy.sim.engine import _World, Scenario
+from mpilossy.sim.flows import _Pacer, _wait
+sg = _simgrid.load()
+engine = sg.Engine(["probe", "--log=root.thr:critical", "--log=xbt_cfg.thr:critical"])
+w = _World(sg, Scenario(nodes=4, ppn=1, rate=1e9, cores=2, core_rate=100e6, sharing=True))
+done = {}
+def work(rank, start, seconds):
+    sg.this_actor.sleep_for(start)
+    w.compute(rank, seconds).join()
+    done[rank] = sg.Engine.clock
+def send(nbytes):
+    pacer = _Pacer(w, 0, 10.0)
+    pacer.send([("probe", 1, nbytes)])
+    pacer.settle()
+    pacer.close()
+def receive():
+    _wait([w.get("probe")], 10.0, lambda: sg.Engine.clock)
+    done[1] = sg.Engine.clock
+plan = json.loads(sys.argv[1])
+if plan[0] == "message":
+    sg.Actor.create("r0", w.host_of(0), send, plan[1])
+    w.receivers[1] = sg.Actor.create("r1", w.host_of(1), receive)
+    plan = [None, None]
+else:
+    for rank, (start, seconds) in enumerate(plan):
+        sg.Actor.create(f"r{rank}", w.host_of(rank), work, rank, start, seconds)
+engine.run()
+print(json.dumps([done.get(r) for r in range(len(plan))]))
+"""
+
+
+def _shared_cores(plan):
+    """When each rank's CPU work (start, seconds at its mean share) ends on
+    4 ranks sharing 2 cores of 100 MB/s (or ["message", bytes]: when rank 1
+    has rank 0's message of that many bytes)."""
+    import json
+    import subprocess
+    import sys
+    from mpilossy.sim import _simgrid
+    try:
+        _simgrid.load()
+    except ImportError as e:
+        pytest.skip(str(e))
+    out = subprocess.run([sys.executable, "-c", SHARED_CORES_PROBE, json.dumps(plan)],
+                         capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.timeout(120)
+def test_shared_cores_serve_whoever_has_work_one_core_at_most_each():
+    # 4 ranks on 2 cores: 10 ms of work at the mean share (half a core).
+    # Ranks 0-2 start at once and have 2/3 of a core each until rank 3
+    # comes at 5 ms, then half; rank 3 ends alone on one core (not two).
+    ends = _shared_cores([[0, 0.01], [0, 0.01], [0, 0.01], [0.005, 0.01]])
+    first = 0.005 + (0.01 * 50e6 - 0.005 * 2e8 / 3) / 50e6
+    last = first + (0.01 * 50e6 - (first - 0.005) * 50e6) / 100e6
+    assert ends[:3] == pytest.approx([first] * 3, rel=1e-6), ends
+    assert ends[3] == pytest.approx(last, rel=1e-6), ends
+    assert first < 0.01 and last < 0.015         # fixed shares: 10 and 15 ms
+    # alone, a rank has one core: its work takes half its mean-share time
+    assert _shared_cores([[0, 0.01]]) == pytest.approx([0.005], rel=1e-6)
+    # a message is in once its sender's CPU is done (one core: 100 MB/s),
+    # though its bytes cross the port at the pace (0.95 Gbit/s)
+    nbytes = 4e6
+    cpu = nbytes / 100e6
+    arrived = _shared_cores(["message", nbytes])[1]
+    assert cpu <= arrived <= 1.01 * cpu, (cpu, arrived)
+
+
+@pytest.mark.timeout(120)
+def test_shared_cores_speed_up_the_hierarchy_and_leave_mpi_its_share(run):
+    from dataclasses import replace
+    # 2 x 3 hierarchical: the node stages leave ranks idle in turn, whose
+    # share the busy ones take; MPI's ranks poll without yielding, so its
+    # figures are those of fixed shares, call for call
+    fixed = Scenario(nodes=2, ppn=3, rate=1e9, nbytes=MiB, algorithm="hierarchical",
+                     deadline=0.3, calls=6, cores=2, core_rate=100e6, copy_rate=250e6,
+                     jitter=5e-4)
+    a, b = run(fixed, replace(fixed, sharing=True))
+    assert [b["mpi"][q] for q in ("p50", "p99")] == pytest.approx(
+        [a["mpi"][q] for q in ("p50", "p99")], rel=1e-9), (a["mpi"], b["mpi"])
+    assert b["lossy"]["p50"] < 0.95 * a["lossy"]["p50"], (a["lossy"], b["lossy"])
+    assert b["delivered"] == pytest.approx(1.0), b
