@@ -444,14 +444,16 @@ def _hierarchical(call: _Call, me: int, nbytes: float, budget: float,
 
 def simulate(scenario: Scenario) -> Outcome:
     """Run one scenario (one SimGrid engine: call in a fresh process)."""
-    sg = _simgrid.load()
-    engine = sg.Engine(["mpilossy-sim", "--log=root.thr:critical", "--log=xbt_cfg.thr:critical",
-                        f"--cfg=network/model:{scenario.network}"])
     s = scenario
     if s.algorithm not in ALGORITHMS:
         raise ValueError(f"unknown algorithm {s.algorithm!r}; known: {', '.join(ALGORITHMS)}")
     if s.algorithm == "hierarchical" and (s.ppn < 2 or s.nodes < 2):
         raise ValueError("the hierarchy needs several nodes of several ranks")
+    if s.cores and s.core_rate <= 0:
+        raise ValueError(f"cores={s.cores} needs the rate a core sends at (core_rate > 0)")
+    sg = _simgrid.load()
+    engine = sg.Engine(["mpilossy-sim", "--log=root.thr:critical", "--log=xbt_cfg.thr:critical",
+                        f"--cfg=network/model:{scenario.network}"])
     world = _World(sg, s)
     out = Outcome(asdict(s))
     barrier = sg.Barrier(s.size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing
+from concurrent.futures import ProcessPoolExecutor
 import os
 from dataclasses import asdict
 from typing import Any, Callable, Dict, Iterator, List, Sequence
@@ -68,14 +69,17 @@ def _as_singletons() -> Iterator[None]:
 def run_all(scenarios: Sequence[Scenario], jobs: int) -> List[Dict[str, Any]]:
     """Each scenario in a fresh process (SimGrid: one engine per process),
     started outside any MPI job this one runs in."""
-    ctx = multiprocessing.get_context("spawn")
-    with _as_singletons(), ctx.Pool(max(1, jobs), maxtasksperchild=1) as pool:
-        return pool.map(one, scenarios, chunksize=1)
+    return run_each(one, [(s,) for s in scenarios], jobs)
 
 
 def run_each(fn: Callable[..., Any], calls: Sequence[tuple], jobs: int) -> List[Any]:
     """fn(*args) for each args in `calls`, each in a fresh process as above
-    (fn: a module-level function of this package)."""
+    (fn: a module-level function of this package).  An exception in a
+    simulated actor aborts its process (SimGrid prints the traceback):
+    that raises BrokenProcessPool here rather than waiting for ever, as a
+    multiprocessing.Pool would."""
     ctx = multiprocessing.get_context("spawn")
-    with _as_singletons(), ctx.Pool(max(1, jobs), maxtasksperchild=1) as pool:
-        return pool.starmap(fn, calls, chunksize=1)
+    with _as_singletons(), ProcessPoolExecutor(max(1, jobs), mp_context=ctx,
+                                               max_tasks_per_child=1) as pool:
+        futures = [pool.submit(fn, *args) for args in calls]
+        return [f.result() for f in futures]

@@ -92,6 +92,8 @@ def test_scenarios_refuse_what_they_cannot_model():
     from mpilossy.sim.engine import simulate
     with pytest.raises(ValueError, match="algorithm"):
         simulate(Scenario(algorithm="butterfly"))
+    with pytest.raises(ValueError, match="core_rate"):
+        simulate(Scenario(cores=2, sharing=True))
     from mpilossy.sim.aggregate import simulate_nodes
     with pytest.raises(ValueError, match="parity"):
         simulate_nodes(Scenario(nodes=4, ppn=2, algorithm="hierarchical", fanout=2,
@@ -343,3 +345,14 @@ def test_shared_cores_speed_up_the_hierarchy_and_leave_mpi_its_share(run):
         [a["mpi"][q] for q in ("p50", "p99")], rel=1e-9), (a["mpi"], b["mpi"])
     assert b["lossy"]["p50"] < 0.95 * a["lossy"]["p50"], (a["lossy"], b["lossy"])
     assert b["delivered"] == pytest.approx(1.0), b
+
+
+@pytest.mark.timeout(60)
+def test_a_process_that_dies_in_a_run_fails_it_at_once():
+    # (an exception in a simulated actor aborts its process: SimGrid's
+    # maestro does not survive it; the runner must not wait for ever)
+    import os
+    from concurrent.futures.process import BrokenProcessPool
+    from mpilossy.sim.runner import run_each
+    with pytest.raises(BrokenProcessPool):
+        run_each(os.abort, [()], jobs=1)
