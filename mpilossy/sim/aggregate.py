@@ -42,8 +42,9 @@ from typing import Any, Dict, List, Tuple
 import numpy as np
 
 from . import _simgrid
-from .engine import HIER_SHARES, _Call, _World
-from .flows import _Pacer, _clock, _wait
+from .engine import HIER_SHARES, _Call
+from .flows import _Pacer, _wait
+from .world import _World, _clock
 from .mpich import TCP_FRAME, TCP_PAYLOAD, _reduce_scatter_allgather
 from .scenario import Outcome, Scenario
 from .traffic import start_background

@@ -1,57 +1,15 @@
-"""The model's messages between ranks: a datagram stream's piece on its
-way in (_Arrival), waiting for messages until a deadline (_wait), and a
-rank's paced FIFO sender (_Pacer); used by engine.py and aggregate.py."""
+"""How the model's ranks move messages: waiting for them until a deadline
+(_wait) and a rank's paced FIFO sender (_Pacer), over world.py's
+primitives; used by engine.py and aggregate.py."""
 
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-if TYPE_CHECKING:
-    from .engine import _World
+from .world import _Arrival, _World, _clock
 
-__all__ = ["_Arrival", "_Pacer", "_clock", "_wait"]
-
-
-def _clock(sg: Any) -> Callable[[], float]:
-    return lambda: sg.Engine.clock
-
-
-
-class _Arrival:
-    """A datagram stream's piece on its way in.  Datagrams are not slowed
-    down by a congested port, they are dropped there: a piece whose flow the
-    network served slower than its sender's pace arrives with only the share
-    the network carried (ideal / actual duration)."""
-
-    __slots__ = ("comm", "key", "world", "tail")
-
-    def __init__(self, comm: Any, key: str, world: _World, tail: Any = None) -> None:
-        # `tail`: the semaphore its sender's CPU releases (_World.tail), or None
-        self.comm, self.key, self.world, self.tail = comm, key, world, tail
-
-    def wait(self) -> None:
-        self.comm.wait()
-        if self.tail is not None:
-            self.tail.acquire()
-
-    def arrived_by(self, until: float, clock: Callable[[], float]) -> bool:
-        """Whether the piece is in by `until` (raises if the peer cancelled)."""
-        left = until - clock()
-        if left <= 0:
-            return False
-        self.comm.wait_for(left)                # (raises past `left`)
-        if self.tail is None:
-            return True
-        left = until - clock()
-        return left > 0 and not self.tail.acquire_timeout(left)
-
-    def share(self) -> float:
-        ideal = self.world.ideal.pop(self.key, 0.0)
-        took = self.comm.finish_time - self.comm.start_time
-        # (plus the route's latency: a flow at its pace takes that too)
-        slack = self.world.route_latency
-        return min(1.0, (ideal + slack) / took) if ideal > 0 and took > 0 else 1.0
+__all__ = ["_Pacer", "_wait"]
 
 
 def _wait(comms: Sequence[Any], until: float, clock: Callable[[], float]) -> List[float]:

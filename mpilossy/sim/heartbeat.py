@@ -20,7 +20,7 @@ from typing import Any, Dict, List
 import numpy as np
 
 from . import _simgrid
-from .engine import _World
+from .world import _World
 from .mechanisms import UNIT, beat_bytes
 from .scenario import Scenario
 

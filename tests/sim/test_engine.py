@@ -7,7 +7,8 @@ scenario runs in a fresh process (one SimGrid engine per process)."""
 
 import pytest
 
-from mpilossy.sim.engine import UD_HEADERS, Scenario
+from mpilossy.sim.engine import Scenario
+from mpilossy.sim.world import UD_HEADERS
 from mpilossy.sim.mpich import TCP_FRAME, TCP_PAYLOAD
 
 MiB = 1 << 20
@@ -127,7 +128,7 @@ def test_a_group_keeps_what_at_most_m_losses_leave():
     """_World.kept: without parity the arrival probability itself; with one
     parity record per block the block is lost only with both; more parity
     keeps more."""
-    from mpilossy.sim.engine import _World
+    from mpilossy.sim.world import _World
 
     def kept(k, m, q):
         w = _World.__new__(_World)
@@ -142,7 +143,7 @@ def test_a_group_keeps_what_at_most_m_losses_leave():
 @pytest.mark.timeout(120)
 def test_parity_costs_its_bytes_and_keeps_what_its_groups_rebuild(run):
     from dataclasses import replace
-    from mpilossy.sim.engine import _World
+    from mpilossy.sim.world import _World
     plain = Scenario(nodes=4, ppn=1, rate=100e9, nbytes=MiB, algorithm="direct", deadline=1.0,
                      calls=2, mpi=False, seal_rate=1.6e9, latency=1e-6, payload=8192, pieces=4,
                      drop=0.1)
@@ -225,7 +226,7 @@ def test_on_shared_cores_every_datagram_and_the_node_stages_copies_cost_cpu(run,
 
 
 def test_a_ranks_cpu_time_is_a_gamma_process_of_the_jitters_variance():
-    from mpilossy.sim.engine import _World
+    from mpilossy.sim.world import _World
     w = _World.__new__(_World)
     w.s = Scenario(jitter=1e-3, seed=3)
     w._rngs = {}
@@ -262,8 +263,9 @@ def test_jitter_gives_quiet_calls_a_tail_and_a_late_stage_loses_nothing(run):
 SHARED_CORES_PROBE = """
 import json, sys
 from mpilossy.sim import _simgrid
-from mpilossy.sim.engine import _World, Scenario
+from mpilossy.sim.engine import Scenario
 from mpilossy.sim.flows import _Pacer, _wait
+from mpilossy.sim.world import _World
 sg = _simgrid.load()
 engine = sg.Engine(["probe", "--log=root.thr:critical", "--log=xbt_cfg.thr:critical"])
 w = _World(sg, Scenario(nodes=4, ppn=1, rate=1e9, cores=2, core_rate=100e6, sharing=True))
