@@ -290,6 +290,9 @@ def simulate_nodes(scenario: Scenario) -> Outcome:
     if scenario.redundancy:
         raise ValueError("the node-level engine does not model parity: redundancy runs on "
                          "the per-rank engine (fanout=0)")
+    if s.sharing:
+        raise ValueError("the node-level engine does not model shared cores (a node's "
+                         "ranks are one actor): sharing runs on the per-rank engine (fanout=0)")
     sg = _simgrid.load()
     engine = sg.Engine(["mpilossy-sim", "--log=root.thr:critical", "--log=xbt_cfg.thr:critical",
                         f"--cfg=network/model:{s.network}"])

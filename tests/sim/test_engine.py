@@ -99,6 +99,9 @@ def test_scenarios_refuse_what_they_cannot_model():
     with pytest.raises(ValueError, match="parity"):
         simulate_nodes(Scenario(nodes=4, ppn=2, algorithm="hierarchical", fanout=2,
                                 redundancy=(4, 2)))
+    with pytest.raises(ValueError, match="shared cores"):
+        simulate_nodes(Scenario(nodes=4, ppn=2, algorithm="hierarchical", fanout=2,
+                                cores=2, core_rate=1e8, sharing=True))
 
 
 @pytest.mark.timeout(120)
