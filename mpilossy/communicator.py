@@ -381,14 +381,20 @@ class Communicator(ElasticFront):
         return self._call(Request(REDUCE_SCATTER, sendbuf, recvbuf, op, algorithm, timeout,
                                   weight, compression, residual, redundancy))
 
-    def allgather(self, sendbuf: Any, recvbuf: Any, *, timeout: Any = UNSET,
+    def allgather(self, sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto",
+                  timeout: Any = UNSET,
                   redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
         """Lossy all-gather: chunk r (chunk_bounds) of `recvbuf` receives rank
         r's `sendbuf`.  A chunk (block) that does not arrive in time keeps
         the previous contents of `recvbuf`.  `sendbuf` may be this rank's
-        own chunk of `recvbuf` (in place).  redundancy: as in allreduce."""
-        return self._call(Request(ALLGATHER, sendbuf, recvbuf, timeout=timeout,
-                                  redundancy=redundancy))
+        own chunk of `recvbuf` (in place).  algorithm: "direct" (every
+        chunk to every rank), "hierarchical" (each chunk once across the
+        network to each node, then within the node through shared memory;
+        nodes of equal size: docs/hierarchy.md) or "auto" (hierarchical
+        where the nodes are equal and hold several ranks, else direct).
+        redundancy: as in allreduce."""
+        return self._call(Request(ALLGATHER, sendbuf, recvbuf, algorithm=algorithm,
+                                  timeout=timeout, redundancy=redundancy))
 
     # -- reliable collectives ----------------------------------------------------
     def barrier(self) -> None:

@@ -54,8 +54,8 @@ def reduce_scatter(sendbuf: Any, recvbuf: Any, *, op: str = "sum",
                                                  redundancy=redundancy)
 
 
-def allgather(sendbuf: Any, recvbuf: Any, *, timeout: Any = UNSET,
+def allgather(sendbuf: Any, recvbuf: Any, *, algorithm: str = "auto", timeout: Any = UNSET,
               redundancy: Union[None, str, Tuple[int, int]] = UNSET) -> CollectiveStats:
     """mpilossy.Communicator.allgather on default_communicator()."""
-    return default_communicator().allgather(sendbuf, recvbuf, timeout=timeout,
-                                            redundancy=redundancy)
+    return default_communicator().allgather(sendbuf, recvbuf, algorithm=algorithm,
+                                            timeout=timeout, redundancy=redundancy)

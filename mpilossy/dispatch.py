@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, List, Optional
 
-from ._core import REDUCE_SCATTER
+from ._core import ALLGATHER, REDUCE_SCATTER
 from .call import pipeline
 from .call.alone import answer_alone
 from .call.buffers import widen_for_compression
@@ -26,6 +26,7 @@ from .call.request import Request
 from .call.spec import check_residual
 from .call.stats import CollectiveStats, stats_of
 from .hierarchy.allreduce import allreduce as hierarchical_allreduce
+from .hierarchy.gather import allgather as hierarchical_allgather
 from .hierarchy.scatter import reduce_scatter as hierarchical_reduce_scatter
 from .hierarchy.stages import refuse as refuse_hierarchical
 from .state import State
@@ -172,6 +173,8 @@ def _hierarchical(state: State, request: Request, bufs: Any, spent: float) -> Co
     try:
         if collective == REDUCE_SCATTER:
             stats = hierarchical_reduce_scatter(h, checked, bufs.send, bufs.recv, spent)
+        elif collective == ALLGATHER:
+            stats = hierarchical_allgather(h, checked, bufs.send, bufs.recv, spent)
         else:
             stats = hierarchical_allreduce(h, checked, bufs.send, bufs.recv, spent)
         for k in range(len(bufs.segments or ())):

@@ -66,7 +66,7 @@ def plan(collective: int, algorithm: Any, dtype: Optional[np.dtype], routing: Ro
     answers alone (elastic)."""
     if alone:
         return Route.ALONE
-    if routing.two_levels and collective != ALLGATHER and _two_level(
+    if routing.two_levels and _two_level(
             collective, algorithm if algorithm is not None else routing.algorithm, dtype,
             routing):
         return Route.HIERARCHICAL
@@ -77,14 +77,15 @@ def _two_level(collective: int, chosen: Any, dtype: Optional[np.dtype],
                routing: Routing) -> bool:
     """"hierarchical" always (what the layout cannot do is refused there,
     on every rank); "auto" where the hierarchy takes the call: the
-    reduce-scatter on nodes of equal size; the all-reduce on nodes of equal
-    size, or on unequal ones floating-point data with unbiased scaling (the
-    slices then travel as weighted averages)."""
+    reduce-scatter and the all-gather on nodes of equal size; the
+    all-reduce on nodes of equal size, or on unequal ones floating-point
+    data with unbiased scaling (the slices then travel as weighted
+    averages)."""
     if not isinstance(chosen, str) or chosen not in ("hierarchical", "auto"):
         return False
     if chosen == "hierarchical" or routing.uniform:
         return True
-    if collective == REDUCE_SCATTER:
+    if collective in (REDUCE_SCATTER, ALLGATHER):
         return False
     floating = dtype is None or is_float(dtype)
     return floating and routing.scaling == "unbiased"

@@ -71,6 +71,9 @@ class CallResolver:
         tmo = self.timeout if timeout is UNSET else core_timeout(check_timeout("timeout", timeout))
         auto = tmo == AUTO
         if collective == ALLGATHER:
+            if request.algorithm not in (None, "auto", "direct", "hierarchical"):
+                raise ValueError(f"allgather's algorithm must be 'direct', 'hierarchical' or "
+                                 f"'auto', got {request.algorithm!r}")
             opcode, algo, w, bits, err = SUM, DIRECT, 0.0, 0, None
         else:
             algorithm = request.algorithm

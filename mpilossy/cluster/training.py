@@ -55,16 +55,23 @@ def train(run: Callable[[Any, List[str]], Any], conditions: Sequence[Any],
                            "timeout": None if reduce == "mpi" else args.train_timeout,
                            **{k: res[k] for k in ("val_perplexity", "delivered", "train_seconds",
                                                   "comm_seconds", "wall_seconds", "curve")},
+                           "phase_seconds": res.get("phase_seconds"),
                            "auto_deadlines": res.get("auto_deadlines"),
                            "redundancy_auto": res.get("redundancy_auto")}
                     rows.append(row)
                     print(f"{cond.name:<22} seed {seed} {reduce:<9} train "
                           f"{row['train_seconds']:7.1f} s  comm {row['comm_seconds']:6.1f} s  "
                           f"perplexity {row['val_perplexity']:6.3f}  "
-                          f"delivered {row['delivered']:.3f}", flush=True)
+                          f"delivered {row['delivered']:.3f}{phase_line(row)}", flush=True)
     for line in summary(rows):
         print(line, flush=True)
     return rows
+
+
+def phase_line(row: Dict[str, Any]) -> str:
+    """'  compute 30.1 align 2.0 ...' (seconds, mean over the ranks), or ''."""
+    phases = row.get("phase_seconds") or {}
+    return "".join(f"  {name} {p['mean']:.1f}" for name, p in phases.items())
 
 
 def time_to(curve: Sequence[Sequence[float]], perplexity: float) -> Optional[float]:

@@ -81,10 +81,13 @@ class Pieces:
         self.nodes = layout.nodes
         # (position in the two-level order, first, end in the user's vector)
         self.moves: List[Tuple[int, int, int]] = []
+        # (each move's piece: its number in the two-level order, and its rank)
+        self.slots: List[Tuple[int, int]] = []
         for n in range(layout.nodes):
             for j, r in enumerate(layout.ranks_of(n)):
                 lo, hi = chunk_bounds(count, ranks, r)
                 self.moves.append(((j * self.nodes + n) * self.width, lo, hi))
+                self.slots.append((j * self.nodes + n, r))
 
     def gather(self, part: np.ndarray, out: np.ndarray, local: int) -> None:
         """Slice `local` in the two-level order (`part`: its pieces, node by

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Optional, Protocol, Tuple
 import numpy as np
 from mpi4py import MPI
 
-from .._core import ALLREDUCE, REDUCE_SCATTER
+from .._core import ALLGATHER, ALLREDUCE, REDUCE_SCATTER
 from ..call.config import Config
 from ..call.dtypes import is_float
 from ..call.request import Request
@@ -121,9 +121,12 @@ class Hierarchy:
     # -- what a call needs ---------------------------------------------------------
     def check(self, send: np.ndarray, collective: int = ALLREDUCE) -> None:
         """What this layout cannot reduce (before the call's first stage)."""
-        if collective == REDUCE_SCATTER and not self.layout.uniform:
-            raise ValueError(f"algorithm='hierarchical' reduce_scatter needs nodes of equal "
+        if collective in (REDUCE_SCATTER, ALLGATHER) and not self.layout.uniform:
+            name = "reduce_scatter" if collective == REDUCE_SCATTER else "allgather"
+            raise ValueError(f"algorithm='hierarchical' {name} needs nodes of equal "
                              f"size, got {list(self.layout.sizes)}; use 'auto' (flat there)")
+        if collective == ALLGATHER:
+            return                  # (any dtype: nothing is reduced)
         if not self.layout.uniform and self.intra.scaling != "unbiased":
             raise ValueError(f"algorithm='hierarchical' on nodes of different sizes "
                              f"{list(self.layout.sizes)} needs scaling='unbiased' (the slices "

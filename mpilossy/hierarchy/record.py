@@ -22,7 +22,7 @@ from ..call.buffers import chunk_bounds
 from ..call.contributors import Contributors
 from .layout import NodeLayout
 
-__all__ = ["capacity", "network_spans", "owner_record", "piece_record", "assemble"]
+__all__ = ["capacity", "network_spans", "owner_record", "piece_record", "assemble", "pack", "words"]
 
 HEAD = 2        # words before an owner's bitmaps: the network stage's block_elems, blocks
 
@@ -72,7 +72,7 @@ def _within(record: Optional[Contributors], firsts: np.ndarray, lengths: np.ndar
     return (missing[hi] - missing[lo]) == 0
 
 
-def _pack(members: np.ndarray) -> np.ndarray:
+def pack(members: np.ndarray) -> np.ndarray:
     """(blocks, ranks) bool -> (blocks, words) uint64, rank r in bit r % 64
     of word r // 64 (as Contributors reads them)."""
     padded = np.zeros((members.shape[0], words(members.shape[1]) * 64), bool)
@@ -116,7 +116,7 @@ def owner_record(layout: NodeLayout, length: int, within: Optional[Contributors]
     if size > out.size:         # (capacity() bounds it; should it not, say nothing)
         return
     out[0], out[1] = across.block_elems, firsts.size
-    out[HEAD:size] = _pack(_members(layout, firsts, lengths, 0, within, nodes)).reshape(-1)
+    out[HEAD:size] = pack(_members(layout, firsts, lengths, 0, within, nodes)).reshape(-1)
 
 
 def piece_record(layout: NodeLayout, length: int, offset: int, within: Optional[Contributors],
@@ -127,7 +127,7 @@ def piece_record(layout: NodeLayout, length: int, offset: int, within: Optional[
     ranks = len(layout.node_of)
     firsts, lengths, nodes = _spans_of(across, length)
     members = _members(layout, firsts, lengths, offset, within, nodes)
-    record = Contributors.of_blocks(_pack(members), firsts, lengths, size=ranks, rank=layout.rank)
+    record = Contributors.of_blocks(pack(members), firsts, lengths, size=ranks, rank=layout.rank)
     held = float((lengths * members.sum(axis=1)).sum())
     return record, (held / (length * ranks) if length else 1.0)
 

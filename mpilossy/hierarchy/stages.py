@@ -190,6 +190,11 @@ def refuse(h: Hierarchy, exc: BaseException, request: Request) -> NoReturn:
     def stage(collective: int) -> Callable[[Deadline], Request]:
         return lambda d: Request(collective, None, timeout=d.total)
 
+    if request.collective == ALLGATHER:         # (hierarchy/gather.py's stages)
+        stages.inter(stage(ALLGATHER))
+        stages.intra(stage(ALLGATHER))
+        stages.intra(stage(ALLGATHER))
+        failure.throw(h.calls, "allgather")
     stages.intra(stage(REDUCE_SCATTER))
     if request.collective == REDUCE_SCATTER:
         stages.inter(stage(REDUCE_SCATTER))

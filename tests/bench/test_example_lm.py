@@ -50,10 +50,66 @@ def test_short_run_learns(tmp_path, extra):
         assert r["delivered"] < 1.0, r          # loss was really injected
     else:
         assert r["delivered"] == 1.0 and r["final_drift"] == 0.0, r
+    # one node of 2 ranks: the barrier over all of them (MPI's arm: none, as
+    # MPI_Allreduce lines the ranks up itself); its time is a phase
+    assert r["align"] == ("none" if "mpi" in extra else "world"), r["align"]
+    phases = r["phase_seconds"]
+    assert set(phases) == {"compute", "align", "comm", "other"}, phases
+    assert phases["compute"]["min"] > 0 and phases["comm"]["mean"] > 0, phases
+    assert all(p["min"] <= p["mean"] <= p["max"] for p in phases.values()), phases
+    if "mpi" in extra:
+        assert phases["align"]["max"] == 0.0, phases      # (MPI's arm has no barrier)
     if "mpi" not in extra and "--timeout" not in extra:
         # the default deadline is learned: below its 1 s cap after the first agreement
         learned = r["auto_deadlines"]
         assert learned and min(learned.values()) < 1.0, learned
+
+
+def test_two_fake_nodes_each_align_and_learn(tmp_path):
+    """4 ranks on two fake nodes (MPIR_CVAR_NUM_CLIQUES): the defaults run
+    the hierarchy (its all-gather too, in the sharded mode) after a barrier
+    over all ranks; --align node lines up each node's ranks only; both
+    learn under loss."""
+    env = clean_subprocess_env(OMP_NUM_THREADS="1", MPIR_CVAR_NUM_CLIQUES="2")
+    for align in ("auto", "node"):
+        out = tmp_path / f"{align}.json"
+        done = run_bounded([mpiexec(), "-n", "4", sys.executable, "-m", "mpilossy.examples.lm",
+                            *TINY, "--loss", "0.1", "--mode", "sharded", "--align", align,
+                            "--json", out], timeout=240, env=env, cwd=tmp_path)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+        r = json.loads(out.read_text())
+        assert r["align"] == ("world" if align == "auto" else "node"), r["align"]
+        assert r["train_loss_last"] < r["train_loss_first"] - 0.5, r
+        assert 0.8 < r["delivered"] < 1.0, r
+        kinds = " ".join(r["auto_deadlines"])
+        assert "network" in kinds and "allgather" in kinds, r["auto_deadlines"]
+
+
+@pytest.mark.parametrize("cfg, expected", [
+    ({}, "world"), ({"algorithm": "ring"}, "world"), ({"align": "node"}, "node"),
+    ({"align": "none"}, "none"), ({"reduce": "mpi"}, "none"),
+    ({"reduce": "mpi", "align": "world"}, "world"), ({"mode": "fsdp"}, "world"),
+    ({"mode": "fsdp", "reduce": "mpi"}, "world"), ({"mode": "fsdp", "align": "none"}, "none")],
+    ids=["lossy", "ring", "asked-node", "asked-none", "mpi", "mpi-asked-world", "fsdp",
+         "fsdp-gloo", "fsdp-none"])
+def test_align_over(cfg, expected):
+    from mpilossy.examples.lm.train import Config, align_over
+    assert align_over(Config(**cfg)) == expected
+
+
+def test_fsdp_refuses_a_node_barrier():
+    from mpilossy.examples.lm.train import Config, align_over
+    with pytest.raises(ValueError, match="fsdp mode lines up all ranks or none"):
+        align_over(Config(mode="fsdp", align="node"))
+
+
+def test_align_argument():
+    from mpilossy.examples.lm.__main__ import parser
+    assert parser().parse_args([]).align == "auto"
+    assert parser().parse_args(["--no-align"]).align == "none"
+    assert parser().parse_args(["--align", "node"]).align == "node"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--align", "rack"])
 
 
 def test_fsdp_over_the_backend_lossless_equals_gloo_and_learns_under_loss(tmp_path):

@@ -37,6 +37,8 @@ def test_fake_nodes(ranks, cliques):
     # The sleeping rank costs the others one deadline (0.1 s) + 50 ms, not its 0.5 s.
     assert result["others_call_with_sleeper_ms"] < 150, result
     assert result["exact_after_sleep"], result
+    # the two-level all-gather ran under loss where the nodes are equal
+    assert (result["gathered_delivered"] is not None) == (ranks % cliques == 0), result
 
 
 @pytest.mark.timeout(300)

@@ -1,4 +1,4 @@
-"""Bad input in a hierarchical all-reduce (and two-level reduce-scatter):
+"""Bad input in a hierarchical all-reduce (and two-level reduce-scatter and all-gather):
 one rank's (or one node's) bad call becomes the same exception on every
 rank, never a wait, and the calls after it are exact.
 
@@ -28,6 +28,7 @@ from mpi4py import MPI
 
 import mpilossy
 from mpilossy import MismatchError
+from mpilossy.call.buffers import chunk_bounds
 
 p = argparse.ArgumentParser()
 p.add_argument("--channel", default="rma")
@@ -77,19 +78,47 @@ def scatter_cases(layout):
             x, out, op="avg", weight=1.0, algorithm="hierarchical"))
 
 
+def gather_cases(layout):
+    """The same for the two-level all-gather (nodes of equal size)."""
+    if not (layout.hierarchical and layout.uniform):
+        return
+    lo, hi = chunk_bounds(N, comm.size, comm.rank)
+    for bad in range(comm.size):
+        yield ("allgather: read-only recvbuf", {bad}, BufferError,
+               lambda lc, x, out: lc.allgather(x[lo:hi], _read_only(out),
+                                               algorithm="hierarchical"))
+        yield ("allgather: another dtype", {bad}, MismatchError,
+               lambda lc, x, out: lc.allgather(x[lo:hi].astype(np.float32),
+                                               out.astype(np.float32), algorithm="hierarchical"))
+        yield ("allgather: a longer recvbuf", {bad}, ValueError,
+               lambda lc, x, out: lc.allgather(x[lo:hi], np.empty(out.size + 1),
+                                               algorithm="hierarchical"))
+        yield ("allgather: negative timeout", {bad}, ValueError,
+               lambda lc, x, out: lc.allgather(x[lo:hi], out, timeout=-1.0,
+                                               algorithm="hierarchical"))
+
+
 x = np.arange(N, dtype=np.float64) + comm.rank
 want = np.empty_like(x)
 comm.Allreduce(x, want)
+# the all-gather of every rank's chunk of its own x
+gathered = np.concatenate([np.arange(*chunk_bounds(N, comm.size, r), dtype=np.float64) + r
+                           for r in range(comm.size)])
 bad_calls = good_calls = inexact_after = 0
 for timeout in (None, 0.5):
     with mpilossy.Communicator(comm, channel=args.channel, timeout=timeout) as lc:
         layout = lc.layout
         lo, hi = lc.chunk_bounds(N)
         runs = [(case, "allreduce") for case in cases(layout)] + \
-            [(case, "reduce_scatter") for case in scatter_cases(layout)]
+            [(case, "reduce_scatter") for case in scatter_cases(layout)] + \
+            [(case, "allgather") for case in gather_cases(layout)]
         for (name, who, expected, call), collective in runs:
             if collective == "allreduce":
                 good, expect, size = lc.allreduce, want, N
+            elif collective == "allgather":
+                def good(x, out, algorithm, lc=lc, lo=lo, hi=hi):
+                    return lc.allgather(x[lo:hi], out, algorithm=algorithm)
+                expect, size = gathered, N
             else:
                 good, expect, size = lc.reduce_scatter, want[lo:hi], hi - lo
             for repeat in range(2):            # two bad calls back to back, then a good one

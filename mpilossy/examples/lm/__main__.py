@@ -17,7 +17,7 @@ from mpi4py import MPI
 from mpilossy.call.environment import to_timeout
 
 from .progress import MODES
-from .train import Config, train
+from .train import ALIGN, Config, train
 
 
 def loss_spec(text: str) -> str:
@@ -88,9 +88,13 @@ def parser() -> argparse.ArgumentParser:
                     default=d.resync_every, help="reliable re-synchronisation every K steps")
     ap.add_argument("--no-drift-correction", action="store_true",
                     help="ablation: no re-synchronisation")
-    ap.add_argument("--no-align", action="store_true",
-                    help="no barrier before each lossy reduction: compute skew between ranks "
-                    "then counts as (straggler) loss")
+    ap.add_argument("--align", choices=ALIGN, default=d.align,
+                    help="the barrier before each lossy reduction: over every rank (world), "
+                    "over each node's ranks (node: shared memory), none (compute skew between "
+                    "ranks then counts as straggler loss), or auto (world before a lossy "
+                    "reduction, none before MPI_Allreduce)")
+    ap.add_argument("--no-align", dest="align", action="store_const", const="none",
+                    help="the same as --align none")
     ap.add_argument("--phase-aware", action="store_true",
                     help="phase-aware loss tolerance: reliable during the critical phase")
     ap.add_argument("--critical-fraction", type=float, default=d.critical_fraction,
@@ -168,7 +172,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  zero_fill=args.zero_fill, rotate=args.rotate,
                  resync=args.resync,
                  resync_every=None if args.no_drift_correction else args.resync_every,
-                 align=not args.no_align, phase_aware=args.phase_aware,
+                 align=args.align, phase_aware=args.phase_aware,
                  micro_batches=args.micro_batches, compute_deadline=args.compute_deadline,
                  straggle=args.straggle, eval_every=args.eval_every,
                  compression=args.compression, optimizer=args.optimizer,
@@ -213,6 +217,9 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"channel         {fabric_line(r['fabric'])}")
         print(f"time            {r['wall_seconds']:.1f} s ({r['comm_seconds']:.1f} s in gradient "
               f"communication, {1e3 * r['step_seconds']:.1f} ms per training step)")
+        print("phases          " + ", ".join(
+            f"{name} {p['mean']:.1f} s" for name, p in r["phase_seconds"].items())
+            + " (mean over the ranks)")
         if cfg.micro_batches > 1:
             print(f"micro-batches   {r['micro_batches']:.2f} of {cfg.micro_batches} per step "
                   f"(compute deadline {cfg.compute_deadline})")

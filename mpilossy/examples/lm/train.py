@@ -52,7 +52,8 @@ class Config:
                                       # pinned to the owners in the sharded mode
     resync: str = "broadcast"         # replicated re-synchronisation: "broadcast" or "average"
     resync_every: Optional[int] = 50  # drift correction (None = off)
-    align: bool = True                # barrier before each lossy reduction (see below)
+    align: str = "auto"               # barrier before each reduction: "world", "node",
+                                      # "none" or "auto" (align_over, below)
     phase_aware: bool = False         # phase-aware loss tolerance
     micro_batches: int = 1            # the batch is computed in this many micro-batches
     compute_deadline: str = "off"     # "off", "auto" or seconds: DropCompute's budget per step
@@ -297,6 +298,8 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     if cfg.mode == "sharded" and (cfg.phase_aware or cfg.algorithm not in ("auto", "direct")):
         raise ValueError("the sharded mode reduce-scatters with the direct algorithm and "
                          "has no phase-aware tolerance")
+    if cfg.align not in ALIGN:
+        raise ValueError(f"align must be one of {', '.join(ALIGN)}, got {cfg.align!r}")
     if cfg.micro_batches < 1 or cfg.batch % cfg.micro_batches:
         raise ValueError(f"micro_batches must divide batch ({cfg.batch}), got {cfg.micro_batches}")
     elastic = cfg.elastic or cfg.kill_rank is not None or cfg.spares > 0
@@ -344,11 +347,13 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         warm_up(model, cfg, data.train, device)
         if not lc.stand_by():
             return {"released": True}       # (a spare nobody called in)
+    align = align_over(cfg)
+    node = comm.Split_type(MPI.COMM_TYPE_SHARED, key=rank) if align == "node" else None
     # fsdp: the parameters become shards (DTensors) before the optimizer sees them
     fsdp = None
     if cfg.mode == "fsdp":
         from .fsdp import Sharded   # torch.distributed.fsdp: 1.5 s of imports, only here
-        fsdp = Sharded(model, comm, lc, cfg.align)
+        fsdp = Sharded(model, comm, lc, align != "none")
     params = [p for p in model.parameters()]
 
     def make_inner() -> torch.optim.Optimizer:
@@ -394,6 +399,10 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
     bar = progress_display(cfg.steps, "train", "step", mode)
     delivered: List[float] = []
     comm_seconds = 0.0
+    # Where a step's time goes, this rank's sums: the forward and backward
+    # passes, the barrier before a lossy reduction, the reductions
+    # (comm_seconds), and the rest (the optimizer, drift control, Python).
+    phases = {"compute": 0.0, "align": 0.0}
     losses: List[float] = []
     curve: List[tuple] = []           # (step, training seconds, rank 0's val perplexity)
     micro_done: List[int] = []
@@ -446,8 +455,22 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                 parts.append(part.item())
                 if factor > 1.0:    # a throttled or shared core: the same work, slower
                     time.sleep((factor - 1.0) * (time.perf_counter() - computing))
+                phases["compute"] += time.perf_counter() - computing
             micro_done.append(len(parts))
             loss = torch.tensor(float(np.mean(parts)))
+            if fsdp is None and align != "none":
+                aligning = time.perf_counter()
+                # Ranks that time-share cores finish their backward passes up
+                # to ~100 ms apart, which a 50 ms deadline would count as
+                # loss; lined up, the loss measured is the injected one.
+                if align == "node":
+                    assert node is not None
+                    node.Barrier()      # (shared memory: no message on the network)
+                elif lc is not None and lc.elastic:
+                    lc.barrier()        # (a rank that is gone or hangs cannot block it)
+                else:
+                    reliable().Barrier()
+                phases["align"] += time.perf_counter() - aligning
             if fsdp is not None:
                 inner.step()
                 got, seconds = fsdp.step_stats()
@@ -460,14 +483,6 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                 assert drift_control is not None
                 drift_control.step()
             else:
-                if cfg.align:
-                    # Ranks that time-share cores finish their backward passes up
-                    # to ~100 ms apart, which a 50 ms deadline would count as
-                    # loss; lined up, the loss measured is the injected one.
-                    if lc is not None and lc.elastic:
-                        lc.barrier()    # (a rank that is gone or hangs cannot block it)
-                    else:
-                        reliable().Barrier()
                 assert wrapped is not None
                 optimizer.step()
                 stats = wrapped.stats
@@ -541,6 +556,7 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
             "broadcasts": drift_control.broadcasts if drift_control is not None else 0,
             "step_seconds": comm.allreduce(train_seconds, op=MPI.MAX) / cfg.steps,
             "micro_batches": comm.allreduce(float(np.mean(micro_done)), op=MPI.SUM) / size,
+            "phase_seconds": phase_summary(comm, phases, comm_seconds, train_seconds),
             "curve": curve,
         }
         if soak.every:
@@ -575,11 +591,46 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
         return result
 
     result = again(summary, mpilossy.MembershipChanged)
+    result["align"] = align
+    if node is not None:
+        node.Free()
     if fsdp is not None:
         fsdp.close()
     if lc is not None:
         lc.free()
     return result
+
+
+ALIGN = ("auto", "world", "node", "none")
+
+
+def align_over(cfg: Config) -> str:
+    """Which barrier lines the ranks up before each reduction: "world" (all
+    ranks), "node" (each node's ranks, through shared memory: no message on
+    the network) or "none".  "auto": "world" before a lossy reduction,
+    "none" before MPI_Allreduce, which lines the ranks up itself (asked
+    for there, a barrier separates the compute skew from the reduction in
+    the phases).  At 2 x 2 beside background traffic "node" was not
+    faster than "world" and kept fewer contributions (docs/results.md)."""
+    if cfg.mode == "fsdp" and cfg.align == "node":
+        raise ValueError("the fsdp mode lines up all ranks or none (align 'world' or "
+                         "'none'), not a node's")
+    if cfg.align != "auto":
+        return cfg.align
+    return "none" if cfg.reduce == "mpi" and cfg.mode != "fsdp" else "world"
+
+
+def phase_summary(comm: Any, phases: Dict[str, float], comm_seconds: float,
+                  train_seconds: float) -> Dict[str, Dict[str, float]]:
+    """Each phase's seconds over the run, the mean, the least and the
+    largest over the ranks: compute, align (the barrier), comm (the reductions) and
+    other (the rest of the training time: optimizer, drift control)."""
+    mine = dict(phases, comm=comm_seconds)
+    mine["other"] = train_seconds - sum(mine.values())
+    every = comm.allgather(mine)
+    return {name: {"mean": float(np.mean([r[name] for r in every])),
+                   "min": min(r[name] for r in every),
+                   "max": max(r[name] for r in every)} for name in mine}
 
 
 def fabric(lc: mpilossy.Communicator) -> Dict[str, Any]:
