@@ -375,8 +375,8 @@ class Communicator(ElasticFront):
         in allreduce.  algorithm: "ring", "direct", "hierarchical" (exact
         within each node, lossy between nodes; nodes of equal size:
         docs/hierarchy.md) or "auto" (as allreduce chooses above the tree's
-        sizes; hierarchical where allreduce would be, on nodes of equal size,
-        without weight or residual); unbiased like allreduce.  weight,
+        sizes; hierarchical where allreduce would be, on nodes of equal size);
+        unbiased like allreduce.  weight,
         compression, residual, redundancy: as in allreduce."""
         return self._call(Request(REDUCE_SCATTER, sendbuf, recvbuf, op, algorithm, timeout,
                                   weight, compression, residual, redundancy))

@@ -1,6 +1,6 @@
 """The combination matrix: every pair of values of the settings below
-appears in some cell (all-pairs, allpairspy), and every cell holds the
-invariants the docs promise together (tests/programs/matrix.py: one
+appears in some cell (all-pairs, allpairspy), the three collectives
+among them, and every cell holds the invariants the docs promise together (tests/programs/matrix.py: one
 outcome per call on every rank; every block the (weighted) mean over the
 ranks its record names; every call within its deadline plus a margin,
 hierarchical ones too; a hierarchy's levels in step after the faults).
@@ -21,6 +21,7 @@ from helpers import is_singleton, last_report, run_mpi_script
 # name -> values (the first of each is the plain case)
 FACTORS = {
     "algorithm": ["auto", "direct", "ring", "hierarchical"],
+    "collective": ["allreduce", "reduce_scatter", "allgather"],
     "channel": ["rma", "ud"],
     "timeout": ["fixed", "none", "auto"],
     "weight": [False, True],
@@ -43,6 +44,16 @@ def valid(row) -> bool:
     get = cell.get
     if get("algorithm") == "ring" and (get("weight") or get("compression")):
         return False
+    # the all-gather reduces nothing: no ring, weight or error feedback (a
+    # communicator's compression it leaves aside, which is a cell)
+    if get("collective") == "allgather" and (get("algorithm") == "ring" or get("weight")
+                                             or get("residual")):
+        return False
+    # the two-level reduce-scatter and all-gather need nodes of equal size
+    # ("hierarchical" is refused on 2+1: tests/core/test_hierarchical.py)
+    if get("collective") in ("reduce_scatter", "allgather") \
+            and get("algorithm") == "hierarchical" and get("layout") == "2+1":
+        return False
     if get("elastic") and get("timeout") == "none":
         return False
     if get("fault") == "exit" and get("elastic") is False:
@@ -56,8 +67,22 @@ def valid(row) -> bool:
     return True
 
 
+def route(row) -> str:
+    """The route a cell's calls take: "two-level" where the hierarchy runs
+    (docs/hierarchy.md: several nodes, not elastic; the reduce-scatter and
+    all-gather on nodes of equal size only), else "flat"."""
+    two = (row["layout"] != "one node" and not row["elastic"]
+           and row["algorithm"] in ("auto", "hierarchical")
+           and (row["collective"] == "allreduce" or row["layout"] == "2x2"))
+    return "two-level" if two else "flat"
+
+
 def pairs(row):
-    names = list(FACTORS)
+    """The cell's pairs of values, with the collective and the route it
+    takes as one more (so that each value meets each collective on the
+    hierarchy where it runs, not only the names)."""
+    row = dict(row, path=(row["collective"], route(row)))
+    names = list(FACTORS) + ["path"]
     return {(a, row[a], b, row[b]) for i, a in enumerate(names) for b in names[i + 1:]}
 
 

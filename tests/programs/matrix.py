@@ -9,7 +9,9 @@ every cell:
   it);
 - every block of a result with a record (direct, hierarchical) is the
   (weighted) mean over the ranks its record names; without one (ring,
-  tree) the mean over some set of ranks;
+  tree) the mean over some set of ranks; of an all-gather, its owner's
+  data where the record names the owner, and recvbuf's previous
+  contents where it names nobody;
 - every call ends within its deadline plus MARGIN (fixed), the learned
   deadline's cap plus MARGIN ("auto"), hierarchical calls too;
 - the levels of a hierarchy count the same calls on every rank after
@@ -31,6 +33,7 @@ import numpy as np
 from mpi4py import MPI
 
 import mpilossy
+from mpilossy.call.buffers import chunk_bounds
 
 comm = MPI.COMM_WORLD
 faulthandler.dump_traceback_later(240, exit=True)
@@ -39,6 +42,7 @@ T = 0.1                   # a fixed deadline
 MARGIN = 0.15             # seconds past the deadline a call may take on loaded shared cores
 CAP = float(os.environ.get("MPILOSSY_AUTO_CAP", "1.0"))
 N = 6007                  # elements: several blocks, not a multiple of anything
+UNTOUCHED = -1.0          # an all-gather's recvbuf before the call (no rank's value)
 failures = []
 
 
@@ -88,6 +92,51 @@ def check_value(cell, stats, out, values, weights, blind, where):
         failures.append(f"{where}: values that are no set of ranks' mean")
 
 
+def check_gathered(stats, out, values, size, where):
+    """An all-gather's result against its record: each block holds its
+    owner's value where the record names the owner (and nobody else),
+    recvbuf's previous contents where it names nobody."""
+    if stats.contributors is None:
+        failures.append(f"{where}: an all-gather without a record")
+        return
+    firsts, lengths = stats.contributors.blocks()
+    if int(np.sum(lengths)) != out.size:
+        failures.append(f"{where}: the record covers {int(np.sum(lengths))} of {out.size}")
+    starts = [chunk_bounds(out.size, size, r)[0] for r in range(size)]
+    for f, n, named in zip(firsts, lengths, stats.contributors.members()):
+        if not n:
+            continue
+        owner = int(np.searchsorted(starts, f, side="right")) - 1
+        who = np.flatnonzero(named).tolist()
+        want = UNTOUCHED if not who else values[owner] if who == [owner] else None
+        if want is None or not np.all(out[f:f + n] == want):
+            failures.append(f"{where}: block at {f} (rank {owner}'s chunk) is {out[f]}, its "
+                            f"record names {who}")
+            return
+
+
+def buffers(cell, value, shape):
+    """sendbuf and recvbuf of a call, for a communicator of `shape`
+    (size, rank): the chunks of reduce_scatter and allgather are cut for it."""
+    collective = cell.get("collective", "allreduce")
+    lo, hi = chunk_bounds(N, *shape)
+    if collective == "allgather":
+        return np.full(hi - lo, value, np.float32), np.full(N, UNTOUCHED, np.float32)
+    x = np.full(N, value, np.float32)
+    return x, np.empty(hi - lo if collective == "reduce_scatter" else N, np.float32)
+
+
+def call(lc, cell, x, out, kwargs):
+    collective = cell.get("collective", "allreduce")
+    if collective == "allreduce":
+        return lc.allreduce(x, out, **kwargs)
+    # (their algorithm= is their own argument, "auto" by default)
+    if collective == "reduce_scatter":
+        return lc.reduce_scatter(x, out, algorithm=cell["algorithm"], **kwargs)
+    return lc.allgather(x, out, algorithm=cell["algorithm"],
+                        **{k: v for k, v in kwargs.items() if k == "redundancy"})
+
+
 def run(cell, index):
     where = f"cell {index} {cell}"
     size = comm.size
@@ -104,17 +153,19 @@ def run(cell, index):
     lc = mpilossy.Communicator(comm, **settings)
     before = members = list(range(size))     # (original ranks of the calls' communicator)
     layout_before = layout = lc.layout       # (and its layout)
-    for call in range(CALLS):
-        x = np.full(N, values[comm.rank], np.float32)
-        out = np.empty_like(x)
+    shape = (lc.size, lc.rank)                # (the chunks' communicator, below)
+    for number in range(CALLS):
+        if not lc.behind:       # (calls answered alone keep the old chunks, docs/elastic.md)
+            shape = (lc.size, lc.rank)
+        x, out = buffers(cell, values[comm.rank], shape)
         kwargs = dict(op="avg")
         if cell["weight"]:
             kwargs["weight"] = float(weights[comm.rank])
         if cell["residual"]:
-            kwargs["residual"] = np.zeros_like(x)
+            kwargs["residual"] = np.zeros(x.size, np.float32)
         if cell["redundancy"] == "fixed":
             kwargs["redundancy"] = (4, 1)
-        faulty = call == FAULT_AT and comm.rank == fault_rank
+        faulty = number == FAULT_AT and comm.rank == fault_rank
         if faulty and cell["fault"] == "late":
             time.sleep(2 * T if cell["timeout"] != "none" else 0.2)
         if faulty and cell["fault"] == "exit":
@@ -123,7 +174,7 @@ def run(cell, index):
             out.flags.writeable = False
         began = time.perf_counter()
         try:
-            stats = lc.allreduce(x, out, **kwargs)
+            stats = call(lc, cell, x, out, kwargs)
             outcomes.append("ok")
         except Exception as exc:      # noqa: BLE001
             late = "failed after rank" in str(exc)
@@ -134,8 +185,11 @@ def run(cell, index):
         ranks = before if stats.alone else members      # (whose call it was)
         nodes = layout_before if stats.alone else layout
         blind = [r for r in range(len(ranks)) if nodes.node_of[r] != nodes.node]
-        check_value(cell, stats, out, values[ranks], weights[ranks], blind,
-                    f"{where} call {call}")
+        if cell.get("collective") == "allgather":
+            check_gathered(stats, out, values[ranks], shape[0], f"{where} call {number}")
+        else:
+            check_value(cell, stats, out, values[ranks], weights[ranks], blind,
+                        f"{where} call {number}")
         if stats.excluded:              # (the agreement's call: documented as longer)
             before, members = members, list(lc.members)
             layout_before, layout = layout, lc.layout
