@@ -22,18 +22,28 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Protocol, Tuple
 
 from .host import _kill_in, _netns_names
-
-if TYPE_CHECKING:
-    from .lifetime import Cluster
 
 PREFIX = "mpilossy-cluster-"        # of every namespace and state folder made here
 STATE_ROOT = Path("/run")
 GRACE = 10.0            # seconds: how young a cluster without owner record may be (_owner_alive)
 _serial = 0
-_open: List["Cluster"] = []         # the clusters of this process that close() has not removed
+
+
+class _Open(Protocol):
+    """What this module needs of an open cluster (lifetime.Cluster; named
+    by shape, so that this module does not import the one above it)."""
+
+    owner: int
+    cid: str
+    state: Path
+
+    def close(self) -> None: ...
+
+
+_open: List[_Open] = []     # the clusters of this process that close() has not removed
 _dying = False
 
 
