@@ -22,6 +22,7 @@ from helpers import is_singleton, last_report, run_mpi_script
 FACTORS = {
     "algorithm": ["auto", "direct", "ring", "hierarchical"],
     "collective": ["allreduce", "reduce_scatter", "allgather"],
+    "dtype": ["float32", "bfloat16", "float64"],
     "channel": ["rma", "ud"],
     "timeout": ["fixed", "none", "auto"],
     "weight": [False, True],
@@ -48,6 +49,12 @@ def valid(row) -> bool:
     # communicator's compression it leaves aside, which is a cell)
     if get("collective") == "allgather" and (get("algorithm") == "ring" or get("weight")
                                              or get("residual")):
+        return False
+    # compression quantises float32 (float16 and bfloat16 widened to it)
+    # and refuses float64; error feedback is float32 only
+    if get("dtype") == "float64" and get("compression"):
+        return False
+    if get("dtype") not in (None, "float32") and get("residual"):
         return False
     # the two-level reduce-scatter and all-gather need nodes of equal size
     # ("hierarchical" is refused on 2+1: tests/core/test_hierarchical.py)
