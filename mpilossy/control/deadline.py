@@ -30,7 +30,9 @@ power of two):
 - the agreed percentile of a kind is at least what the patience (PATIENCE
   of the deadline) needs to cover the lateness of peers that most calls
   see (late_peers): a rank late into every call is waited for, a rare
-  straggler is cut;
+  straggler is cut; in a hierarchy the stages within a node cover the
+  delivered target's share of their late ranks, and the network stage a
+  node's lateness as long as that (within_node, follow);
 - a rank that starts an agreement while ``AHEAD`` are still pending (a
   peer is PERIOD + LAG calls or more behind it) waits for that peer, at
   most the cap, and asks for the cap for one period (_catch_up): outrun,
@@ -83,7 +85,7 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
-from typing import Any, Deque, Dict, Tuple
+from typing import Any, Deque, Dict, Optional, Tuple
 
 import numpy as np
 from mpi4py import MPI
@@ -99,7 +101,8 @@ PERCENTILE = 95
 # paid here, at import, not inside the call that starts the first agreement
 # (it made every rank's 16th call the slowest of a run).
 np.percentile(np.zeros(1), PERCENTILE)
-SKEW_PERCENTILE = 90    # lateness of peers that the deadline's patience covers...
+SKEW_PERCENTILE = 90    # lateness of peers that the deadline's patience covers (flat,
+                        # across nodes; within a node the delivered target's: within_node)...
 SKEW_MARGIN = 1.25      # ...with this margin
 ABSENT_SHARE = 0.5      # a peer missing more of the calls than this is behind, not straggling
 SETTLE_SHARE = 0.25     # of a deadline, at most, spent completing an agreement
@@ -140,9 +143,10 @@ def next_scale(scale: float, cut: float, allowed: float, largest: float) -> floa
     return max(1.0, min(scale, largest))
 
 
-def late_peers(seen: Deque[float], absent: Tuple[int, int, float]) -> float:
+def late_peers(seen: Deque[float], absent: Tuple[int, int, float],
+               percentile: float = SKEW_PERCENTILE) -> float:
     """The wait for late peers that a deadline's patience should cover: the
-    SKEW_PERCENTILE of how long recent calls waited for their last peer
+    `percentile` of how long recent calls waited for their last peer
     (`seen`), with a margin.  `absent`: (calls, calls with a peer never seen
     in them, the longest of those) since the last agreement.  A peer absent
     from most calls has fallen behind for good (every call loses it, and it
@@ -153,7 +157,7 @@ def late_peers(seen: Deque[float], absent: Tuple[int, int, float]) -> float:
     misses the next few calls too): not counted, so that a straggler is cut,
     not waited for.  0: nothing to cover."""
     calls, missed, longest = absent
-    needed = float(np.percentile(list(seen), SKEW_PERCENTILE)) if seen else 0.0
+    needed = float(np.percentile(list(seen), percentile)) if seen else 0.0
     if calls and missed > ABSENT_SHARE * calls:
         needed = max(needed, longest)
     return needed * SKEW_MARGIN
@@ -174,6 +178,9 @@ class AutoDeadline:
         self.floor = floor
         self.cap = cap
         self.allowed = 1.0 - target     # share of the blocks the deadline may cut
+        self.skew_percentile: float = SKEW_PERCENTILE   # of late peers' lateness, covered
+        self.absent_as_late = False     # a call that never saw a peer: within_node()
+        self.upstream: Optional["AutoDeadline"] = None     # see follow()
         self.calls = 0
         self.durations: Dict[Key, deque] = {}
         self.skews: Dict[Key, deque] = {}    # how long calls waited for their last peer
@@ -188,6 +195,34 @@ class AutoDeadline:
         self.last_key: Any = None   # the kind of the latest call that asked its deadline
         self.pending: Deque[Agreement] = deque()
         self.started = 0            # agreements started (one per PERIOD calls)
+
+    def within_node(self) -> None:
+        """Learn as the stages within a node of a hierarchical call: a peer
+        late into them is the node's cores busy elsewhere, milliseconds
+        before a network stage of tens, and cut there it loses a whole
+        rank's share of every slice of the node (0.96 delivered within the
+        node at 2 x 2, docs/deadlines.md, "Late peers within a node").  So
+        the patience covers the delivered target's share of that lateness,
+        not the SKEW_PERCENTILE that lets a flat or network level cut a
+        straggler.  A call that never saw a peer (it came later than the
+        whole call) counts the call's length as its lateness, the least it
+        was: unmeasured, a lateness past the deadline would never be
+        covered."""
+        self.skew_percentile = 100.0 * (1.0 - self.allowed)
+        self.absent_as_late = True
+
+    def follow(self, upstream: "AutoDeadline") -> None:
+        """This level's stage runs after `upstream`'s (the network stage after
+        the node's): a node whose stage waited for a late rank comes late
+        into this one by as much, so this level waits for late peers at
+        least as long as `upstream` does.  Otherwise the node's wait only
+        moves the cut from the late rank to its whole node."""
+        self.upstream = upstream
+
+    def patience(self) -> float:
+        """The longest wait for late peers that the agreed deadlines allow
+        (the same on every rank of the communicator); 0 before the first."""
+        return PATIENCE * max((self.timeouts[key] for key in self.agreed), default=0.0)
 
     def tick(self, auto: bool) -> float:
         """Count one call on the communicator: every rank, every call, before
@@ -253,9 +288,13 @@ class AutoDeadline:
         for key, durations in self.durations.items():
             if durations:
                 send[_slot(key)] = float(np.percentile(list(durations), PERCENTILE))
+        # (the node's agreed patience, the same on its ranks: the late rank
+        # itself measured no lateness, its node-mates did)
+        carried = self.upstream.patience() if self.upstream is not None else 0.0
         for key in set(self.skews) | set(self.absent):
             absent = self.absent.pop(key, (0, 0, 0.0))
-            needed = late_peers(self.skews.get(key, deque()), absent)
+            needed = max(late_peers(self.skews.get(key, deque()), absent, self.skew_percentile),
+                         carried)
             if behind and absent[1]:
                 needed = math.inf
             if needed:
@@ -358,6 +397,8 @@ class AutoDeadline:
             self.skews.setdefault(key, deque(maxlen=WINDOW)).append(seen - start)
             self.absent[key] = (calls + 1, missed, longest)
         else:
+            if self.absent_as_late:
+                self.skews.setdefault(key, deque(maxlen=WINDOW)).append(end - start)
             self.absent[key] = (calls + 1, missed + 1, max(longest, end - start))
 
     def record(self, key: Key, duration: float, in_time: bool) -> None:

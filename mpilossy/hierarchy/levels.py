@@ -97,6 +97,12 @@ class Hierarchy:
                 raise error
             raise MPILossyError("the hierarchy's levels failed on another rank")
         assert intra is not None
+        # timeout="auto": the node's stages wait for the delivered target's
+        # share of its late ranks, and the network stage for a node as long
+        # (AutoDeadline.within_node, follow; docs/deadlines.md)
+        intra.auto.within_node()
+        if inter is not None:
+            inter.auto.follow(intra.auto)
         return cls(layout, intra, inter, comm.Get_size(), block_bytes, max_block, run)
 
     def free(self) -> None:

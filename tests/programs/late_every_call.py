@@ -6,7 +6,8 @@ the deadline in force at the end (the hierarchy's: the stage across nodes),
 and how far its longest call ran past the bound of its reported deadline
 (FLOOR_SHARE more: what is gone of a deadline before the call comes out of
 it down to that share), measured around the call.  (A hierarchical call
-reports the sum of its stages' deadlines.)
+reports the sum of its stages' deadlines.)  --every K: late into one call
+in K only; --align: a barrier before every call too (the lateness after it).
 Used by tests/control/test_late_peers.py and for docs/deadlines.md."""
 
 import argparse
@@ -27,6 +28,11 @@ p.add_argument("--late", type=int, default=170)
 p.add_argument("--last", type=int, default=60)
 p.add_argument("--delay", type=float, default=0.02)
 p.add_argument("--elastic", action="store_true")
+p.add_argument("--every", type=int, default=1,
+               help="rank 1 is late into one call in this many (1: every call)")
+p.add_argument("--align", action="store_true",
+               help="a barrier before every call (lateness after it, as a rank "
+                    "that loses its core right after the barrier)")
 args = p.parse_args()
 
 comm = MPI.COMM_WORLD
@@ -38,9 +44,9 @@ overrun = -1.0          # the longest call's seconds past (1 + FLOOR_SHARE) * it
 with mpilossy.Communicator(comm, timeout="auto", channel=args.channel,
                            elastic=args.elastic) as lc:
     for call in range(args.aligned + args.late):
-        if call < args.aligned:
+        if call < args.aligned or args.align:
             comm.Barrier()
-        elif comm.rank == 1:
+        if call >= args.aligned and comm.rank == 1 and call % args.every == 0:
             time.sleep(args.delay)
         began = time.perf_counter()
         stats = lc.allreduce(x, out, algorithm=args.algorithm, op="avg")
