@@ -150,8 +150,9 @@ _PYTHON_OPS: List[Tuple[MPI.Op, Callable[[Any, Any], Any]]] = [
 class BoundedComm:
     """What mpilossy.torch's reliable calls use on an elastic Communicator
     (torch/communicators.py's reliable_comm): Barrier, Bcast, bcast,
-    Allreduce, allreduce, allgather and Allgatherv with mpi4py's signatures, each
-    bounded by the membership; if ranks are excluded while one is in
+    Allreduce, allreduce, allgather and Allgatherv with mpi4py's signatures, and
+    shift (an object to the next rank, around the ring), each bounded by the
+    membership; if ranks are excluded while one is in
     flight, MembershipChanged (the caller makes its operation again, over
     the survivors).  Anything else is the Communicator's duplicate's own,
     unbounded.  `rank` and `size` are the survivors' once ranks are out."""
@@ -260,3 +261,31 @@ class BoundedComm:
 
         data = self._once(data_of)
         return [pickle.loads(data[d:d + n].tobytes()) for d, n in zip(displs, lengths)]
+
+    def shift(self, obj: Any) -> Any:
+        """Python objects around the ring: each rank sends `obj` to the next
+        rank and returns the previous rank's (two nonblocking all-to-alls
+        that move one message each: the length, then the data)."""
+        mine = np.frombuffer(pickle.dumps(obj), np.uint8)
+
+        def ring(state: State) -> Tuple[int, int]:
+            return (state.rank + 1) % state.size, (state.rank - 1) % state.size
+
+        def lengths_of(state: State) -> Tuple[MPI.Request, Any, np.ndarray]:
+            send = np.zeros(state.size, np.int64)
+            send[ring(state)[0]] = mine.size
+            into = np.empty(state.size, np.int64)
+            return state.exact.Ialltoall(send, into), send, into
+
+        lengths = self._once(lengths_of)
+
+        def data_of(state: State) -> Tuple[MPI.Request, Any, np.ndarray]:
+            after, before = ring(state)
+            sent, taken = np.zeros(state.size, np.int64), np.zeros(state.size, np.int64)
+            sent[after], taken[before] = mine.size, lengths[before]
+            at = np.zeros(state.size, np.int64)
+            into = np.empty(int(lengths[before]), np.uint8)
+            return (state.exact.Ialltoallv([mine, (sent, at), MPI.BYTE],
+                                           [into, (taken, at), MPI.BYTE]), mine, into)
+
+        return pickle.loads(self._once(data_of).tobytes())

@@ -29,7 +29,7 @@ from mpi4py import MPI
 
 from .. import Communicator
 from ..errors import MembershipChanged
-from ..reliable import again
+from ..reliable import BoundedComm, again
 from . import recut
 from .broadcast import bcast_tensors
 from .checks import check_everywhere, check_tensors
@@ -47,6 +47,7 @@ __all__ = ["ShardedOptimizer"]
 
 MISSED = ("keep", "extrapolate")
 SHARD_KEY = "mpilossy_shard"     # a sharded state_dict's record of its rank and chunk
+DEFAULT_COPY_EVERY = 10         # steps between copies of the state (elastic communicators)
 
 
 class _ShardedExchange(Engine):
@@ -56,7 +57,8 @@ class _ShardedExchange(Engine):
                  groups: List[int], n_groups: int, op: str, root_rank: int,
                  error_feedback: bool, missed: str,
                  compute_deadline: Optional[ComputeDeadline] = None,
-                 compression: Optional[Compression] = None, joining: bool = False) -> None:
+                 compression: Optional[Compression] = None, joining: bool = False,
+                 copy_every: int = 0) -> None:
         super().__init__(lc, params, op, None)
         self.compute_deadline = compute_deadline
         self.compression = compression
@@ -80,6 +82,13 @@ class _ShardedExchange(Engine):
         # whether an exclusion calls for cutting them again
         self.members = lc.members
         self.rebalance_due = False
+        # the copy of the previous rank's chunk of the optimizer's state, kept
+        # against its loss (copy_state_every); the steps since this rank's was
+        # sent, and the cut it was sent for
+        self.copy_every = copy_every
+        self.copy: Optional[recut.Copy] = None
+        self.since_copy = 0
+        self.copied_for: Optional[Tuple[int, ...]] = None
         self.optimizer: Optional[Callable[[], Optional[torch.optim.Optimizer]]] = None
         if error_feedback:
             self.feedback = ErrorFeedback(lc, self.grads)
@@ -136,7 +145,7 @@ class _ShardedExchange(Engine):
         self._download()
         taken = recut.take_state(optimizer, self.host.buffers)
         elementwise, counters = recut.share(self.reliable, self.lc, self.host.buffers, taken,
-                                            list(self.members))
+                                            list(self.members), self.copy)
         self._upload()
         self._cut()
         for group, views in zip(optimizer.param_groups, self.shards):
@@ -154,6 +163,32 @@ class _ShardedExchange(Engine):
                 trend.exact(self.flat.buffers[dtype])
         self.members = tuple(self.lc.members)
         self.rebalance_due = False
+
+    def copy_state(self) -> None:
+        """Elastic, every copy_every steps and at the first step after the
+        chunks were cut again: this rank's chunk of the optimizer's
+        elementwise state to the next rank in the chunk order, which keeps
+        it until the next one (recut.Copy), so that a lost owner's state
+        is restored from it (rebalance) instead of restarting from zeros.
+        Reliable and bounded; a rank lost during it: not made again (the
+        chunks are cut again at the end of this step, from the copies kept
+        before)."""
+        if not self.copy_every:
+            return
+        self.since_copy += 1
+        cut = tuple(self.members)
+        if self.since_copy < self.copy_every and self.copied_for == cut:
+            return
+        optimizer = self.optimizer() if self.optimizer is not None else None
+        assert optimizer is not None
+        mine = recut.Copy(cut[self.lc.rank], cut, recut.chunk_state(optimizer, self.bounds))
+        reliable = self.reliable
+        assert isinstance(reliable, BoundedComm)        # (elastic: copy_problem)
+        try:
+            self.copy = reliable.shift(mine)
+        except MembershipChanged:
+            return
+        self.since_copy, self.copied_for = 0, cut
 
     def _download(self, chunk_only: bool = False) -> None:
         """The parameters (this rank's chunk only) into the host mirror."""
@@ -287,6 +322,18 @@ class _ShardedExchange(Engine):
         return None
 
 
+def copy_problem(lc: Communicator, every: Any) -> Optional[Exception]:
+    """Why copy_state_every cannot be `every` on `lc` (None if it can)."""
+    if every is None:
+        return None
+    if isinstance(every, bool) or not isinstance(every, int) or every < 0:
+        return ValueError(f"copy_state_every must be None or an int >= 0, got {every!r}")
+    if every and not lc.elastic:
+        return ValueError("copy_state_every keeps copies of the optimizer's state against a "
+                          "lost rank: it needs Communicator(elastic=True)")
+    return None
+
+
 def needs_mirror(device: torch.device) -> bool:
     """Whether parameters on `device` travel through a host mirror (all but
     host memory; tests set it for CPU parameters to run the mirror's code)."""
@@ -312,6 +359,8 @@ class _ShardedOptimizer(WrappedOptimizer):
         super().step(**kwargs)
         if not engine.rebalance_due or engine.lc.behind:
             engine.allgather()      # (calls that other survivors made before the exclusion)
+        if not engine.rebalance_due:
+            engine.copy_state()
         if engine.rebalance_due:            # (an elastic exclusion during this step)
             engine.rebalance()
         engine.finish()
@@ -382,7 +431,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
                      root_rank: int = 0, error_feedback: bool = False,
                      missed: str = "keep",
                      compute_deadline: Optional[ComputeDeadline] = None,
-                     compression: Optional[Compression] = None) -> _ShardedOptimizer:
+                     compression: Optional[Compression] = None,
+                     copy_state_every: Optional[int] = None) -> _ShardedOptimizer:
     """Wrap a freshly built `optimizer` for the sharded, bounded-drift mode
     (see the module documentation).
 
@@ -416,6 +466,17 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
         LowBit or TopK, as for DistributedOptimizer (TopK all-reduces the
         chosen blocks; each rank keeps its chunk of the result).
 
+    copy_state_every:
+        an elastic Communicator only: every K steps (and at the first
+        step after the chunks were cut again) each rank sends its chunk of
+        the optimizer's elementwise state (AdamW's moments, SGD's
+        momentum) to the next rank, which keeps it; when a rank is lost,
+        its chunk's state comes back from that copy (at most K steps old)
+        instead of restarting from zeros (docs/elastic.md, "A soak").
+        Default: 10 on an elastic Communicator, 0 (no copies) otherwise.
+        Costs one more chunk of state in memory and one reliable message
+        of it every K steps.
+
     state_dict() holds this rank's chunk of the optimizer state, with a
     record of the rank and chunk; load_state_dict() (collective) refuses,
     on every rank, a state saved by another rank or by a run of another
@@ -427,7 +488,8 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     with Communicator.grow(): where spares joined (``stats.joined``) the
     chunks are cut again over everyone, each old chunk of the parameters
     and of the optimizer's elementwise state sent by its owner (a chunk of
-    a rank lost before: the lowest survivor's parameters, zero state).  A
+    a rank lost before: the lowest survivor's parameters, and the state
+    from the copy kept by the next rank, or zeros without one).  A
     spare wraps its optimizer after stand_by() returned True and receives
     its chunk and the step count there.  Not yet with error_feedback,
     compute_deadline or compression (refused).
@@ -447,6 +509,9 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
                              "(docs/elastic.md, 'Growing back')")
     if problem is None and missed not in MISSED:
         problem = ValueError(f"missed must be one of {MISSED}, got {missed!r}")
+    problem = problem or copy_problem(lc, copy_state_every)
+    copy_every = (copy_state_every if copy_state_every is not None
+                  else DEFAULT_COPY_EVERY if lc.elastic else 0)
     try:
         named = optimizer_parameters(optimizer, named_parameters)
     except (TypeError, ValueError) as exc:
@@ -461,7 +526,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
         problem = ValueError(f"ShardedOptimizer keeps the parameters in one buffer per dtype, "
                              f"on one device; these are on {', '.join(devices)}")
     extra = ("sharded", op, resync_every, measure_every, root_rank, error_feedback,
-             missed, compute_deadline is not None, repr(compression))
+             missed, compute_deadline is not None, repr(compression), copy_state_every)
     check_tensors(comm, named, reducible=True, problem=problem, copied=True, extra=extra)
     if compute_deadline is not None:
         fill_in(compute_deadline, comm, [p for _, p in named])
@@ -471,7 +536,7 @@ def ShardedOptimizer(optimizer: torch.optim.Optimizer, named_parameters: Any = N
     joining = lc.newcomer and welcomed.get(lc, 0) < lc.arrivals
     engine = _ShardedExchange(lc, params, groups, len(optimizer.param_groups), op,
                               root_rank, error_feedback, missed, compute_deadline, compression,
-                              joining)
+                              joining, copy_every)
     engine.agreed = (named, extra)
     if resync_every is not None or measure_every is not None:
         engine.drift = DriftController(named, comm=comm, broadcast_every=resync_every,

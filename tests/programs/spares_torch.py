@@ -25,6 +25,11 @@ construction) every rank sums the pictures and the momentum it holds now
 over all ranks ("checks"): cutting again must move the momentum, not
 change it.  At the end each rank compares its parameters with rank 0's.
 
+MODE "sharded:K": the same with copy_state_every=K; the victim prints
+the momentum of its chunk as it exits ({"lost": ...}), and the growth's
+check the momentum summed over the ranks before the chunks are cut again
+("before"): the lost chunk's as restored from the copy kept of it.
+
 MODE "ddp": DistributedDataParallel on mpilossy.torch.local_group() with
 the DDP hook on the Communicator, a plain SGD and a DriftController given
 both (re-synchronising only after an exclusion, as in "replicated"); the
@@ -59,7 +64,8 @@ comm = MPI.COMM_WORLD
 channel, lose = sys.argv[1], sys.argv[2]
 steps = int(sys.argv[3]) if len(sys.argv) > 3 else 20
 mode = sys.argv[4] if len(sys.argv) > 4 else "replicated"
-sharded = mode == "sharded"
+sharded = mode.startswith("sharded")
+copies = int(mode.split(":")[1]) if sharded and ":" in mode else None
 share_victim = int(sys.argv[5]) if len(sys.argv) > 5 else None
 victim, at = (int(v) for v in lose.split("@"))
 directory = os.environ.get("SPARES_RENDEZVOUS")
@@ -111,8 +117,11 @@ def summed(mine: torch.Tensor) -> torch.Tensor:
 
 def conserved(before: torch.Tensor) -> dict:
     old, new = summed(before), summed(momentum())
-    return {"moved": float((new - old).abs().max()), "held": float(old.abs().max()),
-            "mine": float(momentum().abs().max())}
+    check = {"moved": float((new - old).abs().max()), "held": float(old.abs().max()),
+             "mine": float(momentum().abs().max())}
+    if copies is not None:      # (the momentum the growth found: a lost chunk's restored)
+        check["before"] = old.tolist()
+    return check
 
 
 class HookedDDP:
@@ -144,7 +153,8 @@ class HookedDDP:
 
 inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
 if sharded:
-    opt = mt.ShardedOptimizer(inner, model.named_parameters(), lc, measure_every=4)
+    opt = mt.ShardedOptimizer(inner, model.named_parameters(), lc, measure_every=4,
+                              copy_state_every=copies)
 elif mode == "ddp":
     opt = HookedDDP()
 else:
@@ -163,6 +173,8 @@ joined, delivered = [], []
 while opt.steps < steps:
     step = opt.steps + 1
     if me == victim and step == at:
+        if copies is not None:      # (the momentum of its chunk as it leaves)
+            print(json.dumps({"lost": me, "momentum": momentum().tolist()}), flush=True)
         os._exit(0)
     opt.zero_grad()
     loss_of(opt.net if mode == "ddp" else model, me, step).backward()

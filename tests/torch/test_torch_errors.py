@@ -151,6 +151,19 @@ def test_settings_disagree_or_are_bad(comm, lc):
     used.state[model[0].weight]["step"] = torch.tensor(1.0)
     all_ranks_raise(comm, lambda: mt.ShardedOptimizer(used, communicator=lc), ValueError)
 
+    def shard(**options):
+        return lambda: mt.ShardedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1),
+                                           communicator=lc, **options)
+
+    # copies of the optimizer's state need an elastic communicator; a bad count
+    # on one rank, or counts that differ, raise everywhere
+    all_ranks_raise(comm, shard(copy_state_every=-1 if last else None), ValueError)
+    all_ranks_raise(comm, shard(copy_state_every=True), ValueError)
+    all_ranks_raise(comm, shard(copy_state_every=5), ValueError)
+    if comm.size > 1:
+        all_ranks_raise(comm, shard(copy_state_every=0 if last else None),
+                        mpilossy.MismatchError)
+
 
 @pytest.mark.skipif(not is_singleton(), reason="starts its own Python: runs at size 1")
 def test_import_without_torch():

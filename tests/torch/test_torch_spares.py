@@ -97,6 +97,29 @@ def test_a_spare_takes_a_chunk_of_the_sharded_optimizer(ranks, channel, lose):
 
 
 @pytest.mark.timeout(150)
+@pytest.mark.parametrize("copies", [1, 0])
+def test_a_lost_ranks_chunk_of_the_state_comes_back_from_the_copy_kept_of_it(copies):
+    """ShardedOptimizer(copy_state_every=1) on 4 ranks, the last a spare:
+    rank 1 exits before step 5.  The momentum of its chunk after the
+    exclusion (summed over the ranks as the growth begins) is, to the bit,
+    what rank 1 held as it left: the copy rank 2 kept at the end of step 4.
+    copy_state_every=0: that chunk's momentum restarts from zeros."""
+    lines, output = run_spares_program(f"sharded:{copies}", 4, "rma", "1@5")
+    check_growth(lines, output, 4, "1@5")
+    lost = json_reports(output, '{"lost"')
+    assert len(lost) == 1 and lost[0]["lost"] == 1, output
+    left = torch.tensor(lost[0]["momentum"], dtype=torch.float64)
+    chunk = left != 0
+    assert chunk.sum() > 100, lost       # (its chunk: a third of the parameters)
+    for r, line in lines.items():
+        before = torch.tensor(line["checks"][0]["before"], dtype=torch.float64)
+        if copies:
+            assert torch.equal(before[chunk], left[chunk]), (r, before[chunk][:5], left[chunk][:5])
+        else:
+            assert torch.count_nonzero(before[chunk]) == 0, (r, before[chunk][:5])
+
+
+@pytest.mark.timeout(150)
 @pytest.mark.parametrize("mode", ["replicated", "sharded"])
 def test_a_rank_lost_as_the_growth_sends_the_state(mode):
     """5 ranks, the last a spare: rank 1 exits before step 5, and rank 0,

@@ -159,6 +159,11 @@ def parser() -> argparse.ArgumentParser:
                     help="the soak's control arm (--mode sharded): no rank fails; before every "
                     "EVERY-th step the rank whose turn it is zeroes its chunk of the optimizer's "
                     "state (AdamW's moments), as a failure does")
+    ap.add_argument("--copy-state-every", type=int, default=d.copy_state_every, metavar="K",
+                    help="elastic, --mode sharded: every K steps each rank's chunk of the "
+                    "optimizer's state is copied to the next rank, which restores it if the "
+                    "rank is lost (0: no copies, a lost chunk restarts from zeros; default: "
+                    "the library's, 10)")
     ap.add_argument("--json", help="write the results to this file (rank 0)")
     return ap
 
@@ -185,7 +190,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                  elastic=args.elastic, kill_rank=args.kill_rank, kill_at=args.at_step,
                  spares=args.spares, elastic_wait=args.elastic_wait, soak_every=args.soak,
                  soak_hang=args.soak_hang, soak_exits=args.soak_exits,
-                 forget_every=args.forget)
+                 forget_every=args.forget, copy_state_every=args.copy_state_every)
     comm = MPI.COMM_WORLD
     result = train(cfg, comm, progress=args.progress)
     if result.get("released"):      # (a spare nobody needed; a lost rank may hang Finalize)

@@ -220,6 +220,19 @@ ROWS += [
     Row("soak-ud", "soak: 100 failures, channel ud", (*SPARES, *FAILURES, "--channel", "ud"),
         "soak", 9, "soak-ref", ("-disable-auto-cleanup",)),
 ]
+# the same in the sharded mode, where a lost rank takes its chunk of the
+# optimizer's state with it: restored from the copy the next rank kept
+# (copy_state_every, 10 by default), or restarted from zeros without copies
+SHARDED_SPARES = ("--mode", "sharded", *SPARES[2:])
+ROWS += [
+    Row("soak-sharded-ref", "soak, sharded: undisturbed", SHARDED_SPARES, "soak", 9,
+        "soak-sharded-ref", ("-disable-auto-cleanup",)),
+    Row("soak-sharded", "soak, sharded: 100 failures, state copied every 10 steps",
+        (*SHARDED_SPARES, *FAILURES), "soak", 9, "soak-sharded-ref", ("-disable-auto-cleanup",)),
+    Row("soak-sharded-nocopy", "soak, sharded: 100 failures, no copies (a lost chunk's state "
+        "restarts from zeros)", (*SHARDED_SPARES, *FAILURES, "--copy-state-every", "0"), "soak",
+        9, "soak-sharded-ref", ("-disable-auto-cleanup",)),
+]
 # Paired comparisons between rows (same seeds): (row, against, what it isolates)
 COMPARISONS = [
     ("best-10", "today-10", "the sharded scheme against the previous default, 10%"),
@@ -413,19 +426,20 @@ def straggler_report(data: Dict[str, List[dict]]) -> List[str]:
 
 
 def soak_report(data: Dict[str, List[dict]]) -> List[str]:
-    """Rows of the soak tier, paired by seed with `soak-ref`: perplexity
-    change, and what the failures cost (the runs' `soak` records)."""
+    """Rows of the soak tier, paired by seed with their undisturbed row
+    (`soak-ref`, `soak-sharded-ref`): perplexity change, and what the
+    failures cost (the runs' `soak` records)."""
     rows = [row for row in ROWS if row.tier == "soak" and row.name in data
-            and row.name != "soak-ref"]
-    if "soak-ref" not in data or not rows:
+            and row.baseline in data and row.name != row.baseline]
+    if not rows:
         return []
-    lines = ["", "The soak (paired by seed with `soak-ref`; a failure's cost: seconds its "
-             "step and the 9 after it took beyond the median step):", "",
+    lines = ["", "The soak (paired by seed with its undisturbed row; a failure's cost: "
+             "seconds its step and the 9 after it took beyond the median step):", "",
              "| row | seeds | val perplexity change, mean [95%] (each seed) | failures (exits) "
              "| a failure's cost p50 / p90 / max, worst seed | steps to full size, max "
              "| time a step vs undisturbed |", "|---|---|---|---|---|---|---|"]
-    base = {r["config"]["seed"]: r for r in data["soak-ref"]}
     for row in rows:
+        base = {r["config"]["seed"]: r for r in data[row.baseline]}
         pairs = [(r, base[r["config"]["seed"]]) for r in
                  sorted(data[row.name], key=lambda r: r["config"]["seed"])
                  if r["config"]["seed"] in base]

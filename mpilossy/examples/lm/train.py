@@ -93,6 +93,8 @@ class Config:
     soak_exits: int = 0               # spare; soak_exits of the failures are exits: soak.py)
     forget_every: int = 0             # the soak's control arm: no failure, the victim zeroes
                                       # its chunk of the optimizer's state (sharded; soak.py)
+    copy_state_every: Optional[int] = None    # sharded, elastic: copies of each chunk's
+                                      # optimizer state (None: the library's default)
 
 
 def pinned_reducers(cfg: Config) -> bool:
@@ -367,7 +369,9 @@ def train(cfg: Config, comm: MPI.Intracomm = MPI.COMM_WORLD,
                                        measure_every=cfg.measure_every,
                                        error_feedback=cfg.error_feedback,
                                        missed=cfg.missed, compute_deadline=deadline,
-                                       compression=compression(cfg))
+                                       compression=compression(cfg),
+                                       copy_state_every=(cfg.copy_state_every
+                                                         if lc.elastic else None))
         return mt.DistributedOptimizer(inner, model.named_parameters(), lc,
                                        broadcast_every=cfg.resync_every,
                                        measure_every=cfg.measure_every,
