@@ -355,6 +355,12 @@ class _ShardedOptimizer(WrappedOptimizer):
                 loss = closure()
         engine = self._mpilossy
         params_changed(engine, self)
+        if engine.rebalance_due and not engine.lc.behind:
+            # (an exclusion between steps, in a reliable call such as the
+            # user's barrier: the chunks are cut for the survivors first, and
+            # this step's gradients are reduced over them; else the skipped
+            # reduce-scatter would leave the last step's gradients in place)
+            engine.rebalance()
         engine.reduce_scatter()
         super().step(**kwargs)
         if not engine.rebalance_due or engine.lc.behind:

@@ -16,7 +16,11 @@ all-gather alone). A suffix /POINT moves the loss into a reliable wait
 of step S: /feedback (V leaves before error feedback's bitmap
 all-reduce, after the step's reduce-scatter), /choice (before TopK's
 block choice), /recut:W (V leaves before step S, then rank W before the
-survivors' re-cut of the chunks: a second loss during it). No injected
+survivors' re-cut of the chunks: a second loss during it), /barrier (every
+rank makes lc.barrier() before each opt.step(), as the example lines its
+ranks up; V leaves before step S and the survivors exclude it in the
+barrier: the reference then starts from their parameters before step S's
+update, which is checked too; momentum 0 only). No injected
 loss, a 0.2 s deadline. Every rank still running at the end prints one
 JSON line: the exclusions, the loss of the first and last five steps,
 whether its parameters equal every other survivor's, the size of its
@@ -145,12 +149,17 @@ losses, exclusions, delivered_after = [], [], []
 snapshot = None             # (step, parameters) right after the exclusion
 residual = None            # error feedback's, right after the exclusion
 for step in range(steps):
-    if me == victim and step == at and point in ("", "recut"):
+    if me == victim and step == at and point in ("", "recut", "barrier"):
         leave()
     opt.zero_grad()
     x, y = batch(me, step)
     loss = torch.nn.functional.mse_loss((model if hook is None else ddp)(x), y)
     loss.backward()
+    if point == "barrier":
+        lc.barrier()
+        if lc.size < comm.size and snapshot is None:    # (excluded in it: the step is checked)
+            exclusions.append({"step": step, "size": lc.size, "members": list(lc.members)})
+            snapshot = (step, flat(model), None)
     opt.step()
     if hook is not None:
         drift.step()
@@ -172,6 +181,7 @@ ref = make_model(1)
 at_step, values, moment = snapshot
 values = survivors.bcast(values, root=0)        # (replicated: rank 0's copy wins)
 moment = survivors.bcast(moment, root=0)
+assert moment is not None or not momentum, "/barrier: momentum 0 (the momenta are not taken)"
 offset = 0
 with torch.no_grad():
     for p in ref.parameters():

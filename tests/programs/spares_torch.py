@@ -28,7 +28,8 @@ change it.  At the end each rank compares its parameters with rank 0's.
 MODE "sharded:K": the same with copy_state_every=K; the victim prints
 the momentum of its chunk as it exits ({"lost": ...}), and the growth's
 check the momentum summed over the ranks before the chunks are cut again
-("before"): the lost chunk's as restored from the copy kept of it.
+("before"), over the victim's chunk: as restored from the copy kept of it.
+Each as a digest, the count of nonzero elements and the largest magnitude.
 
 MODE "ddp": DistributedDataParallel on mpilossy.torch.local_group() with
 the DDP hook on the Communicator, a plain SGD and a DriftController given
@@ -46,6 +47,7 @@ spare, the steps it made and the first of them, the growths its steps
 reported, the largest difference from rank 0, and the least delivered
 fraction of its steps after the growth.  Everyone ends with os._exit."""
 
+import hashlib
 import json
 import os
 import sys
@@ -58,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # tests/: torch_h
 
 import mpilossy  # noqa: E402
 import mpilossy.torch as mt  # noqa: E402
+from mpilossy.call.buffers import chunk_bounds  # noqa: E402
 from torch_helpers import loss_of, make_model  # noqa: E402
 
 comm = MPI.COMM_WORLD
@@ -120,8 +123,17 @@ def conserved(before: torch.Tensor) -> dict:
     check = {"moved": float((new - old).abs().max()), "held": float(old.abs().max()),
              "mine": float(momentum().abs().max())}
     if copies is not None:      # (the momentum the growth found: a lost chunk's restored)
-        check["before"] = old.tolist()
+        check["before"] = picture(old)
     return check
+
+
+def picture(values: torch.Tensor) -> dict:
+    """The victim's chunk of `values` (a flat vector of the parameters'
+    size): its digest, its nonzero elements and its largest magnitude."""
+    lo, hi = chunk_bounds(size, comm.size - 1, victim)      # (the spare holds no chunk)
+    chunk = values[lo:hi].contiguous()
+    return {"sha256": hashlib.sha256(chunk.numpy().tobytes()).hexdigest(),
+            "nonzero": int(torch.count_nonzero(chunk)), "largest": float(chunk.abs().max())}
 
 
 class HookedDDP:
@@ -174,7 +186,7 @@ while opt.steps < steps:
     step = opt.steps + 1
     if me == victim and step == at:
         if copies is not None:      # (the momentum of its chunk as it leaves)
-            print(json.dumps({"lost": me, "momentum": momentum().tolist()}), flush=True)
+            print(json.dumps({"lost": me, "momentum": picture(momentum())}), flush=True)
         os._exit(0)
     opt.zero_grad()
     loss_of(opt.net if mode == "ddp" else model, me, step).backward()

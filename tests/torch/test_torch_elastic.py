@@ -105,3 +105,27 @@ def test_sharded_optimizer_goes_on_after_a_loss_in_its_reliable_waits(wrapper, r
             assert r["residual"] > 0, r
     chunks = [r["chunk"] for r in lines]
     assert sum(chunks) == total and max(chunks) - min(chunks) <= 1, chunks
+
+
+@needs_failures
+@pytest.mark.parametrize("wrapper, ranks, channel, lose", [
+    ("sharded", 4, "rma", "stop:1@8/barrier"), ("sharded", 3, "ud", "exit:2@8/barrier"),
+    ("distributed", 3, "rma", "stop:0@8/barrier")])
+def test_a_step_whose_barrier_excluded_a_rank_reduces_over_the_survivors(wrapper, ranks,
+                                                                         channel, lose):
+    """Every rank makes lc.barrier() before opt.step(), as the example lines
+    its ranks up; the victim leaves before step 8 and the survivors exclude
+    it in that barrier.  Step 8's update itself is the survivors' exact
+    average gradient of step 8: the sharded optimizer cuts its chunks for
+    them before the step's reduce-scatter (before: the reduce-scatter was
+    skipped, and the optimizer applied step 7's gradients a second time),
+    as the replicated one reduces over them."""
+    victim = int(lose.split(":")[1].split("@")[0])
+    lines, output = elastic_run("elastic_torch.py", ranks, wrapper, channel, lose, "20", "0")
+    survivors = [r for r in range(ranks) if r != victim]
+    assert sorted(r["rank"] for r in lines) == survivors, output
+    for r in lines:
+        assert r["members"] == survivors and r["exclusions"][0]["step"] == 8, r
+        assert r["lossy_after"] <= 1, r
+        bound = 1e-5 if r["delivered_after"] == 1.0 else 1e-2
+        assert r["same"] and r["from_reference"] < bound, r

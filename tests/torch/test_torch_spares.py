@@ -108,15 +108,14 @@ def test_a_lost_ranks_chunk_of_the_state_comes_back_from_the_copy_kept_of_it(cop
     check_growth(lines, output, 4, "1@5")
     lost = json_reports(output, '{"lost"')
     assert len(lost) == 1 and lost[0]["lost"] == 1, output
-    left = torch.tensor(lost[0]["momentum"], dtype=torch.float64)
-    chunk = left != 0
-    assert chunk.sum() > 100, lost       # (its chunk: a third of the parameters)
+    left = lost[0]["momentum"]
+    assert left["nonzero"] > 1000, left     # (its chunk: a third of the 3,364 parameters)
     for r, line in lines.items():
-        before = torch.tensor(line["checks"][0]["before"], dtype=torch.float64)
+        before = line["checks"][0]["before"]
         if copies:
-            assert torch.equal(before[chunk], left[chunk]), (r, before[chunk][:5], left[chunk][:5])
+            assert before == left, (r, before, left)
         else:
-            assert torch.count_nonzero(before[chunk]) == 0, (r, before[chunk][:5])
+            assert before["nonzero"] == 0, (r, before)
 
 
 @pytest.mark.timeout(150)

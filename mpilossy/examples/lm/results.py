@@ -229,6 +229,9 @@ ROWS += [
         "soak-sharded-ref", ("-disable-auto-cleanup",)),
     Row("soak-sharded", "soak, sharded: 100 failures, state copied every 10 steps",
         (*SHARDED_SPARES, *FAILURES), "soak", 9, "soak-sharded-ref", ("-disable-auto-cleanup",)),
+    Row("soak-sharded-copy1", "soak, sharded: 100 failures, state copied every step",
+        (*SHARDED_SPARES, *FAILURES, "--copy-state-every", "1"), "soak", 9, "soak-sharded-ref",
+        ("-disable-auto-cleanup",)),
     Row("soak-sharded-nocopy", "soak, sharded: 100 failures, no copies (a lost chunk's state "
         "restarts from zeros)", (*SHARDED_SPARES, *FAILURES, "--copy-state-every", "0"), "soak",
         9, "soak-sharded-ref", ("-disable-auto-cleanup",)),
