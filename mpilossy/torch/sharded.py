@@ -138,7 +138,8 @@ class _ShardedExchange(Engine):
         """Cut the chunks for the ranks in (after an exclusion or growth):
         the old chunks and the optimizer's state reach every rank
         (recut.py: a chunk from its owner if it is in, exact, a gone rank's
-        from the lowest survivor's copy, and state zeros there); then the
+        from the lowest survivor's copy, and its state from the copy the
+        next rank kept (copy_state), else zeros); then the
         optimizer holds views of the new chunk."""
         optimizer = self.optimizer() if self.optimizer is not None else None
         assert optimizer is not None        # (set by ShardedOptimizer; it is alive: stepping)

@@ -158,7 +158,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--forget", type=int, default=d.forget_every, metavar="EVERY",
                     help="the soak's control arm (--mode sharded): no rank fails; before every "
                     "EVERY-th step the rank whose turn it is zeroes its chunk of the optimizer's "
-                    "state (AdamW's moments), as a failure does")
+                    "state (AdamW's moments), as a failure did without copies (--copy-state-every 0)")
     ap.add_argument("--copy-state-every", type=int, default=d.copy_state_every, metavar="K",
                     help="elastic, --mode sharded: every K steps each rank's chunk of the "
                     "optimizer's state is copied to the next rank, which restores it if the "

@@ -10,9 +10,10 @@ it is, and only it acts.
 
 The soak's control arm (``--forget EVERY``) fails no rank: on the same
 schedule the victim zeroes its chunk of the sharded optimizer's
-elementwise state (AdamW's moments), which is what a failure costs the
-sharded mode (the lost owner's chunk of the state restarts from zeros,
-the step count goes on); the rest of the run is undisturbed."""
+elementwise state (AdamW's moments), which is what a failure cost the
+sharded mode without copies of the state (``--copy-state-every 0``: the
+lost owner's chunk of the state restarts from zeros, the step count goes
+on); the rest of the run is undisturbed."""
 
 from __future__ import annotations
 
